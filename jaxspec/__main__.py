@@ -1,0 +1,3 @@
+from jaxspec.cli import main
+
+main()

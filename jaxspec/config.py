@@ -1,0 +1,215 @@
+"""ModelConfig: one configuration for the LLaMA family, spelled the way Hugging Face spells it.
+
+Supported `model_type`s: ``llama`` (Llama-2, Llama-3.x incl. ``rope_scaling`` type ``llama3``,
+SmolLM2), ``qwen2`` (bias on q/k/v) and ``mistral``. GQA / MQA follow from
+``num_key_value_heads``; embeddings may be tied or untied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+class ConfigError(ValueError):
+    """A model configuration that jaxspec cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a LLaMA-family decoder. Frozen and hashable (a static jit argument)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # Hashable form of HF's rope_scaling dict: tuple of sorted (key, value) pairs, or None.
+    rope_scaling: tuple | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.model_type!r}; jaxspec supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            rtype = self.rope_scaling_dict.get("rope_type", self.rope_scaling_dict.get("type"))
+            if rtype not in ("llama3", "default", "linear", None):
+                raise ConfigError(f"unsupported rope_scaling type {rtype!r} (supported: llama3, linear)")
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def rope_scaling_dict(self) -> dict:
+        return dict(self.rope_scaling) if self.rope_scaling else {}
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """Inverse frequencies [head_dim/2] (float64 numpy), with llama3 / linear scaling applied."""
+        d = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        rs = self.rope_scaling_dict
+        rtype = rs.get("rope_type", rs.get("type"))
+        if rtype == "linear":
+            inv_freq = inv_freq / float(rs["factor"])
+        elif rtype == "llama3":
+            factor = float(rs["factor"])
+            low = float(rs.get("low_freq_factor", 1.0))
+            high = float(rs.get("high_freq_factor", 4.0))
+            old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+            low_wavelen = old_ctx / low
+            high_wavelen = old_ctx / high
+            wavelen = 2 * math.pi / inv_freq
+            scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv_freq = np.where(is_medium, smoothed, scaled)
+        return inv_freq
+
+    def num_params(self) -> int:
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        qkv = d * self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+        o = self.num_heads * self.head_dim * d
+        per_layer = qkv + o + 3 * d * f + 2 * d
+        if self.attention_bias:
+            per_layer += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+        return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+
+    # ---------------------------------------------------------------- HF I/O
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict."""
+        model_type = d.get("model_type")
+        if model_type is None:
+            archs = d.get("architectures") or []
+            raise ConfigError(f"config has no model_type (architectures={archs})")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {model_type!r}; jaxspec supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            kv_heads = int(d.get("num_key_value_heads") or heads)
+            head_dim = int(d.get("head_dim") or hidden // heads)
+            eos = d.get("eos_token_id")
+            eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])
+                            if e is not None)
+            rope_scaling = d.get("rope_scaling")
+            rope_theta = d.get("rope_theta")
+            rope_params = d.get("rope_parameters")  # transformers >= 5 spelling
+            if isinstance(rope_params, dict):
+                rope_theta = rope_params.get("rope_theta", rope_theta)
+                if rope_params.get("rope_type", "default") not in ("default", None):
+                    rope_scaling = rope_params
+            if isinstance(rope_scaling, dict):
+                rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
+                if rtype in ("default", None):
+                    rope_scaling = None
+                else:
+                    rope_scaling = tuple(sorted(
+                        (k, v) for k, v in rope_scaling.items() if k != "rope_theta"))
+            else:
+                rope_scaling = None
+            sliding = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
+            return cls(
+                model_type=model_type,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                sliding_window=int(sliding) if sliding else None,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing the field {e.args[0]!r}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = {
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict or None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+        }
+        if self.sliding_window:
+            d["sliding_window"] = self.sliding_window
+            d["use_sliding_window"] = True
+        return d
+
+    @classmethod
+    def from_json(cls, path: str | pathlib.Path) -> "ModelConfig":
+        path = pathlib.Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no config file at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(d)
+
+
+def llama31_8b_shape(**overrides) -> ModelConfig:
+    """The shape of Llama-3.1-8B (for random-weight benchmarks)."""
+    kw = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+              rope_theta=500000.0,
+              rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                            ("original_max_position_embeddings", 8192), ("rope_type", "llama3")),
+              max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+              eos_token_ids=(128001, 128008, 128009))
+    kw.update(overrides)
+    return ModelConfig(**kw)

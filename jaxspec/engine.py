@@ -1,0 +1,315 @@
+"""Generation: batched chunked prefill and one jitted `lax.while_loop` of decode steps.
+
+`generate` validates everything on the host first (so bad input never reaches the compiler),
+prefills all prompts of a batch in chunks (ragged lengths, right-padded: keys sit at their original
+positions), then runs a single jitted loop in which every sequence advances, stops on its own stop
+token or budget, and finished rows stop changing. Speculative decoding (see `jaxspec.speculative`)
+replaces the loop body; everything else is shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxspec import sampling
+from jaxspec.attention import AttentionPlan
+from jaxspec.cache import SLOT_ALIGN, KVCache, round_up
+from jaxspec.checkpoint import Model
+from jaxspec.config import ModelConfig
+from jaxspec.model import forward
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """``tokens``: new tokens per prompt (a final stop token included, nothing after it);
+    ``texts``: their decoded text without the stop token (when the model has a tokenizer);
+    ``stats``: timings and counters."""
+
+    tokens: list[list[int]]
+    texts: list[str] | None
+    stats: dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- validation
+def _as_token_lists(model: Model, prompts, chat: bool) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))):
+        raise TypeError("prompts must be a list of prompts (strings or token-id lists), "
+                        "not a single prompt; wrap it in a list")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            tok = model.tokenizer
+            if tok is None:
+                raise ValueError("string prompts need a tokenizer, and this model has none; "
+                                 "pass token-id lists instead")
+            if chat:
+                ids = tok.apply_chat_template([{"role": "user", "content": p}],
+                                              add_generation_prompt=True, tokenize=True)
+                if isinstance(ids, dict) or hasattr(ids, "keys"):
+                    ids = ids["input_ids"]
+            else:
+                ids = tok(p)["input_ids"]
+            ids = [int(t) for t in ids]
+        else:
+            try:
+                ids = [int(t) for t in p]
+            except (TypeError, ValueError):
+                raise TypeError(f"prompt {i} is neither a string nor a list of token ids") from None
+        if not ids:
+            raise ValueError(f"prompt {i} is empty (no tokens)")
+        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary "
+                             f"[0, {model.config.vocab_size}): {bad[:5]}")
+        out.append(ids)
+    return out
+
+
+def _check_sampling_args(max_new_tokens, temperature, top_k, top_p):
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k}")
+    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def stop_token_ids(model: Model, stop_tokens) -> tuple[int, ...]:
+    ids = set(model.config.eos_token_ids)
+    tok = model.tokenizer
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        ids.add(int(tok.eos_token_id))
+    for s in stop_tokens or ():
+        if isinstance(s, str):
+            if tok is None:
+                raise ValueError("string stop tokens need a tokenizer")
+            t = tok.convert_tokens_to_ids(s)
+            if t is None or t == getattr(tok, "unk_token_id", -1):
+                enc = tok(s, add_special_tokens=False)["input_ids"]
+                if len(enc) != 1:
+                    raise ValueError(f"stop token {s!r} is not a single token")
+                t = enc[0]
+            ids.add(int(t))
+        else:
+            ids.add(int(s))
+    return tuple(sorted(ids))
+
+
+# ----------------------------------------------------------------------------- prefill
+@functools.partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
+def _prefill_chunk(params, cache: KVCache, tokens_BC, start, *, config: ModelConfig, impl: str):
+    B, C = tokens_BC.shape
+    positions = start + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
+    plan = AttentionPlan(lengths=jnp.full((B,), start, jnp.int32), impl=impl)
+    # logits of one row only (unused): the LM head is skipped for the rest of the chunk.
+    _, cache = forward(config, params, tokens_BC, positions, cache, plan,
+                       logits_at=jnp.zeros((B, 1), jnp.int32))
+    return cache
+
+
+def prefill(config: ModelConfig, params, cache: KVCache, prompts: list[list[int]], *,
+            impl: str = "auto", chunk: int = DEFAULT_PREFILL_CHUNK, progress=None) -> KVCache:
+    """Writes the K/V of each prompt into ``cache`` (ragged) and sets ``cache.lengths``."""
+    B = len(prompts)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    n = int(lens.max()) if B else 0
+    if n == 0:
+        return cache.replace(lengths=jnp.asarray(lens))
+    C = min(chunk, round_up(n, 16))
+    total = round_up(n, C)
+    buf = np.zeros((B, total), np.int32)
+    for i, p in enumerate(prompts):
+        buf[i, :len(p)] = p
+    for j, start in enumerate(range(0, total, C)):
+        cache = _prefill_chunk(params, cache, jnp.asarray(buf[:, start:start + C]),
+                               jnp.int32(start), config=config, impl=impl)
+        if progress is not None:
+            progress(j + 1, total // C)
+    return cache.replace(lengths=jnp.asarray(lens))
+
+
+# ----------------------------------------------------------------------------- decode loop
+@struct.dataclass
+class DecodeState:
+    cache: KVCache
+    last: jax.Array  # [B] last committed token, its K/V not yet in the cache
+    out: jax.Array  # [B, max_out] generated tokens
+    n_out: jax.Array  # [B]
+    budget: jax.Array  # [B] tokens this row may still produce in total
+    done: jax.Array  # [B]
+    rng: jax.Array
+    steps: jax.Array  # target forward passes
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLoop:
+    """Static description of the plain decode loop (a hashable jit static argument)."""
+
+    config: ModelConfig
+    stop_ids: tuple[int, ...]
+    impl: str = "auto"
+
+    def cond(self, state: DecodeState):
+        return jnp.any(~state.done)
+
+    def body(self, params, sp, state: DecodeState) -> DecodeState:
+        B = state.last.shape[0]
+        cache = state.cache
+        plan = AttentionPlan(lengths=cache.lengths, impl=self.impl)
+        logits, new_cache = forward(self.config, params, state.last[:, None],
+                                    cache.lengths[:, None], cache, plan)
+        rng, sub = jax.random.split(state.rng)
+        nxt = sampling.sample(sub, logits[:, 0], sp).astype(jnp.int32)
+        active = ~state.done
+        return commit_tokens(state.replace(cache=new_cache, rng=rng, steps=state.steps + 1),
+                             nxt[:, None], jnp.where(active, 1, 0), self.stop_ids)
+
+    def run(self, params, sp, state: DecodeState) -> DecodeState:
+        return jax.lax.while_loop(self.cond, functools.partial(self.body, params, sp), state)
+
+
+def commit_tokens(state: DecodeState, new_BN, n_new_B, stop_ids) -> DecodeState:
+    """Appends up to ``n_new[b]`` tokens of ``new[b]`` to row b's output, stopping at a stop token
+    or the budget; the cache length advances by the number of tokens committed (each committed
+    token but the last already has its K/V in the cache; the last becomes ``state.last``)."""
+    B, N = new_BN.shape
+    idx = jnp.arange(N, dtype=jnp.int32)[None, :]
+    valid = idx < n_new_B[:, None]
+    is_stop = jnp.isin(new_BN, jnp.asarray(stop_ids, jnp.int32)) if stop_ids else \
+        jnp.zeros_like(valid)
+    room = state.budget - state.n_out  # [B]
+    # position of the first stop among valid tokens
+    stop_here = valid & is_stop
+    first_stop = jnp.where(jnp.any(stop_here, axis=1), jnp.argmax(stop_here, axis=1), N)
+    n_keep = jnp.minimum(jnp.minimum(n_new_B, first_stop + 1), room)
+    n_keep = jnp.where(state.done, 0, jnp.maximum(n_keep, 0))
+    keep = idx < n_keep[:, None]
+    b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+    pos = state.n_out[:, None] + idx
+    out = state.out.at[b_idx, jnp.where(keep, pos, state.out.shape[1])].set(new_BN, mode="drop")
+    n_out = state.n_out + n_keep
+    last_idx = jnp.maximum(n_keep - 1, 0)
+    last = jnp.where(n_keep > 0, jnp.take_along_axis(new_BN, last_idx[:, None], 1)[:, 0],
+                     state.last)
+    hit_stop = first_stop < n_keep
+    done = state.done | hit_stop | (n_out >= state.budget)
+    lengths = state.cache.lengths + n_keep
+    return state.replace(cache=state.cache.replace(lengths=lengths), out=out, n_out=n_out,
+                         last=last, done=done)
+
+
+@functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
+def _run_loop(params, sp, state, *, loop):
+    return loop.run(params, sp, state)
+
+
+# ----------------------------------------------------------------------------- generate
+def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens=None,
+             speculation=None, chat: bool = False, max_len: int | None = None,
+             attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+             profile: bool = False) -> GenerationResult:
+    """Generates up to ``max_new_tokens`` new tokens for each prompt (see module docstring).
+
+    ``prompts``: a list of strings (needs a tokenizer; ``chat=True`` applies the chat template)
+    or of token-id lists, of any lengths. ``temperature=0`` is greedy. ``stop_tokens``: extra stop
+    token ids (or single-token strings) besides the model's EOS. ``speculation``: a
+    `jaxspec.Speculation` for speculative decoding (lossless: same tokens as greedy, same
+    distribution when sampling).
+    """
+    if not isinstance(model, Model):
+        raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), got {type(model).__name__}")
+    _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
+    token_lists = _as_token_lists(model, prompts, chat)
+    config = model.config
+    ctx = config.max_position_embeddings
+    for i, ids in enumerate(token_lists):
+        if len(ids) >= ctx:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens but the model's context is {ctx} "
+                             f"tokens (max_position_embeddings); shorten it")
+    stop_ids = stop_token_ids(model, stop_tokens)
+    spec = None
+    if speculation is not None:
+        from jaxspec.speculative import prepare_speculation
+        spec = prepare_speculation(speculation, model, token_lists, max_new_tokens)
+    B = len(token_lists)
+    lens = np.array([len(t) for t in token_lists])
+    extra = spec.extra_slots if spec is not None else 1
+    budget = np.minimum(max_new_tokens, ctx - lens)  # never past the model's context
+    S = int(max_len or round_up(int((lens + budget).max()) + extra, SLOT_ALIGN))
+    if S < int((lens + budget).max()) + extra:
+        raise ValueError(f"max_len={S} is too small for prompts of up to {lens.max()} tokens plus "
+                         f"{max_new_tokens} new tokens")
+    t0 = time.perf_counter()
+    stats: dict[str, Any] = {"batch": B, "prompt_tokens": int(lens.sum()), "max_len": S}
+    if max_new_tokens == 0:
+        return _result(model, [[] for _ in token_lists], stats | {"new_tokens": 0, "seconds": 0.0,
+                                                                   "tokens_per_second": 0.0})
+    cache = KVCache.create(config, B, S, dtype=model.dtype)
+    # Prefill everything but each prompt's last token; the loop starts from that token.
+    cache = prefill(config, model.params, cache, [t[:-1] for t in token_lists], impl=attn_impl,
+                    chunk=prefill_chunk)
+    sp = sampling.SamplingParams.make(B, temperature=temperature, top_k=top_k, top_p=top_p)
+    max_out = int(budget.max()) + extra
+    state = DecodeState(
+        cache=cache,
+        last=jnp.asarray([t[-1] for t in token_lists], jnp.int32),
+        out=jnp.zeros((B, max_out), jnp.int32),
+        n_out=jnp.zeros((B,), jnp.int32),
+        budget=jnp.asarray(budget, jnp.int32),
+        done=jnp.asarray(budget <= 0),
+        rng=jax.random.PRNGKey(seed),
+        steps=jnp.zeros((), jnp.int32),
+    )
+    jax.block_until_ready(state)
+    t_prefill = time.perf_counter()
+    if spec is None:
+        loop = DecodeLoop(config=config, stop_ids=stop_ids, impl=attn_impl)
+        final = _run_loop(model.params, sp, state, loop=loop)
+        extra_stats = {}
+    else:
+        final, extra_stats = spec.run(model, sp, state, stop_ids=stop_ids, impl=attn_impl,
+                                      profile=profile)
+    out = np.asarray(final.out)
+    n_out = np.asarray(final.n_out)
+    t_end = time.perf_counter()
+    tokens = [out[i, :n_out[i]].tolist() for i in range(B)]
+    new = int(n_out.sum())
+    decode_s = t_end - t_prefill
+    stats.update({
+        "new_tokens": new,
+        "seconds": t_end - t0,
+        "prefill_seconds": t_prefill - t0,
+        "decode_seconds": decode_s,
+        "tokens_per_second": new / decode_s if decode_s > 0 else 0.0,
+        "target_steps": int(final.steps),
+    })
+    stats.update(extra_stats)
+    return _result(model, tokens, stats, stop_ids)
+
+
+def _result(model, tokens, stats, stop_ids=()):
+    texts = None
+    if model.tokenizer is not None:
+        texts = [model.tokenizer.decode(t[:-1] if t and t[-1] in stop_ids else t,
+                                        skip_special_tokens=True) for t in tokens]
+    return GenerationResult(tokens=tokens, texts=texts, stats=stats)

@@ -1,0 +1,194 @@
+"""The LLaMA-family transformer as a pure-functional Flax module.
+
+``Transformer(config).apply({"params": params}, tokens_BT, positions_BT, cache, plan)``
+returns ``(logits[B, T, V] float32, cache)``. Params are a plain pytree; the model holds no state.
+Layers are scanned (``nn.scan``), so compile time does not grow with depth; the whole stacked KV
+cache ``[L, B, K, S, D]`` is the scan carry and each layer writes only its T new slots, so nothing is
+copied per step. Keys are stored after RoPE at their original positions.
+
+Parameter tree (shapes for L layers, hidden D, heads H x head_dim Dh, KV heads K, MLP F, vocab V)::
+
+    embed [V, D]
+    layers/ attn_norm [L, D]  wq [L, D, H*Dh]  wk, wv [L, D, K*Dh]  (bq [L, H*Dh], bk, bv [L, K*Dh])
+            wo [L, H*Dh, D]  mlp_norm [L, D]  w_gate, w_up [L, D, F]  w_down [L, F, D]
+    final_norm [D]
+    lm_head [D, V]              (absent when embeddings are tied)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.attention import AttentionPlan, attend
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
+
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def rope_tables(config: ModelConfig, positions_BT):
+    """cos/sin ``[B, T, Dh]`` in float32 (HF's rotate-half convention)."""
+    inv_freq = jnp.asarray(config.rope_inv_freq(), dtype=jnp.float32)
+    ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x_BTHD, cos, sin):
+    half = x_BTHD.shape[-1] // 2
+    x32 = x_BTHD.astype(jnp.float32)
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rot * sin[:, :, None, :]
+    return out.astype(x_BTHD.dtype)
+
+
+def _init(scale):
+    return nn.initializers.normal(stddev=scale)
+
+
+class Block(nn.Module):
+    """One decoder layer; called under ``nn.scan`` with carry ``(x, k_cache, v_cache)``."""
+
+    config: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, carry, layer, rope, plan: AttentionPlan):
+        c = self.config
+        x, k_cache, v_cache = carry
+        B, T, D = x.shape
+        H, K, Dh, F = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        p = functools.partial(self.param)
+        dt = self.dtype
+        attn_norm = p("attn_norm", nn.initializers.ones, (D,), dt)
+        wq = p("wq", _init(D ** -0.5), (D, H * Dh), dt)
+        wk = p("wk", _init(D ** -0.5), (D, K * Dh), dt)
+        wv = p("wv", _init(D ** -0.5), (D, K * Dh), dt)
+        wo = p("wo", _init((H * Dh) ** -0.5), (H * Dh, D), dt)
+        mlp_norm = p("mlp_norm", nn.initializers.ones, (D,), dt)
+        w_gate = p("w_gate", _init(D ** -0.5), (D, F), dt)
+        w_up = p("w_up", _init(D ** -0.5), (D, F), dt)
+        w_down = p("w_down", _init(F ** -0.5), (F, D), dt)
+
+        h = rms_norm(x, attn_norm, c.rms_norm_eps)
+        q = h @ wq
+        k = h @ wk
+        v = h @ wv
+        if c.attention_bias:
+            q = q + p("bq", _init(0.02), (H * Dh,), dt)
+            k = k + p("bk", _init(0.02), (K * Dh,), dt)
+            v = v + p("bv", _init(0.02), (K * Dh,), dt)
+        cos, sin = rope
+        q = apply_rope(q.reshape(B, T, H, Dh), cos, sin)
+        k = apply_rope(k.reshape(B, T, K, Dh), cos, sin)
+        v = v.reshape(B, T, K, Dh)
+
+        # Write the T new K/V at slots lengths + t (slots past the cache are dropped).
+        slots = plan.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+        k_cache = k_cache.at[layer, b_idx, :, slots].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[layer, b_idx, :, slots].set(v.astype(v_cache.dtype), mode="drop")
+
+        attn = attend(q, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
+        x = x + attn.reshape(B, T, H * Dh).astype(dt) @ wo
+        h = rms_norm(x, mlp_norm, c.rms_norm_eps)
+        x = x + (nn.silu(h @ w_gate) * (h @ w_up)) @ w_down
+        return (x, k_cache, v_cache), None
+
+
+class Transformer(nn.Module):
+    """``(tokens[B,T], positions[B,T], cache, plan) -> (logits[B,T,V] f32, cache)``.
+
+    With ``logits_at`` (``[B, n]`` indices into T) only those rows go through the final norm and
+    the LM head (prefill needs one row per sequence, not T). With ``return_hidden`` the final hidden
+    states are returned instead of logits.
+    """
+
+    config: ModelConfig
+    dtype: Any = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, tokens_BT, positions_BT, cache: KVCache, plan: AttentionPlan,
+                 logits_at=None):
+        c = self.config
+        dt = self.dtype
+        embed = self.param("embed", _init(1.0), (c.vocab_size, c.hidden_size), dt)
+        x = jnp.take(embed, tokens_BT, axis=0)
+        rope = rope_tables(c, positions_BT)
+        Stack = nn.scan(
+            Block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast),
+            length=c.num_layers,
+        )
+        layers = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (x, k, v), _ = Stack(c, dt, name="layers")((x, cache.k, cache.v), layers, rope, plan)
+        cache = cache.replace(k=k, v=v)
+        final_norm = self.param("final_norm", nn.initializers.ones, (c.hidden_size,), dt)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
+        x = rms_norm(x, final_norm, c.rms_norm_eps)
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x, embed, preferred_element_type=jnp.float32)
+        else:
+            lm_head = self.param("lm_head", _init(c.hidden_size ** -0.5),
+                                 (c.hidden_size, c.vocab_size), dt)
+            logits = jnp.einsum("btd,dv->btv", x, lm_head, preferred_element_type=jnp.float32)
+        return logits, cache
+
+
+def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache,
+            plan: AttentionPlan, logits_at=None, *, dtype=None):
+    """Functional entry point: ``(logits, cache)`` for params of ``config``."""
+    if dtype is None:
+        dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    model = Transformer(config, dtype=dtype)
+    return model.apply({"params": params}, tokens_BT, positions_BT, cache, plan, logits_at)
+
+
+def init_params(config: ModelConfig, rng, dtype=jnp.float32):
+    """Random parameters of the right shapes (tests, random-weight benchmarks)."""
+    model = Transformer(config, dtype=dtype)
+    cache = KVCache.create(config, batch=1, max_len=8, dtype=dtype)
+    plan = AttentionPlan(lengths=jnp.zeros((1,), jnp.int32), impl="xla")
+    tokens = jnp.zeros((1, 1), jnp.int32)
+
+    @jax.jit
+    def _init_fn(rng):
+        return model.init(rng, tokens, tokens, cache, plan)["params"]
+
+    params = _init_fn(rng)
+    # Norm weights random too, so tests notice a wrong norm.
+    def jitter(path, x):
+        name = path[-1].key if hasattr(path[-1], "key") else str(path[-1])
+        if name in ("attn_norm", "mlp_norm", "final_norm"):
+            r = jax.random.fold_in(rng, hash(name) % (2 ** 31))
+            return (x + 0.1 * jax.random.normal(r, x.shape)).astype(x.dtype)
+        return x
+    return jax.tree_util.tree_map_with_path(jitter, params)
+
+
+def param_shapes(config: ModelConfig, dtype=jnp.float32):
+    """Abstract parameter tree (``jax.ShapeDtypeStruct`` leaves), no compute."""
+    model = Transformer(config, dtype=dtype)
+    cache = KVCache.create(config, batch=1, max_len=8, dtype=dtype, abstract=True)
+    plan = AttentionPlan(lengths=jax.ShapeDtypeStruct((1,), jnp.int32), impl="xla")
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    return jax.eval_shape(lambda r, t, c, pl: model.init(r, t, t, c, pl)["params"],
+                          rng, tokens, cache, plan)
+
+
+def num_params(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))

@@ -1,0 +1,15 @@
+"""Attention kernels of jaxspec, each beside its plain-jnp reference."""
+from .decode_attention import (
+    DecodeAttentionBlockSizes,
+    decode_attention,
+    decode_attention_reference,
+)
+from .merge import merge_attention_states, merge_stacked
+
+__all__ = [
+    "DecodeAttentionBlockSizes",
+    "decode_attention",
+    "decode_attention_reference",
+    "merge_attention_states",
+    "merge_stacked",
+]

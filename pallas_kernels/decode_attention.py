@@ -1,0 +1,452 @@
+"""Decode / verify attention over ragged KV caches: Pallas kernel + jnp reference.
+
+One kernel serves plain decode (T = 1), chain verification (T = gamma + 1), tree
+verification (T = tree nodes, ancestor mask), the StreamingLLM sparse draft (sink
++ window context) and chunked prefill (large T, causal).
+
+Layout (per layer): ``q[B, T, H, D]``, ``k_cache, v_cache[B, K, S, D]`` with
+``H = G * K`` (query head ``h`` uses KV head ``h // G``); optionally layers are
+stacked, ``[L, B, K, S, D]``, and ``layer`` picks one *inside* the kernel (no copy
+of the layer's cache is made; the index is read from a 1-element int32 array).
+
+Keys seen by query ``t`` of sequence ``b``:
+  * context slots ``[0, lengths[b])`` (sparse: only ``s < sink`` or
+    ``s >= lengths[b] - window``),
+  * new-token slot ``lengths[b] + j`` (j < T) iff ``tree_mask[t, j]``
+    (``tree_mask=None``: causal, ``j <= t``).
+Slots past ``lengths[b] + T`` are never read unmasked, so garbage there (NaN
+included) cannot leak into results.
+
+Kernel structure (Triton-lowered ``pallas_call``; interpret mode on CPU):
+  grid ``(q_blocks, splits, B, K)``. One program owns one KV head of one
+  sequence, a block of ``block_q`` query rows (rows are ``(t, g)`` pairs, all G
+  query heads of the KV head times all T tokens: each K/V byte is read once per
+  row block), and one split of the (virtual, i.e. sink+window-compacted) context
+  (flash-decoding). It streams K/V in ``block_k`` slot blocks with an online
+  softmax in base 2; interior blocks run unmasked, only the tail block of a range
+  is masked. The last split also attends to the T new tokens under the
+  causal/tree mask. Splits are merged by log-sum-exp (``merge.merge_stacked``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Triton-specific helpers (masked loads, compiler params).
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - a jax without the Triton backend
+  plgpu = None
+
+from .merge import merge_stacked
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionBlockSizes:
+  """Static tiling of the decode/verify kernel (None = chosen from the shapes).
+
+  block_k: context slots per inner step (power of 2, >= 16).
+  block_q: query rows ((t, g) pairs of one KV head) per program (power of 2,
+    >= 16); None: next power of 2 of G*T, clamped to [16, max_block_q].
+  max_block_q: cap for the automatic block_q (query-row blocking for large T).
+  block_k_new: new-token keys per inner step; None: next power of 2 of T in
+    [16, block_k].
+  split_size: context slots per program (flash-decoding split); None: enough
+    splits to give about ``target_programs`` programs, each at least
+    ``min_split_size`` slots.
+  num_warps / num_stages: Triton compiler parameters (ignored in interpret mode).
+  """
+  block_k: int = 64
+  block_q: int | None = None
+  max_block_q: int = 128
+  block_k_new: int | None = None
+  split_size: int | None = None
+  target_programs: int | None = None
+  min_split_size: int = 512
+  num_warps: int | None = None
+  num_stages: int = 3
+
+
+# Tuned on an H100 80GB HBM3 (jax 0.11.2, Triton backend); see
+# benchmarks/attention.md. Other GPUs use the same until tuned.
+_GPU_DEFAULTS = DecodeAttentionBlockSizes()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything the kernel body needs to know statically."""
+  T: int
+  G: int
+  S: int
+  block_q: int
+  block_k: int
+  block_k_new: int
+  split_size: int
+  num_splits: int
+  sink: int
+  window: int
+  sparse: bool
+  causal: bool
+  mask_per_batch: bool
+  has_layer: bool
+  scale_log2: float
+
+
+def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Static):
+  if c.causal:
+    mask_ref = None
+    o_ref, lse_ref = rest
+  else:
+    mask_ref, o_ref, lse_ref = rest
+  qi, si, b, h = (pl.program_id(i) for i in range(4))
+  bq, bk, bkn = c.block_q, c.block_k, c.block_k_new
+
+  length = jnp.clip(lengths_ref[b], 0, c.S)
+  lead = (layer_ref[0], b, h) if c.has_layer else (b, h)
+
+  q = q_ref[...]                                   # [bq, D]
+  if q.dtype != k_ref.dtype:
+    q = q.astype(k_ref.dtype)
+  head_dim = q.shape[-1]
+
+  def kv_index(start, size):
+    return (*lead, pl.ds(start, size), slice(None))
+
+  def step(carry, start, size, load_ok, score_ok):
+    """One online-softmax step over slots [start, start + size)."""
+    acc, m, l = carry
+    idx = kv_index(start, size)
+    if load_ok is None:
+      k = k_ref[idx]
+      v = v_ref[idx]
+    else:  # masked loads: rows outside the range come back as 0 (no NaN).
+      k = plgpu.load(k_ref.at[idx], mask=load_ok[:, None], other=0)
+      v = plgpu.load(v_ref.at[idx], mask=load_ok[:, None], other=0)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32)
+    s = s * c.scale_log2                           # base-2 logits
+    if score_ok is not None:
+      s = jnp.where(score_ok, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    # A row that has seen no key yet keeps m = -inf; shift by 0 there so that
+    # exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l
+
+  def context_range(carry, lo, hi):
+    """Attends to context slots [lo, hi): unmasked full blocks + a masked tail."""
+    n = jnp.maximum(hi - lo, 0)
+    n_full = lax.div(n, bk)
+    carry = lax.fori_loop(0, n_full,
+                          lambda i, cr: step(cr, lo + i * bk, bk, None, None), carry)
+    tail = lo + n_full * bk
+
+    def tail_body(i, cr):
+      ok = tail + jnp.arange(bk, dtype=jnp.int32) < hi
+      return step(cr, tail, bk, ok, ok[None, :])
+    has_tail = (n - n_full * bk > 0).astype(jnp.int32)
+    return lax.fori_loop(0, has_tail, tail_body, carry)
+
+  carry = (jnp.zeros((bq, head_dim), jnp.float32),
+           jnp.full((bq,), -jnp.inf, jnp.float32),
+           jnp.zeros((bq,), jnp.float32))
+
+  # Context visible to this sequence, as two slot ranges laid end to end in a
+  # "virtual" index space: A = [0, a_end), B = [b_start, length).
+  if c.sparse:
+    a_end = jnp.minimum(c.sink, length)
+    b_start = jnp.maximum(length - c.window, a_end)
+  else:
+    a_end = length
+    b_start = length
+  v_len = a_end + (length - b_start)
+  v0 = si * c.split_size
+  v1 = jnp.minimum(v0 + c.split_size, v_len)
+  carry = context_range(carry, jnp.minimum(v0, a_end), jnp.minimum(v1, a_end))
+  if c.sparse:
+    shift = b_start - a_end
+    carry = context_range(carry, jnp.maximum(v0, a_end) + shift,
+                          jnp.maximum(v1, a_end) + shift)
+
+  # New tokens (slots length + j, j < T): attended by the last split only.
+  r0 = qi * bq
+  t_row = lax.div(r0 + jnp.arange(bq, dtype=jnp.int32), c.G)      # [bq]
+  if c.causal:
+    j_max = jnp.minimum(lax.div(r0 + bq - 1, c.G) + 1, c.T)
+  else:
+    j_max = c.T
+  n_new = jnp.where(si == c.num_splits - 1, lax.div(j_max + bkn - 1, bkn), 0)
+  bm = b if c.mask_per_batch else 0
+
+  def new_body(i, cr):
+    j0 = i * bkn
+    j = j0 + jnp.arange(bkn, dtype=jnp.int32)
+    ok = (j < c.T) & (length + j < c.S)
+    if c.causal:
+      vis = j[None, :] <= t_row[:, None]
+    else:
+      vis = mask_ref[bm, pl.ds(r0, bq), pl.ds(j0, bkn)] != 0
+    return step(cr, length + j0, bkn, ok, vis & ok[None, :])
+  carry = lax.fori_loop(0, n_new, new_body, carry)
+
+  acc, m, l = carry
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+
+
+def _num_sms() -> int:
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+  except Exception:  # pragma: no cover
+    return 132
+
+
+def _plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_gpu: bool):
+  """Resolves automatic block sizes into concrete static numbers."""
+  rows = T * G
+  block_k = bs.block_k
+  block_q = bs.block_q or min(max(16, _next_pow2(rows)), max(16, bs.max_block_q))
+  block_k_new = bs.block_k_new or min(max(16, _next_pow2(T)), max(16, block_k))
+  for name, val in (("block_k", block_k), ("block_q", block_q), ("block_k_new", block_k_new)):
+    if val < 16 or val != _next_pow2(val):
+      raise ValueError(f"{name}={val} must be a power of 2 >= 16")
+  if D != _next_pow2(D):
+    raise ValueError(f"head dim {D} must be a power of 2 for the kernel")
+  num_q_blocks = _cdiv(rows, block_q)
+  sparse = bool(sink) or bool(window)
+  v_max = min(S, (sink or 0) + (window or 0)) if sparse else S
+  v_max = max(v_max, 1)
+  if bs.split_size is not None:
+    split = bs.split_size
+  else:
+    target = bs.target_programs or (2 * _num_sms() if on_gpu else 1)
+    base = B * K * num_q_blocks
+    n = max(1, min(_cdiv(target, base), _cdiv(v_max, bs.min_split_size)))
+    split = _cdiv(_cdiv(v_max, n), block_k) * block_k
+  num_splits = max(1, _cdiv(v_max, split))
+  return block_q, block_k, block_k_new, split, num_splits, num_q_blocks
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sink", "window", "sm_scale", "interpret", "block_sizes", "on_gpu"))
+def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
+                             sink, window, sm_scale, interpret, block_sizes, on_gpu):
+  B, T, H, D = q.shape
+  has_layer = layer is not None
+  K, S = k_cache.shape[-3], k_cache.shape[-2]
+  G = H // K
+  rows = T * G
+  block_q, block_k, block_k_new, split, num_splits, nq = _plan(
+      B, K, T, G, S, D, sink=sink, window=window, bs=block_sizes, on_gpu=on_gpu)
+  rows_pad = nq * block_q
+
+  # Rows of one KV head: r = t * G + g.
+  q_BKRD = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, D)
+  if rows_pad != rows:
+    q_BKRD = jnp.pad(q_BKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+
+  causal = tree_mask is None
+  inputs = [jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
+            lengths.astype(jnp.int32), q_BKRD, k_cache, v_cache]
+  full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  in_specs = [full((1,)), full((B,)),
+              pl.BlockSpec((None, None, block_q, D), lambda qi, si, b, h: (b, h, qi, 0)),
+              full(k_cache.shape), full(v_cache.shape)]
+  mask_per_batch = False
+  if not causal:
+    tm = jnp.asarray(tree_mask)
+    if tm.ndim == 2:
+      tm = tm[None]
+    mask_per_batch = tm.shape[0] != 1
+    tm_rows = jnp.repeat(tm.astype(jnp.int8), G, axis=1)           # [Bm, T*G, T]
+    cols_pad = _cdiv(T, block_k_new) * block_k_new
+    tm_rows = jnp.pad(tm_rows, ((0, 0), (0, rows_pad - rows), (0, cols_pad - T)))
+    inputs.append(tm_rows)
+    in_specs.append(full(tm_rows.shape))
+
+  if num_splits == 1:
+    out_shape = [jax.ShapeDtypeStruct((B, K, rows_pad, D), q.dtype),
+                 jax.ShapeDtypeStruct((B, K, rows_pad), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, None, block_q, D), lambda qi, si, b, h: (b, h, qi, 0)),
+                 pl.BlockSpec((None, None, block_q), lambda qi, si, b, h: (b, h, qi))]
+  else:
+    out_shape = [jax.ShapeDtypeStruct((B, K, num_splits, rows_pad, D), jnp.float32),
+                 jax.ShapeDtypeStruct((B, K, num_splits, rows_pad), jnp.float32)]
+    out_specs = [
+        pl.BlockSpec((None, None, None, block_q, D), lambda qi, si, b, h: (b, h, si, qi, 0)),
+        pl.BlockSpec((None, None, None, block_q), lambda qi, si, b, h: (b, h, si, qi))]
+
+  static = _Static(
+      T=T, G=G, S=S, block_q=block_q, block_k=block_k, block_k_new=block_k_new,
+      split_size=split, num_splits=num_splits, sink=int(sink or 0),
+      window=int(window or 0), sparse=bool(sink) or bool(window), causal=causal,
+      mask_per_batch=mask_per_batch, has_layer=has_layer,
+      scale_log2=float(sm_scale) * _LOG2E)
+  num_warps = block_sizes.num_warps or (4 if block_q <= 64 else 8)
+  compiler_params = None
+  if not interpret and plgpu is not None:
+    compiler_params = plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=block_sizes.num_stages)
+  o, lse = pl.pallas_call(
+      functools.partial(_decode_kernel, c=static),
+      grid=(nq, num_splits, B, K),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="jaxspec_decode_attention",
+  )(*inputs)
+
+  if num_splits > 1:
+    o, lse = merge_stacked(o, lse, axis=2, out_dtype=q.dtype)
+  o = o[:, :, :rows].reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
+  lse = lse[:, :, :rows].reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, H)
+  return o, lse
+
+
+def _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, T, H, D], got {q.shape}")
+  B, T, H, D = q.shape
+  want_nd = 4 if layer is None else 5
+  if k_cache.ndim != want_nd or v_cache.shape != k_cache.shape:
+    raise ValueError(f"k/v cache must be {'[L, ' if layer is not None else '['}B, K, S, D], "
+                     f"got {k_cache.shape} / {v_cache.shape} (layer={layer!r})")
+  _, Bk, K, S, Dk = k_cache.shape[-5:] if layer is not None else (None, *k_cache.shape)
+  if Bk != B or Dk != D or H % K:
+    raise ValueError(f"shape mismatch: q {q.shape}, cache {k_cache.shape}")
+  if lengths.shape != (B,):
+    raise ValueError(f"lengths must be [B]={B}, got {lengths.shape}")
+  if tree_mask is not None and tree_mask.shape not in ((T, T), (B, T, T), (1, T, T)):
+    raise ValueError(f"tree_mask must be [T, T] or [B, T, T], got {tree_mask.shape}")
+
+
+def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
+                     sink=None, window=None, sm_scale=None, interpret=None,
+                     block_sizes=None):
+  """Decode / verify attention of T new tokens over a ragged KV cache.
+
+  Args:
+    q: ``[B, T, H, D]`` queries of the T new tokens.
+    k_cache, v_cache: ``[B, K, S, D]`` (or ``[L, B, K, S, D]`` with ``layer``);
+      the new tokens' K/V already written at slots ``lengths[b] + [0, T)``.
+      Requires ``lengths[b] + T <= S``.
+    lengths: ``[B]`` int32 context lengths (>= 0).
+    tree_mask: None (causal among new tokens), ``[T, T]`` or ``[B, T, T]`` bool:
+      query t sees new token j iff ``tree_mask[t, j]``.
+    layer: None, or a scalar int (may be traced) selecting the layer of stacked
+      caches; the cache is not sliced outside the kernel.
+    sink, window: static ints; if either is set, only context slots
+      ``s < sink`` or ``s >= lengths[b] - window`` are visible (and read).
+    sm_scale: logit scale (default ``1/sqrt(D)``).
+    interpret: None: kernel on GPU, reference elsewhere; True: the kernel in
+      Pallas interpret mode (any backend); False: compiled kernel on GPU,
+      reference on CPU/TPU.
+    block_sizes: ``DecodeAttentionBlockSizes`` (None: tuned defaults).
+
+  Returns:
+    ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; a query that saw
+    no key gets ``out = 0`` and ``lse = -inf``.
+  """
+  _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer)
+  sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+  backend = jax.default_backend()
+  on_gpu = backend in ("gpu", "cuda", "rocm")
+  # TPU: this Triton-shaped kernel (whole-cache refs, masked pointer loads) does
+  # not map onto Mosaic TPU's VMEM blocking; a Mosaic TPU variant is separate
+  # work, so TPU uses the reference until then.
+  use_kernel = bool(interpret) or (on_gpu and plgpu is not None)
+  if not use_kernel:
+    return decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask, layer=layer,
+                                      sink=sink, window=window, sm_scale=sm_scale)
+  if block_sizes is None:
+    block_sizes = _GPU_DEFAULTS
+  return _decode_attention_kernel(
+      q, k_cache, v_cache, lengths, tree_mask, layer, sink=int(sink or 0),
+      window=int(window or 0), sm_scale=sm_scale, interpret=bool(interpret),
+      block_sizes=block_sizes, on_gpu=on_gpu and not interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sink", "window", "sm_scale"))
+def _reference(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window, sm_scale):
+  if layer is not None:
+    k_cache = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
+    v_cache = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+  B, T, H, D = q.shape
+  K, S = k_cache.shape[1], k_cache.shape[2]
+  G = H // K
+  hi = lax.Precision.HIGHEST
+  q5 = q.reshape(B, T, K, G, D).astype(jnp.float32)
+  s = jnp.einsum("btkgd,bksd->bkgts", q5, k_cache.astype(jnp.float32), precision=hi)
+  s = s * sm_scale                                                   # [B, K, G, T, S]
+  slot = jnp.arange(S, dtype=jnp.int32)[None, :]                     # [1, S]
+  L = lengths.astype(jnp.int32)[:, None]                             # [B, 1]
+  ctx = slot < L
+  if sink or window:
+    ctx &= (slot < (sink or 0)) | (slot >= L - (window or 0))
+  j = slot - L                                                       # new-token index
+  is_new = (j >= 0) & (j < T)
+  t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
+  if tree_mask is None:
+    new_vis = j[:, None, :] <= t                                     # [B, T, S]
+  else:
+    tm = jnp.broadcast_to(jnp.asarray(tree_mask, bool).reshape((-1, T, T)), (B, T, T))
+    new_vis = jnp.take_along_axis(tm, jnp.broadcast_to(jnp.clip(j, 0, T - 1)[:, None, :],
+                                                       (B, T, S)), axis=2)
+  vis = ctx[:, None, :] | (is_new[:, None, :] & new_vis)             # [B, T, S]
+  vis = vis[:, None, None]                                           # [B, 1, 1, T, S]
+  s = jnp.where(vis, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+  p = jnp.exp(s - m_safe)
+  l = jnp.sum(p, axis=-1)
+  valid_slot = (slot < L + T)[:, None, :, None]                      # [B, 1, S, 1]
+  v = jnp.where(valid_slot, v_cache.astype(jnp.float32), 0.0)        # no 0 * NaN
+  o = jnp.einsum("bkgts,bksd->bkgtd", p, v, precision=hi)
+  o = o / jnp.where(l > 0, l, 1.0)[..., None]
+  lse = jnp.squeeze(m_safe, -1) + jnp.log(l)                         # -inf when l == 0
+  o = o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q.dtype)
+  lse = lse.transpose(0, 3, 1, 2).reshape(B, T, H)
+  return o, lse
+
+
+def decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
+                               sink=None, window=None, sm_scale=None, interpret=None,
+                               block_sizes=None):
+  """Plain-jnp decode attention; same contract as ``decode_attention``.
+
+  Computes dense ``[B, K, G, T, S]`` float32 logits (memory heavy for long S and
+  large T: for tests, CPU, and as a benchmark peer). ``interpret`` and
+  ``block_sizes`` are accepted for signature compatibility and ignored.
+  """
+  del interpret, block_sizes
+  _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer)
+  sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+  return _reference(q, k_cache, v_cache, lengths, tree_mask, layer,
+                    sink=int(sink or 0), window=int(window or 0), sm_scale=sm_scale)

@@ -324,3 +324,65 @@ def test_merge_empty_and_extreme():
   # Single state passes through; dtype of outs[0] is kept.
   out, lse = merge_attention_states([o1.astype(jnp.bfloat16)] * 2, [l1] * 2)
   assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+
+
+# --- compiled kernel on a GPU (run on the GPU machine: scripts/gpu_kernels_check.sh) ---
+
+def _need_gpu():
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", KERNEL_CASES, ids=str)
+def test_kernel_compiled_gpu(c):
+  _need_gpu()
+  q, k, v, lengths, tm = make_inputs(c, seed=zlib.crc32(str(c).encode()))
+  layer = c.layers - 1 if c.layers else None
+  out = decode_attention(q, k, v, lengths, tm, layer=layer, sink=c.sink, window=c.window,
+                         interpret=False, block_sizes=c.bs)
+  ref = decode_attention_reference(q, k, v, lengths, tm, layer=layer, sink=c.sink,
+                                   window=c.window)
+  assert_close(*out, *ref, tol=1e-5 if c.dtype == "float32" else 2e-2)
+
+
+GPU_DEFAULT_CASES = [
+    Case(8, 1, 4, 4, 128, 4096, (4000, 17, 2049, 0, 4095, 1000, 3333, 64), dtype="bfloat16"),
+    Case(8, 5, 4, 4, 128, 4096, (4000, 17, 2049, 0, 4091, 1000, 3333, 64), dtype="bfloat16",
+         mask="tree_b"),
+    Case(4, 64, 4, 2, 128, 4096, (4000, 17, 2049, 0), dtype="bfloat16"),
+    Case(4, 16, 7, 2, 64, 4096, (4000, 17, 2049, 0), dtype="bfloat16", mask="tree"),
+    Case(8, 1, 4, 4, 128, 4096, (4000, 17, 2049, 0, 4095, 1000, 3333, 600), dtype="bfloat16",
+         sink=16, window=496),
+    Case(4, 5, 8, 2, 128, 2048, (2000, 17, 1000, 600), sink=4, window=100),
+    Case(2, 512, 4, 2, 128, 2048, (1000, 0), dtype="bfloat16"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_DEFAULT_CASES, ids=str)
+def test_kernel_compiled_gpu_default_blocks(c):
+  _need_gpu()
+  q, k, v, lengths, tm = make_inputs(c, seed=zlib.crc32(str(c).encode()))
+  out = decode_attention(q, k, v, lengths, tm, sink=c.sink, window=c.window)
+  ref = decode_attention_reference(q, k, v, lengths, tm, sink=c.sink, window=c.window)
+  assert_close(*out, *ref, tol=1e-5 if c.dtype == "float32" else 2e-2)
+
+
+@pytest.mark.gpu
+def test_layer_traced_inside_scan_gpu():
+  _need_gpu()
+  c = Case(4, 5, 4, 2, 128, 1024, (10, 800, 0, 1019), layers=3, dtype="bfloat16")
+  q, k, v, lengths, _ = make_inputs(c, seed=5)
+
+  @jax.jit
+  def run(q, k, v, lengths):
+    def body(carry, layer):
+      k, v = carry
+      return (k, v), decode_attention(q, k, v, lengths, layer=layer)
+    return jax.lax.scan(body, (k, v), jnp.arange(c.layers, dtype=jnp.int32))[1]
+
+  o, l = run(q, k, v, lengths)
+  for layer in range(c.layers):
+    assert_close(o[layer], l[layer], *decode_attention_reference(q, k, v, lengths, layer=layer),
+                 tol=2e-2)

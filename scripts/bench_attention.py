@@ -1,0 +1,370 @@
+#!/usr/bin/env python
+"""Benchmark of the decode/verify attention kernel against the memory ceiling and peers.
+
+Writes ``<out>.json`` and ``<out>.md`` (and ``<out>.png`` if matplotlib is there):
+  * copy-bandwidth ceiling (and a read-only ceiling) measured in the same run;
+  * dense decode/verify, B=64, S=8192 (lengths random in [S/2, S-T]), K=8, G=4,
+    D=128, bf16, T in {1, 5, 16, 64}: effective KV bandwidth = bytes of valid K/V
+    (slots [0, length+T) of K and V) / time, for this kernel, jax's own Pallas
+    ``gqa`` (its native [B, S, K, D] layout, T*G rows per KV head, no mask among
+    new tokens), the jnp reference under XLA, and cuDNN through
+    ``jax.nn.dot_product_attention`` (key_value_seq_lengths only: no tree/causal
+    mask among new tokens);
+  * sparse (StreamingLLM) S=32768, sink=16, window=496 vs dense over a 512 context;
+  * with ``--tune``: a sweep of block sizes per T (time-budgeted).
+
+Timing: each candidate runs ``--inner`` times inside one jitted ``fori_loop`` (the
+lengths change with the loop index so nothing is hoisted; no host dispatch gaps);
+median over ``--reps`` calls after a warm-up call.
+
+Usage: python scripts/bench_attention.py [--tune] [--budget 400] [--out benchmarks/attention]
+       python scripts/bench_attention.py --smoke   # tiny shapes, any backend, no output files
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import (  # noqa: E402
+    DecodeAttentionBlockSizes, decode_attention, decode_attention_reference)
+from pallas_kernels import decode_attention as _da_mod  # noqa: E402,F401
+
+T0 = time.time()
+
+
+def log(*a):
+  print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+def timeit(step, arrays, *, inner, reps):
+  """Median seconds per call of step(i, *arrays) -> scalar, looped on device."""
+  @jax.jit
+  def loop(*arrays):
+    def body(i, acc):
+      return acc + step(i, *arrays).astype(jnp.float32)
+    return jax.lax.fori_loop(0, inner, body, jnp.float32(0))
+  t = time.time()
+  jax.block_until_ready(loop(*arrays))
+  compile_s = time.time() - t
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(loop(*arrays))
+    times.append((time.perf_counter() - t) / inner)
+  return statistics.median(times), min(times), compile_s
+
+
+def ceilings(nbytes, inner, reps):
+  n = nbytes // 2
+  x = jax.random.normal(jax.random.key(0), (n // 1024, 1024), jnp.bfloat16)
+
+  @jax.jit
+  def copy_loop(x):
+    return jax.lax.fori_loop(0, inner, lambda i, y: y + jnp.bfloat16(1), x)
+  jax.block_until_ready(copy_loop(x))
+  ts = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(copy_loop(x))
+    ts.append((time.perf_counter() - t) / inner)
+  copy_t = statistics.median(ts)
+  read_t, _, _ = timeit(lambda i, x: jnp.max(x + i.astype(x.dtype)), (x,), inner=inner,
+                        reps=reps)
+  return {"bytes": int(x.size * 2), "copy_s": copy_t,
+          "copy_TBps": 2 * x.size * 2 / copy_t / 1e12,
+          "read_s": read_t, "read_TBps": x.size * 2 / read_t / 1e12}
+
+
+def make_case(B, T, K, G, D, S, lengths, dtype=jnp.bfloat16, seed=0):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (B, T, K * G, D), dtype)
+  k = jax.random.normal(kk, (B, K, S, D), dtype)
+  v = jax.random.normal(kv, (B, K, S, D), dtype)
+  return q, k, v, jnp.asarray(lengths, jnp.int32)
+
+
+def kv_bytes(lengths, T, K, D, itemsize, sink=0, window=0):
+  lengths = np.asarray(lengths, np.int64)
+  if sink or window:
+    ctx = np.minimum(lengths, sink + window)
+  else:
+    ctx = lengths
+  return int((ctx + T).sum() * K * D * 2 * itemsize)
+
+
+def ours_step(bs, sink=0, window=0):
+  def step(i, q, k, v, lengths):
+    o, l = decode_attention(q, k, v, lengths - (i % 2), sink=sink, window=window,
+                            block_sizes=bs)
+    return o[0, 0, 0, 0] + l[0, 0, 0]
+  return step
+
+
+def ours_step_interpret(bs, sink=0, window=0):
+  def step(i, q, k, v, lengths):
+    o, l = decode_attention(q, k, v, lengths - (i % 2), sink=sink, window=window,
+                            block_sizes=bs, interpret=True)
+    return o[0, 0, 0, 0] + l[0, 0, 0]
+  return step
+
+
+def ref_step(i, q, k, v, lengths):
+  o, l = decode_attention_reference(q, k, v, lengths - (i % 2))
+  return o[0, 0, 0, 0] + l[0, 0, 0]
+
+
+def gqa_inputs(q, k, v):
+  B, T, H, D = q.shape
+  K = k.shape[1]
+  G = H // K
+  q_g = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K * T * G, D)
+  return q_g, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def gqa_step(T, **kw):
+  from jax.experimental.pallas.ops.gpu.decode_attention import gqa
+
+  def step(i, q_g, k_s, v_s, lengths):
+    o = gqa(q_g, k_s, v_s, kv_seq_len=lengths - (i % 2) + T, **kw)
+    return o[0, 0, 0]
+  return step
+
+
+def cudnn_inputs(q, k, v):
+  return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def cudnn_step(T):
+  def step(i, q, k_s, v_s, lengths):
+    B = q.shape[0]
+    o = jax.nn.dot_product_attention(
+        q, k_s, v_s, implementation="cudnn",
+        query_seq_lengths=jnp.full((B,), T, jnp.int32),
+        key_value_seq_lengths=lengths - (i % 2) + T)
+    return o[0, 0, 0, 0]
+  return step
+
+
+def try_time(name, step, arrays, nbytes, args, results, extra=None):
+  try:
+    med, best, comp = timeit(step, arrays, inner=args.inner, reps=args.reps)
+    rec = {"name": name, "time_us": med * 1e6, "best_us": best * 1e6, "compile_s": comp,
+           "TBps": nbytes / med / 1e12, **(extra or {})}
+    log(f"{name:60s} {med * 1e6:9.1f} us  {nbytes / med / 1e12:6.3f} TB/s  (compile {comp:.1f}s)")
+  except Exception as e:  # record and go on: a peer may not accept a shape
+    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    rec = {"name": name, "error": msg, **(extra or {})}
+    log(f"{name:60s} FAILED {msg}")
+    if args.verbose:
+      traceback.print_exc()
+  results.append(rec)
+  return rec
+
+
+def bs_label(bs: DecodeAttentionBlockSizes):
+  d = dataclasses.asdict(bs)
+  default = dataclasses.asdict(DecodeAttentionBlockSizes())
+  return ",".join(f"{k}={v}" for k, v in d.items() if v != default[k]) or "default"
+
+
+def tune_space(T, G):
+  rows = T * G
+  stage_a = []
+  for bk in (32, 64, 128):
+    for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
+      stage_a.append(dict(block_k=bk, num_warps=warps, num_stages=stages))
+  stage_b = [dict(split_size=s) for s in (1024, 2048, 4096)]
+  if rows > 64:
+    stage_b += [dict(max_block_q=m) for m in (64, 256) if m <= _next_pow2(rows)]
+  return stage_a, stage_b
+
+
+def _next_pow2(n):
+  return 1 << max(0, n - 1).bit_length()
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", default="benchmarks/attention")
+  p.add_argument("--tune", action="store_true")
+  p.add_argument("--budget", type=float, default=400.0, help="seconds for the tuning sweep")
+  p.add_argument("--inner", type=int, default=20)
+  p.add_argument("--reps", type=int, default=7)
+  p.add_argument("--Ts", default="1,5,16,64")
+  p.add_argument("--no-peers", action="store_true")
+  p.add_argument("--smoke", action="store_true")
+  p.add_argument("--verbose", action="store_true")
+  args = p.parse_args()
+
+  dev = jax.devices()[0]
+  env = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+         "num_sms": getattr(dev, "core_count", None), "jax": jax.__version__,
+         "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+         "python": platform.python_version(),
+         "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+  log("env", env)
+  results = {"env": env, "ceiling": None, "dense": [], "sparse": [], "tune": []}
+
+  if args.smoke:
+    B, K, G, D, S = 2, 2, 4, 64, 256
+    bs = DecodeAttentionBlockSizes(block_k=32)
+    for T in (1, 5):
+      lengths = [100, 256 - T]
+      q, k, v, L = make_case(B, T, K, G, D, S, lengths)
+      nb = kv_bytes(lengths, T, K, D, 2)
+      args.inner, args.reps = 2, 2
+      try_time(f"smoke ours T={T}", ours_step_interpret(bs), (q, k, v, L), nb, args,
+               results["dense"])
+      try_time(f"smoke ref T={T}", ref_step, (q, k, v, L), nb, args, results["dense"])
+    return
+
+  results["ceiling"] = ceilings(2 << 30, args.inner, args.reps)
+  c = results["ceiling"]
+  log(f"copy ceiling {c['copy_TBps']:.3f} TB/s (read+write), read-only {c['read_TBps']:.3f} TB/s")
+
+  B, K, G, D, S = 64, 8, 4, 128, 8192
+  rng = np.random.default_rng(0)
+  Ts = [int(t) for t in args.Ts.split(",")]
+  best_bs = {}
+  for T in Ts:
+    tune_deadline = time.time() + args.budget / len(Ts)
+    lengths = rng.integers(S // 2, S - T + 1, size=B)
+    q, k, v, L = make_case(B, T, K, G, D, S, lengths, seed=T)
+    nb = kv_bytes(lengths, T, K, D, 2)
+    base = dict(T=T, B=B, K=K, G=G, D=D, S=S, kv_bytes=nb)
+    best = DecodeAttentionBlockSizes()
+    if args.tune and time.time() < tune_deadline:
+      stage_a, stage_b = tune_space(T, G)
+      best_t = math.inf
+      for stage in (stage_a, stage_b):
+        start = best
+        for delta in stage:
+          if time.time() > tune_deadline:
+            log("tuning budget spent")
+            break
+          bs = dataclasses.replace(start, **delta)
+          rec = try_time(f"tune T={T} {bs_label(bs)}", ours_step(bs), (q, k, v, L), nb, args,
+                         results["tune"], dict(base, block_sizes=dataclasses.asdict(bs)))
+          if rec.get("time_us", math.inf) < best_t:
+            best_t, best = rec["time_us"], bs
+      log(f"best T={T}: {bs_label(best)} {best_t:.1f} us")
+    best_bs[T] = best
+    try_time(f"ours T={T} [{bs_label(DecodeAttentionBlockSizes())}]", ours_step(None),
+             (q, k, v, L), nb, args, results["dense"], dict(base, impl="ours (defaults)"))
+    if args.tune:
+      try_time(f"ours T={T} [{bs_label(best)}]", ours_step(best), (q, k, v, L), nb, args,
+               results["dense"], dict(base, impl="ours (tuned)",
+                                      block_sizes=dataclasses.asdict(best)))
+    if not args.no_peers:
+      qg, ks, vs = gqa_inputs(q, k, v)
+      try_time(f"jax pallas gqa T={T} (defaults)", gqa_step(T), (qg, ks, vs, L), nb, args,
+               results["dense"], dict(base, impl="jax gqa (defaults)"))
+      if T > 1:
+        bh = min(64, _next_pow2(T * G))
+        try_time(f"jax pallas gqa T={T} block_h={bh}", gqa_step(T, block_h=bh),
+                 (qg, ks, vs, L), nb, args, results["dense"],
+                 dict(base, impl=f"jax gqa (block_h={bh})"))
+      del qg, ks, vs
+      qc, kc, vc = cudnn_inputs(q, k, v)
+      try_time(f"cudnn T={T}", cudnn_step(T), (qc, kc, vc, L), nb, args, results["dense"],
+               dict(base, impl="cudnn"))
+      del qc, kc, vc
+      try_time(f"jnp reference (XLA) T={T}", ref_step, (q, k, v, L), nb, args,
+               results["dense"], dict(base, impl="jnp reference"))
+    del q, k, v
+    write_outputs(results, args.out)
+
+  # Sparse (StreamingLLM): S=32768, sink=16, window=496 vs dense over 512 context.
+  S2, sink, window = 32768, 16, 496
+  for T in (1, 5):
+    lengths = rng.integers(S2 // 2, S2 - T + 1, size=B)
+    q, k, v, L = make_case(B, T, K, G, D, S2, lengths, seed=100 + T)
+    nb = kv_bytes(lengths, T, K, D, 2, sink, window)
+    bs = best_bs.get(T, DecodeAttentionBlockSizes())
+    base = dict(T=T, B=B, K=K, G=G, D=D, S=S2, sink=sink, window=window, kv_bytes=nb)
+    try_time(f"sparse T={T} S={S2} sink={sink} window={window}", ours_step(bs, sink, window),
+             (q, k, v, L), nb, args, results["sparse"], dict(base, impl="ours sparse"))
+    L512 = jnp.full((B,), sink + window, jnp.int32)
+    nb512 = kv_bytes(np.full(B, sink + window), T, K, D, 2)
+    try_time(f"dense T={T} S={S2} length=512", ours_step(bs), (q, k, v, L512), nb512, args,
+             results["sparse"], dict(base, impl="ours dense 512", sink=0, window=0,
+                                     kv_bytes=nb512))
+    del q, k, v
+
+  write_outputs(results, args.out)
+
+
+def write_outputs(results, out):
+  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+  with open(out + ".json", "w") as f:
+    json.dump(results, f, indent=1)
+  env, c = results["env"], results["ceiling"] or {"copy_TBps": float("nan"),
+                                                   "read_TBps": float("nan")}
+  lines = [f"# Decode/verify attention benchmark", "",
+           f"- device: {env['device']} ({env['num_sms']} SMs), jax {env['jax']}, "
+           f"python {env['python']}",
+           f"- command: `{env['command']}`",
+           f"- copy ceiling (read+write bytes / time, 2 GiB bf16): **{c['copy_TBps']:.3f} TB/s**;"
+           f" read-only ceiling (max-reduction): {c['read_TBps']:.3f} TB/s", "",
+           "## Dense: B=64, S=8192, lengths in [S/2, S-T], K=8, G=4, D=128, bf16", "",
+           "| T | implementation | time (us) | KV TB/s | % of copy ceiling |",
+           "|---|---|---|---|---|"]
+  for r in results["dense"]:
+    if "error" in r:
+      lines.append(f"| {r['T']} | {r['impl']} | failed: {r['error'][:80]} | | |")
+    else:
+      lines.append(f"| {r['T']} | {r['impl']} | {r['time_us']:.1f} | {r['TBps']:.3f} | "
+                   f"{100 * r['TBps'] / c['copy_TBps']:.0f}% |")
+  lines += ["", "## Sparse: S=32768, sink=16, window=496 vs dense over a 512 context", "",
+            "| T | implementation | time (us) | KV TB/s |", "|---|---|---|---|"]
+  for r in results["sparse"]:
+    if "error" in r:
+      lines.append(f"| {r['T']} | {r['impl']} | failed: {r['error'][:80]} | |")
+    else:
+      lines.append(f"| {r['T']} | {r['impl']} | {r['time_us']:.1f} | {r['TBps']:.3f} |")
+  if results["tune"]:
+    lines += ["", "## Tuning sweep (ours)", "", "| T | block sizes | time (us) | KV TB/s |",
+              "|---|---|---|---|"]
+    for r in results["tune"]:
+      if "error" not in r:
+        lines.append(f"| {r['T']} | {r['name'].split(' ', 2)[2]} | {r['time_us']:.1f} | "
+                     f"{r['TBps']:.3f} |")
+  with open(out + ".md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    impls = sorted({r["impl"] for r in results["dense"] if "error" not in r})
+    for impl in impls:
+      pts = [(r["T"], r["TBps"]) for r in results["dense"] if r["impl"] == impl and "error" not in r]
+      ax.plot([str(t) for t, _ in pts], [b for _, b in pts], marker="o", label=impl)
+    ax.axhline(c["copy_TBps"], color="k", ls="--", label="copy ceiling")
+    ax.set_xlabel("T (new tokens per sequence)")
+    ax.set_ylabel("effective KV bandwidth (TB/s)")
+    ax.set_title(f"decode attention, B=64 S=8192 K=8 G=4 D=128 bf16, {env['device']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=120)
+  except Exception as e:  # matplotlib missing: JSON + MD are enough
+    log("no plot:", e)
+  log("wrote", out + ".{json,md,png}")
+
+
+if __name__ == "__main__":
+  main()

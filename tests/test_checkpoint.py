@@ -1,0 +1,147 @@
+"""Checkpoint conversion (HF safetensors incl. sharded, GGUF), atomicity, CLI, and clear errors."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.checkpoint import CheckpointError
+
+from hf_models import convert_hf, make_hf_model, torch_logits
+from test_model_parity import _full_logits
+
+
+def test_gguf_converts_to_same_logits_as_transformers(tmp_path):
+    """HF model -> GGUF (written like llama.cpp, q/k permuted) -> jaxspec.convert -> logits."""
+    from test_gguf_io import write_tiny_gguf
+    for variant, arch in (("llama-gqa", "llama"), ("qwen2-bias", "qwen2")):
+        hf = make_hf_model(variant, seed=4)
+        sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+        path = write_tiny_gguf(tmp_path / f"{variant}.gguf", sd, hf.config, arch)
+        model = jaxspec.load(jaxspec.convert(path, tmp_path / variant, dtype="float32",
+                                             progress=False))
+        tokens = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=(2, 19))
+        np.testing.assert_allclose(_full_logits(model, tokens), torch_logits(hf, tokens),
+                                   atol=1e-4, rtol=0)
+
+
+def test_sharded_safetensors_and_dtype(tmp_path):
+    hf = make_hf_model("llama-gqa", seed=9)
+    src = tmp_path / "hf"
+    hf.save_pretrained(src, max_shard_size="20KB")
+    assert (src / "model.safetensors.index.json").exists()
+    dst = jaxspec.convert(src, tmp_path / "ckpt", progress=False)  # default bfloat16
+    model = jaxspec.load(dst)
+    assert model.dtype == jax.numpy.bfloat16
+    m32 = jaxspec.load(dst, dtype="float32")
+    tokens = np.random.default_rng(1).integers(0, 101, size=(1, 12))
+    np.testing.assert_allclose(_full_logits(m32, tokens), torch_logits(hf, tokens), atol=0.15)
+
+
+def test_conversion_is_atomic(tmp_path, monkeypatch):
+    hf = make_hf_model("llama-gqa", seed=1)
+    src = tmp_path / "hf"
+    hf.save_pretrained(src)
+    good = jaxspec.convert(src, tmp_path / "ckpt", dtype="float32", progress=False)
+    before = sorted(p.relative_to(good) for p in good.rglob("*"))
+    import jaxspec.checkpoint as ck
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck, "_save_params", boom)
+    with pytest.raises(KeyboardInterrupt):
+        jaxspec.convert(src, tmp_path / "ckpt", overwrite=True, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        jaxspec.convert(src, tmp_path / "fresh", progress=False)
+    assert not (tmp_path / "fresh").exists()
+    assert sorted(p.relative_to(good) for p in good.rglob("*")) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
+    jaxspec.load(good)  # still loads
+
+
+def test_refuses_to_overwrite(tmp_path):
+    hf = make_hf_model("llama-gqa", seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    jaxspec.convert(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        jaxspec.convert(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+
+
+def test_bad_checkpoints_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        jaxspec.load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="not a jaxspec checkpoint"):
+        jaxspec.load(tmp_path / "empty")
+    hf = make_hf_model("llama-gqa", seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="convert"):
+        jaxspec.load(tmp_path / "hf")
+    ck = jaxspec.convert(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    (ck / "jaxspec_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        jaxspec.load(ck)
+    ck2 = jaxspec.convert(tmp_path / "hf", tmp_path / "ckpt2", progress=False)
+    for f in (ck2 / "params").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1000:
+            f.write_bytes(b"\0" * 10)
+    with pytest.raises(CheckpointError, match="cannot restore"):
+        jaxspec.load(ck2)
+
+
+def test_unsupported_architecture_and_missing_source(tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        jaxspec.convert(src, tmp_path / "out")
+    with pytest.raises(FileNotFoundError):
+        jaxspec.convert(tmp_path / "missing", tmp_path / "out")
+    (tmp_path / "x.bin").write_bytes(b"123")
+    with pytest.raises(ValueError, match="gguf"):
+        jaxspec.convert(tmp_path / "x.bin", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_rejects_bad_input(tmp_path):
+    from tiny import tiny_model
+    m = tiny_model(ctx=64)
+    cases = [
+        (dict(prompts=[]), ValueError, "empty"),
+        (dict(prompts=[[1, 2], []]), ValueError, "prompt 1 is empty"),
+        (dict(prompts=[[1] * 64]), ValueError, "context"),
+        (dict(prompts=[[1, 999]]), ValueError, "vocabulary"),
+        (dict(prompts=["hi"]), ValueError, "tokenizer"),
+        (dict(prompts="hello"), TypeError, "list of prompts"),
+        (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(top_k=-2), ValueError, "top_k"),
+    ]
+    for kw, exc, msg in cases:
+        args = dict(prompts=[[1, 2, 3]], max_new_tokens=4) | kw
+        with pytest.raises(exc, match=msg):
+            jaxspec.generate(m, args.pop("prompts"), **args)
+    assert jaxspec.generate(m, [[1, 2]], max_new_tokens=0).tokens == [[]]
+
+
+def test_cli_convert_and_generate(tmp_path):
+    hf = make_hf_model("llama-gqa", seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "jaxspec", *a], capture_output=True,
+                                    text=True, env=env, timeout=300)
+    r = run("convert", str(tmp_path / "hf"), str(tmp_path / "ck"), "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    r = run("generate", str(tmp_path / "ck"), "--prompt", "hello", "--max-new-tokens", "3")
+    assert r.returncode == 2 and "tokenizer" in r.stderr  # tiny model has no tokenizer
+    r = run("generate", str(tmp_path / "nope"), "--prompt", "x")
+    assert r.returncode == 2 and "no checkpoint" in r.stderr and "Traceback" not in r.stderr

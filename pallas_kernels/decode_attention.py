@@ -70,7 +70,11 @@ class DecodeAttentionBlockSizes:
   split_size: context slots per program (flash-decoding split); None: enough
     splits to give about ``target_programs`` programs, each at least
     ``min_split_size`` slots.
-  num_warps / num_stages: Triton compiler parameters (ignored in interpret mode).
+  num_warps / num_stages: Triton compiler parameters (ignored in interpret mode);
+    num_warps None: 4 for block_q <= 64, else 8.
+  fast_exp: on NVIDIA GPUs compute exp2 with one ``ex2.approx.ftz.f32``
+    instruction (what Triton's own ``exp2`` emits) instead of libdevice's
+    ``exp2f``; ignored elsewhere.
   """
   block_k: int = 64
   block_q: int | None = None
@@ -81,11 +85,12 @@ class DecodeAttentionBlockSizes:
   min_split_size: int = 512
   num_warps: int | None = None
   num_stages: int = 3
+  fast_exp: bool = True
 
 
 # Tuned on an H100 80GB HBM3 (jax 0.11.2, Triton backend); see
 # benchmarks/attention.md. Other GPUs use the same until tuned.
-_GPU_DEFAULTS = DecodeAttentionBlockSizes()
+_GPU_DEFAULTS = DecodeAttentionBlockSizes(block_k=128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +111,16 @@ class _Static:
   mask_per_batch: bool
   has_layer: bool
   scale_log2: float
+  fast_exp: bool
+
+
+def _exp2(x, fast: bool):
+  if not fast:
+    return jnp.exp2(x)
+  [y] = plgpu.elementwise_inline_asm(
+      "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+  return y
 
 
 def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Static):
@@ -148,7 +163,7 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
     # exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
+    p = _exp2(s - m_safe[:, None], c.fast_exp)
     l = l * alpha + jnp.sum(p, axis=1)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
@@ -216,6 +231,13 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
   l_safe = jnp.where(seen, l, 1.0)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+
+
+def _is_nvidia() -> bool:
+  try:
+    return "nvidia" in jax.devices()[0].device_kind.lower()
+  except Exception:  # pragma: no cover
+    return False
 
 
 def _num_sms() -> int:
@@ -306,7 +328,8 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
       split_size=split, num_splits=num_splits, sink=int(sink or 0),
       window=int(window or 0), sparse=bool(sink) or bool(window), causal=causal,
       mask_per_batch=mask_per_batch, has_layer=has_layer,
-      scale_log2=float(sm_scale) * _LOG2E)
+      scale_log2=float(sm_scale) * _LOG2E,
+      fast_exp=bool(block_sizes.fast_exp and on_gpu and _is_nvidia()))
   num_warps = block_sizes.num_warps or (4 if block_q <= 64 else 8)
   compiler_params = None
   if not interpret and plgpu is not None:

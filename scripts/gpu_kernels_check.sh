@@ -6,13 +6,15 @@
 # else to benchmarks/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# tests/conftest.py defaults JAX_PLATFORMS to cpu for the CPU suite; here we want the GPU.
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 status=0
 if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
-  $PY -m pytest -q -m gpu tests/test_decode_attention.py -p no:cacheprovider -W ignore \
+  $PY -m pytest -q -m gpu tests/test_decode_attention.py -p no:cacheprovider -W ignore -rs \
     2>&1 | tee "${OUT:-/tmp}/gpu_tests.log" | tail -25 || status=1
 fi
 $PY scripts/bench_attention.py --out "${OUT:-benchmarks}/attention" "$@" 2>&1 \

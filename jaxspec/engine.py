@@ -255,10 +255,16 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     lens = np.array([len(t) for t in token_lists])
     extra = spec.extra_slots if spec is not None else 1
     budget = np.minimum(max_new_tokens, ctx - lens)  # never past the model's context
-    S = int(max_len or round_up(int((lens + budget).max()) + extra, SLOT_ALIGN))
-    if S < int((lens + budget).max()) + extra:
-        raise ValueError(f"max_len={S} is too small for prompts of up to {lens.max()} tokens plus "
-                         f"{max_new_tokens} new tokens")
+    need = int((lens + budget).max()) + extra
+    # the last prefill chunk writes whole chunks: the cache must hold them (kernels need it)
+    n_pre = int(lens.max()) - 1
+    if n_pre > 0:
+        C = min(prefill_chunk, round_up(n_pre, 16))
+        need = max(need, round_up(n_pre, C))
+    S = int(max_len or round_up(need, SLOT_ALIGN))
+    if S < need:
+        raise ValueError(f"max_len={S} is too small: prompts of up to {lens.max()} tokens plus "
+                         f"{max_new_tokens} new tokens need {need} cache slots")
     t0 = time.perf_counter()
     stats: dict[str, Any] = {"batch": B, "prompt_tokens": int(lens.sum()), "max_len": S}
     if max_new_tokens == 0:

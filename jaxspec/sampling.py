@@ -1,0 +1,236 @@
+"""Per-row sampling settings, the filtered next-token distribution, and categorical draws.
+
+Everything here is a pure, jit-able function of arrays with static shapes. Settings are
+per row (``[B]`` arrays), so one compiled decode loop serves requests with different
+temperatures / top-k / top-p. The one static switch is ``SamplingParams.filtering``: when
+it is ``False`` no row uses top-k or top-p and no sort over the vocabulary is traced.
+
+Conventions (relied on by :mod:`jaxspec.verify`):
+
+* ``temperature <= 0`` means greedy. Such rows get the *one-hot of argmax* (first index on
+  ties, exactly ``jnp.argmax``), so greedy is literally the temperature-0 limit and
+  speculative *sampling* with one-hot ``p`` and ``q`` reduces to greedy verification.
+* top-k keeps exactly ``k`` tokens; top-p (nucleus) keeps the smallest set of
+  highest-probability tokens whose mass is ``>= top_p``, measured on the distribution left
+  by top-k (top-k first, then top-p, as Hugging Face does). Ties in the ranking are broken
+  deterministically: equal logits are ranked by increasing token index.
+  ``top_k <= 0`` or ``top_k >= V`` and ``top_p >= 1`` mean "off".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+__all__ = [
+    "SamplingParams",
+    "probs_from_logits",
+    "sample",
+    "categorical",
+    "sample_children",
+]
+
+
+@flax.struct.dataclass
+class SamplingParams:
+    """Per-row sampling settings (a pytree of ``[B]`` arrays + one static flag).
+
+    Attributes:
+      temperature: ``[B] float32``; ``<= 0`` is greedy.
+      top_k: ``[B] int32``; ``0`` (or ``>= V``) is off.
+      top_p: ``[B] float32``; ``1.0`` is off.
+      filtering: static (part of the tree structure, so a change recompiles). ``False``
+        promises that no row uses top-k / top-p: the vocabulary sort is skipped and
+        ``top_k`` / ``top_p`` are ignored.
+    """
+
+    temperature: Array
+    top_k: Array
+    top_p: Array
+    filtering: bool = flax.struct.field(pytree_node=False, default=True)
+
+    @classmethod
+    def make(
+        cls,
+        batch_size: int,
+        temperature: Any = 1.0,
+        top_k: Any = 0,
+        top_p: Any = 1.0,
+        filtering: bool | None = None,
+    ) -> "SamplingParams":
+        """Broadcasts scalars or ``[B]`` values to ``[B]`` arrays.
+
+        ``filtering=None`` decides from the values when they are concrete (any
+        ``top_k > 0`` or ``top_p < 1``) and is ``True`` for traced values. Passing
+        ``filtering=False`` with concrete values that do ask for filtering is an error.
+        """
+        t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch_size,))
+        k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (batch_size,))
+        p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (batch_size,))
+        wants = _concrete_wants_filtering(top_k, top_p)
+        if filtering is None:
+            filtering = True if wants is None else wants
+        elif not filtering and wants:
+            raise ValueError(
+                "filtering=False but some row asks for top-k / top-p "
+                f"(top_k={top_k!r}, top_p={top_p!r})"
+            )
+        return cls(temperature=t, top_k=k, top_p=p, filtering=bool(filtering))
+
+    @classmethod
+    def greedy(cls, batch_size: int) -> "SamplingParams":
+        return cls.make(batch_size, temperature=0.0, filtering=False)
+
+    @property
+    def is_greedy(self) -> Array:
+        """``[B] bool``: rows that decode greedily."""
+        return self.temperature <= 0
+
+
+def _concrete_wants_filtering(top_k: Any, top_p: Any) -> bool | None:
+    try:
+        k = np.asarray(top_k)
+        p = np.asarray(top_p)
+    except Exception:  # tracers
+        return None
+    if k.dtype == object or p.dtype == object:
+        return None
+    return bool(np.any(k > 0) or np.any(p < 1.0))
+
+
+def _per_row(a: Array, ndim: int) -> Array:
+    """Reshapes a ``[B]`` (or scalar) setting to broadcast against ``[B, ..., V]``."""
+    a = jnp.asarray(a)
+    return a.reshape(a.shape + (1,) * (ndim - a.ndim))
+
+
+def _filter_mask(x: Array, top_k: Array, top_p: Array) -> Array:
+    """Tokens kept by top-k then top-p, for scaled logits ``x[..., V]`` (f32).
+
+    One stable sort by (-x, index). The kept set is a prefix of that order, so it is
+    described by its last element (value v*, index i*): token j is kept iff
+    ``x_j > v*`` or (``x_j == v*`` and ``j <= i*``); no scatter back is needed.
+    """
+    V = x.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    neg_sorted, perm = jax.lax.sort((-x, iota), dimension=x.ndim - 1, is_stable=True, num_keys=1)
+    xs = -neg_sorted  # non-increasing
+    lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
+    ps = jnp.exp(xs - lse)  # sorted probabilities, non-increasing
+    cum = jnp.cumsum(ps, axis=-1)
+    k = jnp.where((top_k > 0) & (top_k < V), top_k, V)  # [..., 1]
+    mass_k = jnp.take_along_axis(cum, k - 1, axis=-1)  # mass kept by top-k
+    rank = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    excl = cum - ps  # mass strictly before each rank
+    keep_p = (top_p >= 1.0) | (excl < top_p * mass_k)
+    keep_rank = (rank < k) & keep_p  # a prefix of the ranking
+    n_keep = jnp.maximum(jnp.sum(keep_rank, axis=-1, keepdims=True), 1)
+    v_last = jnp.take_along_axis(xs, n_keep - 1, axis=-1)
+    i_last = jnp.take_along_axis(perm, n_keep - 1, axis=-1)
+    return (x > v_last) | ((x == v_last) & (iota <= i_last))
+
+
+def probs_from_logits(logits: Array, params: SamplingParams) -> Array:
+    """The next-token distribution ``[..., V] float32`` after temperature / top-k / top-p.
+
+    ``logits`` is ``[B, V]`` or ``[B, T, V]`` (any leading dims after B); the ``[B]``
+    settings broadcast over the leading axis. Greedy rows (temperature <= 0) get the
+    one-hot of ``argmax(logits)``.
+    """
+    x = logits.astype(jnp.float32)
+    nd = x.ndim
+    temp = _per_row(params.temperature, nd).astype(jnp.float32)
+    greedy = temp <= 0
+    x = x / jnp.where(greedy, 1.0, temp)
+    if params.filtering:
+        keep = _filter_mask(
+            x, _per_row(params.top_k, nd).astype(jnp.int32), _per_row(params.top_p, nd).astype(jnp.float32)
+        )
+        x = jnp.where(keep, x, -jnp.inf)
+    probs = jax.nn.softmax(x, axis=-1)
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), x.shape[-1], dtype=jnp.float32)
+    return jnp.where(greedy, onehot, probs)
+
+
+# --------------------------------------------------------------------------- draws
+
+_BLOCK = 1024  # two-level inverse CDF above this vocabulary size (keeps cumsum error small)
+
+
+def _first_above(cdf: Array, probs: Array, t: Array) -> Array:
+    """Smallest index j with ``cdf_j > t`` and ``probs_j > 0`` (zero-probability tokens are
+    never returned); if rounding leaves none, the last index with positive probability.
+
+    ``cdf``/``probs``: ``[..., V]``; ``t``: ``[..., S]`` -> ``[..., S] int32``.
+    """
+    V = cdf.shape[-1]
+    pos = probs > 0
+    hit = (cdf[..., None, :] > t[..., :, None]) & pos[..., None, :]
+    first = jnp.argmax(hit, axis=-1).astype(jnp.int32)
+    last_pos = (V - 1 - jnp.argmax(pos[..., ::-1], axis=-1)).astype(jnp.int32)
+    return jnp.where(jnp.any(hit, axis=-1), first, last_pos[..., None])
+
+
+def categorical(rng: Array, probs: Array, num: int | None = None) -> Array:
+    """Draws from (unnormalized, non-negative) ``probs[..., V]`` by inverse CDF.
+
+    Returns ``[...]`` int32, or ``[..., num]`` independent draws (with replacement) when
+    ``num`` is given. One uniform per draw; exact for one-hot rows (the single positive
+    token is always returned); tokens of probability 0 are never returned. For large V the
+    CDF is two-level (blocks of 1024) so the float32 cumsum error stays ~1e-7.
+    """
+    probs = probs.astype(jnp.float32)
+    V = probs.shape[-1]
+    lead = probs.shape[:-1]
+    S = 1 if num is None else num
+    u = jax.random.uniform(rng, lead + (S,), jnp.float32)
+    if V <= _BLOCK:
+        cdf = jnp.cumsum(probs, axis=-1)
+        out = _first_above(cdf, probs, u * cdf[..., -1:])
+    else:
+        nb = -(-V // _BLOCK)
+        pb = jnp.pad(probs, [(0, 0)] * len(lead) + [(0, nb * _BLOCK - V)]).reshape(lead + (nb, _BLOCK))
+        bsum = jnp.sum(pb, axis=-1)  # [..., nb]
+        bcdf = jnp.cumsum(bsum, axis=-1)
+        t = u * bcdf[..., -1:]  # [..., S]
+        blk = _first_above(bcdf, bsum, t)  # [..., S]
+        start = jnp.take_along_axis(bcdf - bsum, blk, axis=-1)
+        inner = jnp.take_along_axis(pb, blk[..., None], axis=-2)  # [..., S, BLOCK]
+        icdf = jnp.cumsum(inner, axis=-1)
+        j = _first_above(icdf, inner, (t - start)[..., None])[..., 0]
+        out = blk * _BLOCK + j
+    return out[..., 0] if num is None else out
+
+
+def sample(rng: Array, logits: Array, params: SamplingParams) -> Array:
+    """One token per row (``[B]`` or ``[B, T]``): exact argmax for greedy rows, a draw from
+    :func:`probs_from_logits` otherwise."""
+    probs = probs_from_logits(logits, params)
+    drawn = categorical(rng, probs)
+    greedy = _per_row(params.temperature, logits.ndim - 1) <= 0
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+
+
+def sample_children(rng: Array, probs: Array, k: int, *, replacement: bool) -> Array:
+    """``k`` child tokens per row of ``probs[..., V]`` for tree drafting -> ``[..., k]``.
+
+    * ``replacement=True``: ``k`` independent draws (verify with ``mode="iid"``).
+    * ``replacement=False``: a sequential draw *without replacement* in draw order (child
+      r is drawn from ``probs`` with children 0..r-1 removed, renormalized), by the
+      Gumbel-top-k trick: the order of ``log q + Gumbel`` keys is exactly that sequential
+      process. If a row has fewer than ``k`` positive-probability tokens, the surplus
+      children are zero-probability fillers, which the verifier (``mode=
+      "without_replacement"``) then treats as deterministic proposals; that is still exact.
+    """
+    if replacement:
+        return categorical(rng, probs, num=k)
+    logq = jnp.log(probs.astype(jnp.float32))
+    g = jax.random.gumbel(rng, probs.shape, jnp.float32)
+    _, idx = jax.lax.top_k(logq + g, k)
+    return idx.astype(jnp.int32)

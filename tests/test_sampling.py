@@ -1,0 +1,176 @@
+"""Tests of jaxspec.sampling: settings, filtered distributions, draws."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxspec.sampling import SamplingParams, categorical, probs_from_logits, sample, sample_children
+
+ALPHA = 1e-3  # fixed significance of every chi-square test in this suite
+
+
+def chi2_pvalue(counts, probs):
+    counts = np.asarray(counts, np.float64).ravel()
+    exp = np.asarray(probs, np.float64).ravel() * counts.sum()
+    assert np.all(counts[exp == 0] == 0), "drew an impossible outcome"
+    keep = exp > 0
+    counts, exp = counts[keep], exp[keep]
+    small = exp < 5  # pool sparse cells
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        exp = np.append(exp[~small], exp[small].sum())
+    return stats.chisquare(counts, exp * counts.sum() / exp.sum()).pvalue
+
+
+def ref_probs(logits, t, k, p):
+    """float64 numpy reference of probs_from_logits for one row; None if too close to a
+    top-p boundary to compare reliably in float32."""
+    logits = np.asarray(logits, np.float64)
+    V = logits.shape[-1]
+    if t <= 0:
+        out = np.zeros(V)
+        out[np.argmax(logits)] = 1.0
+        return out
+    x = logits / np.float64(np.float32(t))
+    order = np.lexsort((np.arange(V), -x))  # by -x, then index
+    xs = x[order]
+    ps = np.exp(xs - xs.max())
+    ps /= ps.sum()
+    kk = k if 0 < k < V else V
+    ps_k = ps[:kk] / ps[:kk].sum()
+    n = kk
+    if p < 1.0:
+        cum = np.cumsum(ps_k)
+        if np.any(np.abs(cum - p) < 1e-4):
+            return None
+        n = int(np.searchsorted(cum, p, side="left")) + 1  # smallest prefix with mass >= p
+        n = min(max(n, 1), kk)
+    keep = order[:n]
+    out = np.zeros(V)
+    e = np.exp(x[keep] - x[keep].max())
+    out[keep] = e / e.sum()
+    return out
+
+
+def test_make_broadcasts_and_filter_flag():
+    sp = SamplingParams.make(3, temperature=0.5)
+    assert sp.temperature.shape == (3,) and sp.top_k.dtype == jnp.int32 and sp.top_p.dtype == jnp.float32
+    assert not sp.filtering
+    assert SamplingParams.make(3, top_k=[0, 5, 0]).filtering
+    assert SamplingParams.make(3, top_p=0.9).filtering
+    assert SamplingParams.greedy(2).is_greedy.all()
+    with pytest.raises(ValueError):
+        SamplingParams.make(2, top_k=3, filtering=False)
+    # a pytree whose static flag is part of the structure
+    leaves, tdef = jax.tree.flatten(sp)
+    assert len(leaves) == 3
+    assert jax.tree.unflatten(tdef, leaves).filtering is False
+
+
+@pytest.mark.parametrize("V", [7, 50])
+def test_probs_match_numpy_reference(V):
+    rng = np.random.default_rng(V)
+    B = 256
+    # integer-valued logits make many exact ties
+    logits = np.where(rng.random((B, V)) < 0.5, rng.integers(-3, 3, (B, V)), rng.normal(0, 2, (B, V))).astype(np.float32)
+    t = np.where(rng.random(B) < 0.2, 0.0, rng.uniform(0.3, 2.0, B)).astype(np.float32)
+    k = np.where(rng.random(B) < 0.4, 0, rng.integers(1, V + 2, B)).astype(np.int32)
+    p = np.where(rng.random(B) < 0.4, 1.0, rng.uniform(0.05, 0.99, B)).astype(np.float32)
+    sp = SamplingParams.make(B, t, k, p)
+    got = np.asarray(jax.jit(probs_from_logits)(jnp.asarray(logits), sp))
+    checked = 0
+    for b in range(B):
+        ref = ref_probs(logits[b], t[b], k[b], p[b])
+        if ref is None:
+            continue
+        checked += 1
+        np.testing.assert_allclose(got[b], ref, atol=2e-6, err_msg=f"row {b}: t={t[b]} k={k[b]} p={p[b]}")
+        assert np.all((got[b] > 0) == (ref > 0))
+    assert checked > 0.9 * B
+    np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
+
+
+def test_greedy_rows_are_first_argmax_one_hot_and_leading_dims_broadcast():
+    logits = jnp.array([[[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, -1.0, 2.0]], [[0.0, 1.0, 5.0, 5.0], [9.0, 1.0, 1.0, 1.0]]])
+    sp = SamplingParams.make(2, temperature=[0.0, 1.0], top_k=[0, 2])
+    pfl = jax.jit(probs_from_logits)
+    probs = pfl(logits, sp)  # [B, T, V] with [B] settings
+    np.testing.assert_array_equal(probs[0], [[0, 1, 0, 0], [1, 0, 0, 0]])
+    # row 1 at temperature 1, top-2: the two 5.0s / [9, first 1]
+    np.testing.assert_allclose(probs[1, 0], [0, 0, 0.5, 0.5], atol=1e-6)
+    np.testing.assert_allclose(probs[1, 1], [1 / (1 + np.exp(-8)), np.exp(-8) / (1 + np.exp(-8)), 0, 0], atol=1e-6)
+    for tt in range(2):
+        np.testing.assert_array_equal(probs[:, tt], pfl(logits[:, tt], sp))
+
+
+def test_no_sort_without_filtering():
+    x = jnp.zeros((2, 16))
+    plain = jax.make_jaxpr(probs_from_logits)(x, SamplingParams.make(2, temperature=0.7))
+    filt = jax.make_jaxpr(probs_from_logits)(x, SamplingParams.make(2, temperature=0.7, top_p=0.9))
+    assert "sort" not in str(plain) and "sort" in str(filt)
+
+
+def test_sample_greedy_exact_and_distribution():
+    rng = np.random.default_rng(0)
+    B, V = 120_000, 6
+    row_logits = rng.normal(0, 1.5, V).astype(np.float32)
+    logits = jnp.broadcast_to(jnp.asarray(row_logits), (B, V))
+    t = np.where(np.arange(B) % 3 == 0, 0.0, 0.8).astype(np.float32)
+    sp = SamplingParams.make(B, t, top_k=4, top_p=1.0)
+    tok = np.asarray(jax.jit(sample)(jax.random.key(1), logits, sp))
+    assert np.all(tok[t == 0] == np.argmax(row_logits))
+    ref = ref_probs(row_logits, 0.8, 4, 1.0)
+    counts = np.bincount(tok[t > 0], minlength=V)
+    assert chi2_pvalue(counts, ref) > ALPHA
+    # a [B, T, V] call: greedy rows take argmax at every position
+    lg = jax.random.normal(jax.random.key(2), (4, 3, 9))
+    out = jax.jit(sample)(jax.random.key(3), lg, SamplingParams.make(4, [0.0, 1.0, 0.0, 1.0]))
+    np.testing.assert_array_equal(out[::2], jnp.argmax(lg[::2], -1))
+
+
+@pytest.mark.parametrize("V", [5, 2500])
+def test_categorical_exact_on_one_hot_and_never_draws_zero_prob(V):
+    rng = np.random.default_rng(V)
+    B = 512
+    hot = rng.integers(0, V, B)
+    onehot = np.zeros((B, V), np.float32)
+    onehot[np.arange(B), hot] = 1.0
+    cat = jax.jit(categorical)
+    np.testing.assert_array_equal(cat(jax.random.key(0), jnp.asarray(onehot)), hot)
+    # sparse support spread over blocks, unnormalized
+    support = np.array(sorted({0, V // 3, V // 2, V - 1}))
+    w = np.zeros(V, np.float32)
+    w[support] = np.array([1.0, 2.0, 3.0, 4.0])[: len(support)]
+    draws = np.asarray(cat(jax.random.key(1), jnp.broadcast_to(jnp.asarray(w), (10_000, V))))
+    assert set(np.unique(draws)) <= set(support.tolist())
+    counts = np.array([(draws == s).sum() for s in support])
+    assert chi2_pvalue(counts, w[support] / w.sum()) > ALPHA
+
+
+def test_categorical_many_draws_shape():
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (3, 2, 2000)))
+    out = jax.jit(categorical, static_argnums=2)(jax.random.key(1), probs, 5)
+    assert out.shape == (3, 2, 5) and out.dtype == jnp.int32
+
+
+def test_sample_children_without_replacement_distribution():
+    q = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
+    B = 100_000
+    kids = np.asarray(sample_children(jax.random.key(0), jnp.broadcast_to(jnp.asarray(q), (B, 4)), 2, replacement=False))
+    assert np.all(kids[:, 0] != kids[:, 1])
+    pairs = list(itertools.permutations(range(4), 2))
+    exact = np.array([q[a] * q[b] / (1 - q[a]) for a, b in pairs])
+    counts = np.array([np.sum((kids[:, 0] == a) & (kids[:, 1] == b)) for a, b in pairs])
+    assert chi2_pvalue(counts, exact) > ALPHA
+    # with replacement: independent draws
+    kids = np.asarray(sample_children(jax.random.key(1), jnp.broadcast_to(jnp.asarray(q), (B, 4)), 2, replacement=True))
+    counts = np.bincount(kids[:, 0] * 4 + kids[:, 1], minlength=16)
+    assert chi2_pvalue(counts, np.outer(q, q)) > ALPHA
+    # support smaller than k: positive tokens first, in draw order
+    q2 = jnp.asarray([[0.0, 1.0, 0.0, 0.0]])
+    out = np.asarray(sample_children(jax.random.key(2), q2, 3, replacement=False))
+    assert out[0, 0] == 1 and len(set(out[0].tolist())) == 3

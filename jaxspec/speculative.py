@@ -294,25 +294,54 @@ class _Runner:
         greedy = bool(np.all(np.asarray(sp.temperature) <= 0))
         cfg = model.config
         if self.draft is None:
-            loop = SpecLoop(config=cfg, stop_ids=stop_ids, gamma=self.gamma, sink=self.spec.sink,
-                            window=self.spec.window, greedy=greedy, impl=impl)
             dstate = DraftState(cache=KVCache.create(cfg, 1, 1, model.dtype),
                                 prev=jnp.array(state.last, copy=True))
             dparams = jnp.zeros(())
         else:
             dstate = self._draft_prefill(state, impl)
-            loop = SpecLoop(config=cfg, stop_ids=stop_ids, gamma=self.gamma,
-                            sink=self.spec.sink, window=self.spec.window, greedy=greedy,
-                            impl=impl, draft_config=self.draft.config,
-                            ring=self.spec.window is not None)
             dparams = self.draft.params
+        stats: dict[str, Any] = {}
+        gamma = self.gamma
+        costs = None
+        if self.spec.gamma == "auto" or profile:
+            costs, state, dstate = measure_costs(model, self.spec, self.draft, state, dstate,
+                                                 impl, GAMMA_CANDIDATES)
+            stats["step_costs_ms"] = {k: (round(v * 1e3, 4) if isinstance(v, float) else
+                                          {g: round(t * 1e3, 4) for g, t in v.items()})
+                                      for k, v in costs.items()}
+        key = _acceptance_key(model, self.spec)
+        if self.spec.gamma == "auto":
+            alpha = _ACCEPTANCE.get(key, PRIOR_ACCEPTANCE)
+            gamma, predicted = choose_gamma(costs, alpha)
+            stats.update({"auto_alpha": alpha, "predicted_speedup": predicted})
+        stats["gamma"] = gamma
+        if gamma == 0:  # speculation would not pay: plain decoding
+            from jaxspec.engine import DecodeLoop, _run_loop
+            loop = DecodeLoop(config=cfg, stop_ids=stop_ids, impl=impl)
+            final = _run_loop(model.params, sp, state, loop=loop)
+            stats.update({"acceptance_rate": 0.0, "tokens_per_step": 1.0})
+            return final, stats
+        loop = SpecLoop(config=cfg, stop_ids=stop_ids, gamma=gamma, sink=self.spec.sink,
+                        window=self.spec.window, greedy=greedy, impl=impl,
+                        draft_config=None if self.draft is None else self.draft.config,
+                        ring=self.draft is not None and self.spec.window is not None)
         final, _, acc = _run_spec(model.params, dparams, sp, state, dstate, loop=loop)
         acc = {k: int(v) for k, v in acc.items()}
-        stats = {
-            "gamma": self.gamma,
-            "acceptance_rate": acc["accepted"] / max(acc["proposed"], 1),
+        rate = acc["accepted"] / max(acc["proposed"], 1)
+        stats.update({
+            "acceptance_rate": rate,
             "tokens_per_step": acc["committed"] / max(acc["row_steps"], 1),
-        }
+        })
+        if acc["proposed"]:
+            alpha = per_token_acceptance(acc["accepted"] / max(acc["row_steps"], 1), gamma)
+            old = _ACCEPTANCE.get(key)
+            _ACCEPTANCE[key] = alpha if old is None else 0.5 * old + 0.5 * alpha
+        if costs is not None:
+            rounds = int(final.steps)
+            d = costs["draft"] * gamma
+            v = costs["verify"][gamma]
+            stats.update({"draft_seconds_estimate": rounds * d,
+                          "verify_seconds_estimate": rounds * v})
         return final, stats
 
     def _draft_prefill(self, state: DecodeState, impl: str) -> DraftState:
@@ -377,7 +406,7 @@ def prepare_speculation(spec: Speculation, model: Model, token_lists, max_new_to
     validate(spec, model)
     gamma = spec.gamma
     if gamma == "auto":
-        gamma = 4  # TODO(issue 3): pick from measured step costs and running acceptance
+        gamma = max(GAMMA_CANDIDATES)  # the cache is sized for the largest candidate
     draft = None if spec.draft == "self" else spec.draft
     if draft is not None and spec.window is None:
         ctx = draft.config.max_position_embeddings
@@ -387,3 +416,121 @@ def prepare_speculation(spec: Speculation, model: Model, token_lists, max_new_to
                              f"reach {longest}; use a ring-buffer draft (window=...) instead")
     return _Runner(spec=spec, gamma=int(gamma), extra_slots=int(gamma) + 2, draft=draft,
                    token_lists=token_lists)
+
+
+# ---------------------------------------------------------------------------- gamma="auto"
+GAMMA_CANDIDATES = (1, 2, 3, 4, 5, 6)
+PRIOR_ACCEPTANCE = 0.6  # per-token acceptance assumed before any speculative run of a model
+_ACCEPTANCE: dict = {}  # running per-token acceptance, per (model, draft kind)
+_COSTS: dict = {}  # measured step costs, per shape
+
+
+def _acceptance_key(model: Model, spec: Speculation):
+    draft = "self" if spec.draft == "self" else id(spec.draft)
+    return (id(model.params), draft, spec.sink, spec.window)
+
+
+def per_token_acceptance(accepted_per_round: float, gamma: int) -> float:
+    """Solves ``sum_{i=1..gamma} a^i = accepted_per_round`` for the per-token acceptance a."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(1, gamma + 1)) < accepted_per_round:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens committed per round of a chain of ``gamma`` drafts (i.i.d. acceptance)."""
+    return sum(alpha ** i for i in range(gamma + 1))
+
+
+def _interp(table: dict, T: int) -> float:
+    """Linear interpolation of a cost table keyed by number of tokens."""
+    xs = sorted(table)
+    if T in table:
+        return table[T]
+    lo = max([x for x in xs if x <= T], default=xs[0])
+    hi = min([x for x in xs if x >= T], default=xs[-1])
+    if lo == hi:
+        return table[lo]
+    return table[lo] + (table[hi] - table[lo]) * (T - lo) / (hi - lo)
+
+
+def choose_gamma(costs: dict, alpha: float, candidates=GAMMA_CANDIDATES,
+                 margin: float = 1.05) -> tuple[int, float]:
+    """MagicDec's cost model: speedup(g) = E[tokens](alpha, g) * t_plain / (g t_draft + t_verify(g+1)).
+    Returns (gamma, predicted speedup); gamma 0 (plain decoding) unless a gamma beats it by
+    ``margin``."""
+    best, best_s = 0, 1.0
+    for g in candidates:
+        t_round = g * costs["draft"] + costs["verify"][g]
+        s = expected_tokens(alpha, g) * costs["plain"] / t_round
+        if s > best_s:
+            best, best_s = g, s
+    if best_s < margin:
+        return 0, 1.0
+    return best, best_s
+
+
+def _timed(fn, carry, n=3):
+    carry = fn(carry)
+    jax.block_until_ready(carry)
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        carry = fn(carry)
+        jax.block_until_ready(carry)
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2], carry
+
+
+@functools.partial(jax.jit, static_argnames=("config", "T", "sink", "window", "impl"),
+                   donate_argnames=("cache",))
+def _cost_step(params, cache, *, config, T, sink, window, impl):
+    """One forward of T tokens at the cache's current lengths; writes only uncommitted slots."""
+    B = cache.batch
+    L = cache.lengths
+    pos = L[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    plan = AttentionPlan(lengths=L, sink=sink, window=window, impl=impl)
+    logits, cache = forward(config, params, jnp.zeros((B, T), jnp.int32), pos, cache, plan)
+    return cache, jnp.sum(logits[:, -1, :8])
+
+
+def measure_costs(model, spec, draft, state, dstate, impl, gammas):
+    """Median wall time of a plain decode step, a draft step and verify forwards of g+1 tokens,
+    at the actual batch, cache and context lengths (measured once per shape, then cached). The
+    caches pass through (donated); only slots past the committed lengths are written."""
+    cfg = model.config
+    cache = state.cache
+    L_mean = int(np.mean(np.asarray(cache.lengths)) // 256)
+    key = (cfg, cache.k.shape, str(cache.k.dtype), impl, spec.sink, spec.window,
+           None if draft is None else (draft.config, dstate.cache.k.shape), L_mean)
+    if key in _COSTS:
+        return _COSTS[key], state, dstate
+
+    def run(params, c, cfg_, T, sink=None, window=None):
+        def f(carry):
+            return _cost_step(params, carry[0], config=cfg_, T=T, sink=sink, window=window,
+                              impl=impl)
+        t, (c, _) = _timed(f, (c, None))
+        return t, c
+
+    t_plain, cache = run(model.params, cache, cfg, 1)
+    verify = {}
+    Ts = sorted({2, max(gammas) + 1, (min(gammas) + max(gammas)) // 2 + 1})
+    for T in Ts:
+        verify[T], cache = run(model.params, cache, cfg, T)
+    if draft is None:
+        sparse = spec.window is not None
+        t_draft, cache = run(model.params, cache, cfg, 1, spec.sink if sparse else None,
+                             spec.window)
+    else:
+        t_draft, dc = run(draft.params, dstate.cache, draft.config, 1)
+        dstate = dstate.replace(cache=dc)
+    costs = {"plain": t_plain, "draft": t_draft,
+             "verify": {g: _interp(verify, g + 1) for g in gammas}}
+    _COSTS[key] = costs
+    return costs, state.replace(cache=cache), dstate

@@ -207,3 +207,30 @@ def test_draft_vocab_and_dtype_mismatch(target):
     with pytest.raises(ValueError, match="window"):
         jaxspec.generate(target, [[1, 2]], max_new_tokens=3,
                          speculation=Speculation(draft=short, gamma=4, window=5))
+
+
+# ------------------------------------------------------------------------- gamma="auto"
+def test_cost_model_choice():
+    from jaxspec.speculative import choose_gamma, expected_tokens, per_token_acceptance
+    # KV-bound: verifying 7 tokens costs ~ one step, the draft is cheap -> speculate, deep
+    kv_bound = {"plain": 10.0, "draft": 1.0, "verify": {g: 10.0 + 0.2 * g for g in range(1, 7)}}
+    g, s = choose_gamma(kv_bound, 0.8)
+    assert g >= 4 and s > 2
+    # weight-bound: the self-draft costs as much as the target -> never speculate
+    w_bound = {"plain": 10.0, "draft": 9.5, "verify": {g: 10.0 * (1 + 0.1 * g) for g in range(1, 7)}}
+    assert choose_gamma(w_bound, 0.9) == (0, 1.0)
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert per_token_acceptance(0.5 + 0.25, 2) == pytest.approx(0.5, abs=1e-6)
+
+
+def test_auto_gamma_is_lossless_and_reports_costs(target, prompts, reference):
+    spec = Speculation(draft="self", gamma="auto", sink=2, window=6)
+    res = jaxspec.generate(target, prompts, max_new_tokens=40, speculation=spec)
+    assert res.tokens == reference
+    assert res.stats["gamma"] in (0, 1, 2, 3, 4, 5, 6)
+    assert set(res.stats["step_costs_ms"]) == {"plain", "draft", "verify"}
+    # profiling with a fixed gamma reports the draft / verify split
+    res = jaxspec.generate(target, prompts, max_new_tokens=40, profile=True,
+                           speculation=Speculation(draft="self", gamma=3, sink=2, window=6))
+    assert res.tokens == reference and res.stats["gamma"] == 3
+    assert res.stats["draft_seconds_estimate"] > 0 and res.stats["verify_seconds_estimate"] > 0

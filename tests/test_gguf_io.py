@@ -443,9 +443,7 @@ def test_iter_tensors_streams_same_as_read(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def test_rope_scaling_and_head_dim_from_metadata(tmp_path: Path) -> None:
-    tiny = tiny_model("llama")
-    tiny.config["head_dim"] = 32  # != hidden / heads = 16
+def test_rope_scaling_from_metadata(tmp_path: Path) -> None:
     tiny = tiny_model("llama")
     meta = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0,
             "llama.rope.scaling.original_context_length": 64}
@@ -515,8 +513,7 @@ def test_tokenizer_from_metadata(tmp_path: Path) -> None:
     text = "the cat and the hat <|im_end|> 2024!"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == text
-    assert ids[:2] == [vocab["tokens"].index("the"[0:1]) if False else vocab["tokens"].index("t"),
-                       vocab["tokens"].index("he")]
+    assert ids[:2] == [vocab["tokens"].index("t"), vocab["tokens"].index("he")]
     assert vocab["tokens"].index("Ġthe") in ids and 2 in ids  # merges applied, special kept whole
     assert tok.chat_template == vocab["chat_template"]
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)

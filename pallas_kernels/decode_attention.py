@@ -47,6 +47,7 @@ from .merge import merge_stacked
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+_HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 
 def _next_pow2(n: int) -> int:
@@ -61,7 +62,10 @@ def _cdiv(a: int, b: int) -> int:
 class DecodeAttentionBlockSizes:
   """Static tiling of the decode/verify kernel (None = chosen from the shapes).
 
-  block_k: context slots per inner step (power of 2, >= 16).
+  block_k: context slots per inner step (power of 2, >= 16); None: 128 for
+    few query rows (block_q <= 32) over a long context (> 4096 visible slots),
+    else 64 (measured on H200: see benchmarks/attention.md). On GPU it is halved
+    while the K/V pipeline buffers would not fit in shared memory.
   block_q: query rows ((t, g) pairs of one KV head) per program (power of 2,
     >= 16); None: next power of 2 of G*T, clamped to [16, max_block_q].
   max_block_q: cap for the automatic block_q (query-row blocking for large T).
@@ -76,7 +80,7 @@ class DecodeAttentionBlockSizes:
     instruction (what Triton's own ``exp2`` emits) instead of libdevice's
     ``exp2f``; ignored elsewhere.
   """
-  block_k: int = 64
+  block_k: int | None = None
   block_q: int | None = None
   max_block_q: int = 128
   block_k_new: int | None = None
@@ -90,7 +94,8 @@ class DecodeAttentionBlockSizes:
 
 # Tuned on an H100 80GB HBM3 (jax 0.11.2, Triton backend); see
 # benchmarks/attention.md. Other GPUs use the same until tuned.
-_GPU_DEFAULTS = DecodeAttentionBlockSizes(block_k=128)
+_GPU_DEFAULTS = DecodeAttentionBlockSizes()
+_SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB per block; keep a margin.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +158,9 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
     else:  # masked loads: rows outside the range come back as 0 (no NaN).
       k = plgpu.load(k_ref.at[idx], mask=load_ok[:, None], other=0)
       v = plgpu.load(v_ref.at[idx], mask=load_ok[:, None], other=0)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+    # HIGHEST: float32 inputs use full-precision (not tf32) products on GPU;
+    # for bf16 inputs it changes nothing.
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                         preferred_element_type=jnp.float32)
     s = s * c.scale_log2                           # base-2 logits
     if score_ok is not None:
@@ -166,7 +173,7 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
     p = _exp2(s - m_safe[:, None], c.fast_exp)
     l = l * alpha + jnp.sum(p, axis=1)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+                         precision=_HIGHEST, preferred_element_type=jnp.float32)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l
 
@@ -208,11 +215,12 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
   # New tokens (slots length + j, j < T): attended by the last split only.
   r0 = qi * bq
   t_row = lax.div(r0 + jnp.arange(bq, dtype=jnp.int32), c.G)      # [bq]
+  is_last = (si == c.num_splits - 1).astype(jnp.int32)
   if c.causal:
     j_max = jnp.minimum(lax.div(r0 + bq - 1, c.G) + 1, c.T)
+    n_new = is_last * lax.div(j_max + bkn - 1, bkn)
   else:
-    j_max = c.T
-  n_new = jnp.where(si == c.num_splits - 1, lax.div(j_max + bkn - 1, bkn), 0)
+    n_new = is_last * _cdiv(c.T, bkn)
   bm = b if c.mask_per_batch else 0
 
   def new_body(i, cr):
@@ -247,11 +255,18 @@ def _num_sms() -> int:
     return 132
 
 
-def _plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_gpu: bool):
+def _plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_gpu: bool,
+          itemsize: int = 2):
   """Resolves automatic block sizes into concrete static numbers."""
   rows = T * G
-  block_k = bs.block_k
+  sparse = bool(sink) or bool(window)
+  v_max = min(S, (sink or 0) + (window or 0)) if sparse else S
+  v_max = max(v_max, 1)
   block_q = bs.block_q or min(max(16, _next_pow2(rows)), max(16, bs.max_block_q))
+  block_k = bs.block_k or (128 if block_q <= 32 and v_max > 4096 else 64)
+  if on_gpu:  # K and V tiles for every pipeline stage, plus the q tile, in shared memory
+    while block_k > 16 and (2 * block_k * bs.num_stages + block_q) * D * itemsize > _SMEM_BYTES:
+      block_k //= 2
   block_k_new = bs.block_k_new or min(max(16, _next_pow2(T)), max(16, block_k))
   for name, val in (("block_k", block_k), ("block_q", block_q), ("block_k_new", block_k_new)):
     if val < 16 or val != _next_pow2(val):
@@ -259,9 +274,6 @@ def _plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_g
   if D != _next_pow2(D):
     raise ValueError(f"head dim {D} must be a power of 2 for the kernel")
   num_q_blocks = _cdiv(rows, block_q)
-  sparse = bool(sink) or bool(window)
-  v_max = min(S, (sink or 0) + (window or 0)) if sparse else S
-  v_max = max(v_max, 1)
   if bs.split_size is not None:
     split = bs.split_size
   else:
@@ -284,7 +296,8 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
   G = H // K
   rows = T * G
   block_q, block_k, block_k_new, split, num_splits, nq = _plan(
-      B, K, T, G, S, D, sink=sink, window=window, bs=block_sizes, on_gpu=on_gpu)
+      B, K, T, G, S, D, sink=sink, window=window, bs=block_sizes, on_gpu=on_gpu,
+      itemsize=jnp.dtype(k_cache.dtype).itemsize)
   rows_pad = nq * block_q
 
   # Rows of one KV head: r = t * G + g.

@@ -250,11 +250,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfl
         if src.suffix != ".gguf":
             raise ValueError(f"{src} is a file but not a .gguf file; give a Hugging Face folder "
                              f"or a .gguf file")
-        from jaxspec.gguf_io import read_gguf
-        g = read_gguf(src, progress=progress)
+        from jaxspec.gguf_io import GGUFFile
+        g = GGUFFile(src)  # streams one dequantized tensor at a time
         config = ModelConfig.from_hf_dict(g.config)
-        tensors = g.iter_tensors() if hasattr(g, "iter_tensors") else iter(g.tensors.items())
-        tokenizer = g.tokenizer
+        tensors = g.iter_tensors(progress=progress)
+        tokenizer = g.tokenizer()
         source = {"kind": "gguf", "path": str(src.resolve())}
     else:
         cfg_path = src / "config.json"

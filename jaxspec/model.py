@@ -18,6 +18,7 @@ Parameter tree (shapes for L layers, hidden D, heads H x head_dim Dh, KV heads K
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import flax.linen as nn
@@ -50,6 +51,26 @@ def apply_rope(x_BTHD, cos, sin):
     rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     out = x32 * cos[:, :, None, :] + rot * sin[:, :, None, :]
     return out.astype(x_BTHD.dtype)
+
+
+_KV_WRITE = os.environ.get("JAXSPEC_KV_WRITE", "bits")  # bits | native | none (profiling)
+
+
+def write_slots(cache_LBKSD, layer, b_idx, slots_BT, new_BTKD):
+    """Writes ``new[b, t]`` at ``cache[layer, b, :, slots[b, t]]`` in place (slots past the end are
+    dropped). The scatter runs on the raw bits (an unsigned int view of the same width): some
+    backends have no native 16-bit float scatter and would otherwise convert the whole cache."""
+    dt = cache_LBKSD.dtype
+    new = new_BTKD.astype(dt)
+    if _KV_WRITE == "none":  # profiling only: skip the write
+        return cache_LBKSD
+    if _KV_WRITE == "bits" and jnp.issubdtype(dt, jnp.floating):
+        ut = {2: jnp.uint16, 4: jnp.uint32, 1: jnp.uint8}[jnp.dtype(dt).itemsize]
+        bits = jax.lax.bitcast_convert_type(cache_LBKSD, ut)
+        bits = bits.at[layer, b_idx, :, slots_BT].set(jax.lax.bitcast_convert_type(new, ut),
+                                                      mode="drop")
+        return jax.lax.bitcast_convert_type(bits, dt)
+    return cache_LBKSD.at[layer, b_idx, :, slots_BT].set(new, mode="drop")
 
 
 def _init(scale):
@@ -96,8 +117,8 @@ class Block(nn.Module):
         # Write the T new K/V at slots lengths + t (slots past the cache are dropped).
         slots = plan.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
-        k_cache = k_cache.at[layer, b_idx, :, slots].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[layer, b_idx, :, slots].set(v.astype(v_cache.dtype), mode="drop")
+        k_cache = write_slots(k_cache, layer, b_idx, slots, k)
+        v_cache = write_slots(v_cache, layer, b_idx, slots, v)
 
         attn = attend(q, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
         x = x + attn.reshape(B, T, H * Dh).astype(dt) @ wo

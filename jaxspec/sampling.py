@@ -34,6 +34,7 @@ __all__ = [
     "sample",
     "categorical",
     "sample_children",
+    "draft_children",
 ]
 
 
@@ -234,3 +235,36 @@ def sample_children(rng: Array, probs: Array, k: int, *, replacement: bool) -> A
     g = jax.random.gumbel(rng, probs.shape, jnp.float32)
     _, idx = jax.lax.top_k(logq + g, k)
     return idx.astype(jnp.int32)
+
+
+def draft_children(
+    rng: Array, draft_logits: Array, params: SamplingParams, k: int, mode: str
+) -> tuple[Array, Array]:
+    """Children of tree nodes for one draft level, and the q to pass to ``verify_tree``.
+
+    ``draft_logits``: ``[B, ..., V]`` draft outputs at the nodes of one level. Returns
+    ``(children[B, ..., k] int32, q[B, ..., V] float32)`` with
+    ``q = probs_from_logits(draft_logits, params)``; put ``q`` in row i of ``draft_probs``
+    for node i and the children, in order, at ranks 0..k-1 below it.
+
+    * ``mode="iid"``: k independent draws from q.
+    * ``mode="without_replacement"``: Gumbel-top-k of q (a draw without replacement, in order).
+    * ``mode="deterministic"``: the k highest draft logits (= the top of q, in q's order,
+      while q has that many positive tokens; lowest index on ties).
+
+    Greedy rows (temperature 0) always get the top-k of the raw draft logits, whatever the
+    mode: their target p is one-hot, so any proposals verify exactly (a child is accepted
+    iff it is the target argmax), and the draft's k best guesses accept most often.
+    """
+    q = probs_from_logits(draft_logits, params)
+    best = jax.lax.top_k(draft_logits.astype(jnp.float32), k)[1].astype(jnp.int32)
+    if mode == "iid":
+        kids = sample_children(rng, q, k, replacement=True)
+    elif mode == "without_replacement":
+        kids = sample_children(rng, q, k, replacement=False)
+    elif mode == "deterministic":
+        return best, q
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    greedy = _per_row(params.temperature, kids.ndim) <= 0
+    return jnp.where(greedy, best, kids), q

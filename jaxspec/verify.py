@@ -264,8 +264,8 @@ def verify_tree(
     ``accepted_nodes[b, :n]`` are the accepted nodes at depths 1..n, -1 padded.
 
     Cost: a ``lax.while_loop`` over depth (stops when every row is done) around a
-    ``lax.fori_loop`` over the widest fan-out, each step O(B V); compile time does not
-    grow with the tree size.
+    ``lax.while_loop`` over siblings (as many steps as the widest current node has
+    children, or fewer), each step O(B V); compile time does not grow with the tree size.
     """
     tree = as_tree(tree)
     if mode not in ("iid", "without_replacement", "deterministic"):
@@ -275,12 +275,12 @@ def verify_tree(
         raise ValueError(f"node_tokens has {N} nodes, tree has {tree.num_nodes}")
     V = target_probs.shape[-1]
     D = tree.max_depth
-    W = tree.children_padded.shape[1]
     use_q = mode != "deterministic"
     if use_q and draft_probs is None:
         raise ValueError(f"mode={mode!r} needs draft_probs")
 
     children = jnp.asarray(tree.children_padded)
+    nchild = jnp.asarray(tree.num_children)
     tokens = node_tokens.astype(jnp.int32)
     rows = jnp.arange(B)
     vocab = jnp.arange(V, dtype=jnp.int32)
@@ -325,7 +325,18 @@ def verify_tree(
         p = jnp.where(active[:, None], p_new, p)
         q = jnp.where(active[:, None], q_new, q)
         moved0 = jnp.full((B,), -1, jnp.int32)
-        _, _, p, q, moved = jax.lax.fori_loop(0, W, sibling, (cur, active, p, q, moved0))
+        # only as many sibling steps as the widest current node has children
+        width = jnp.max(jnp.where(active, nchild[cur], 0))
+
+        def sib_cond(c):
+            w, (_, act, _, _, moved) = c
+            return (w < width) & jnp.any(act & (moved < 0))
+
+        def sib_body(c):
+            w, st = c
+            return w + 1, sibling(w, st)
+
+        _, (_, _, p, q, moved) = jax.lax.while_loop(sib_cond, sib_body, (jnp.int32(0), (cur, active, p, q, moved0)))
         accepted = moved >= 0
         cur = jnp.where(accepted, moved, cur)
         return d + 1, cur, active & accepted, p, q

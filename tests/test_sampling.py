@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec.sampling import SamplingParams, categorical, probs_from_logits, sample, sample_children
+from jaxspec.sampling import SamplingParams, categorical, draft_children, probs_from_logits, sample, sample_children
 
 ALPHA = 1e-3  # fixed significance of every chi-square test in this suite
 
@@ -174,3 +174,28 @@ def test_sample_children_without_replacement_distribution():
     q2 = jnp.asarray([[0.0, 1.0, 0.0, 0.0]])
     out = np.asarray(sample_children(jax.random.key(2), q2, 3, replacement=False))
     assert out[0, 0] == 1 and len(set(out[0].tolist())) == 3
+
+
+@pytest.mark.parametrize("mode", ["iid", "without_replacement", "deterministic"])
+def test_draft_children(mode):
+    rng = np.random.default_rng(3)
+    B, T, Vb, k = 6, 2, 10, 3
+    logits = jnp.asarray(rng.normal(size=(B, T, Vb)), jnp.float32)
+    sp = SamplingParams.make(B, temperature=[0.0, 1.0, 0.0, 0.7, 1.0, 1.0], top_k=[0, 0, 0, 4, 2, 0])
+    kids, q = jax.jit(draft_children, static_argnums=(3, 4))(jax.random.key(0), logits, sp, k, mode)
+    assert kids.shape == (B, T, k) and q.shape == (B, T, Vb)
+    np.testing.assert_array_equal(q, probs_from_logits(logits, sp))
+    top = np.argsort(-np.asarray(logits), -1, kind="stable")[..., :k]
+    np.testing.assert_array_equal(kids[sp.is_greedy], top[np.asarray(sp.is_greedy)])
+    qn = np.asarray(q)
+    kn = np.asarray(kids)
+    for b in np.nonzero(~np.asarray(sp.is_greedy))[0]:
+        for t in range(T):
+            support = int((qn[b, t] > 0).sum())
+            if mode == "deterministic":
+                np.testing.assert_array_equal(kn[b, t], top[b, t])
+            if mode != "iid":
+                assert len(set(kn[b, t].tolist())) == k
+                assert np.all(qn[b, t, kn[b, t, : min(k, support)]] > 0)  # positive tokens first
+            else:
+                assert np.all(qn[b, t, kn[b, t]] > 0)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec.sampling import SamplingParams, probs_from_logits
+from jaxspec.sampling import SamplingParams, draft_children, probs_from_logits
 from jaxspec.tree import TokenTree
 from jaxspec.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
 
@@ -385,3 +385,33 @@ def test_without_replacement_drafts_verified_as_iid_fail(tables):
     )
     counts = prefix_counts(rng, P, np.take_along_axis(toks, np.maximum(acc, 0), 1), n, nxt)
     assert chi2_pvalue(counts, exact_joint(P)) < ALPHA
+
+
+@pytest.mark.parametrize("mode", ["iid", "without_replacement"])
+def test_engine_path_draft_children_then_verify_tree(tables, mode):
+    """Children drawn level by level with jaxspec.sampling.draft_children (what the engine
+    calls), then verify_tree: still the target's distribution."""
+    P, Q = tables
+    tree = TokenTree.from_expansion((3, 2, 1))
+    rng = np.random.default_rng(77)
+    sp = SamplingParams.make(ROWS, 1.0)
+    draft = jax.jit(draft_children, static_argnums=(3, 4))
+    toks = np.zeros((ROWS, tree.num_nodes), np.int64)
+    code = np.zeros((ROWS, tree.num_nodes), np.int64)
+    key = jax.random.key(8)
+    for a, b in tree.levels[:-1]:
+        k = len(tree.children[a])
+        with np.errstate(divide="ignore"):
+            logits = np.log(Q[code[:, a:b]])
+        key, sub = jax.random.split(key)
+        kids, _ = draft(sub, jnp.asarray(logits, jnp.float32), sp, k, mode)
+        kids = np.asarray(kids)
+        for i in range(a, b):
+            for j, c in enumerate(tree.children[i]):
+                toks[:, c] = kids[:, i - a, j]
+                code[:, c] = child_code(code[:, i], toks[:, c])
+    n, acc, nxt = map(
+        np.asarray, jit_tree(jax.random.key(9), tree, jnp.asarray(toks), jnp.asarray(Q[code]), jnp.asarray(P[code]), mode=mode)
+    )
+    counts = prefix_counts(rng, P, np.take_along_axis(toks, np.maximum(acc, 0), 1), n, nxt)
+    assert chi2_pvalue(counts, exact_joint(P)) > ALPHA

@@ -42,7 +42,8 @@ from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
 from jaxspec.engine import DecodeState, commit_tokens, prefill
 from jaxspec.model import forward
-from jaxspec.verify import verify_chain, verify_greedy
+from jaxspec.tree import TokenTree, compact_path
+from jaxspec.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -54,7 +55,13 @@ class Speculation:
     gamma: drafts per round (>= 1), or ``"auto"`` to pick it from measured step costs.
     sink, window: StreamingLLM sparse KV of the draft (for a separate draft ``window=None`` means a
         full cache).
-    tree: a token-tree expansion config (see `jaxspec.tree`), or None for a chain.
+    tree: token-tree speculation instead of a chain: SpecInfer's expansion config ``(k1, .., km)``
+        (the node at depth i gets k_{i+1} children), a parents list (starting with -1), a
+        `jaxspec.tree.TokenTree`, or the path of a JSON file written by ``jaxspec tree-search``.
+        ``gamma`` is then unused.
+    tree_sampling: how children are drawn at temperature > 0: ``"without_replacement"``
+        (Gumbel-top-k, higher acceptance) or ``"iid"`` (SpecInfer's independent draws). At
+        temperature 0 children are the draft's top-k.
     """
 
     draft: Any = "self"
@@ -62,6 +69,34 @@ class Speculation:
     sink: int = 16
     window: int | None = 496
     tree: Any = None
+    tree_sampling: str = "without_replacement"
+
+
+def resolve_tree(tree) -> TokenTree | None:
+    """A TokenTree from any accepted ``Speculation.tree`` form (see `Speculation`)."""
+    if tree is None or isinstance(tree, TokenTree):
+        return tree
+    if isinstance(tree, str):
+        import json
+        import pathlib
+        path = pathlib.Path(tree)
+        if not path.exists():
+            raise ValueError(f"tree {tree!r} is neither an expansion config nor a tree file")
+        data = json.loads(path.read_text())
+        parents = data["parents"] if isinstance(data, dict) else data
+        return TokenTree.from_parents(parents)
+    try:
+        seq = [int(x) for x in tree]
+    except (TypeError, ValueError):
+        raise ValueError(f"tree must be an expansion config, a parents list, a TokenTree or a "
+                         f"file, got {tree!r}") from None
+    if not seq:
+        raise ValueError("tree is empty")
+    if seq[0] == -1:
+        return TokenTree.from_parents(seq)
+    if any(k < 1 for k in seq):
+        raise ValueError(f"tree expansion counts must be >= 1, got {seq}")
+    return TokenTree.from_expansion(seq)
 
 
 @struct.dataclass
@@ -83,6 +118,8 @@ class SpecLoop:
     impl: str = "auto"
     draft_config: ModelConfig | None = None  # None: self-speculation
     ring: bool = False  # separate draft with a ring-buffer cache of sink + window slots
+    tree: Any = None  # a static TokenTree: token-tree speculation instead of a chain
+    tree_mode: str = "without_replacement"  # how sampled children are drawn (see verify_tree)
 
     # ------------------------------------------------------------------ drafting
     def _self_draft(self, params, sp, state: DecodeState, rng):
@@ -183,6 +220,8 @@ class SpecLoop:
 
     # ------------------------------------------------------------------ one round
     def body(self, params, dparams, sp, carry):
+        if self.tree is not None:
+            return self._tree_body(params, dparams, sp, carry)
         state, dstate, acc = carry
         rng, r_draft, r_verify = jax.random.split(state.rng, 3)
         L = state.cache.lengths
@@ -218,6 +257,118 @@ class SpecLoop:
                 drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0], state.last)
             dstate = DraftState(cache=dc, prev=jnp.where(active, prev, dstate.prev))
         acc = {"proposed": acc["proposed"] + jnp.sum(jnp.where(active, g, 0)),
+               "accepted": acc["accepted"] + jnp.sum(jnp.where(active, n_acc, 0)),
+               "committed": acc["committed"] + jnp.sum(st.n_out - state.n_out),
+               "row_steps": acc["row_steps"] + jnp.sum(active.astype(jnp.int32))}
+        return st, dstate, acc
+
+
+    # ------------------------------------------------------------------ token trees
+    def _children(self, rng, logits, sp, k):
+        """k children per node from draft logits [B, n, V]: top-k (greedy) or sampled."""
+        if self.greedy:
+            return jax.lax.top_k(logits, k)[1].astype(jnp.int32), None
+        q = sampling.probs_from_logits(logits, sp)
+        kids = sampling.sample_children(rng, q, k, replacement=self.tree_mode == "iid")
+        return kids.astype(jnp.int32), q
+
+    def _draft_tree(self, params, dparams, sp, state, dstate, rng):
+        """Drafts the whole tree: one draft forward per level over the nodes drafted so far
+        (tree mask among them), giving the child distributions of that level's nodes."""
+        tree = self.tree
+        N, D = tree.num_nodes, tree.max_depth
+        par, depths, rank = tree.parents, tree.depths, tree.sibling_rank
+        levels = tree.levels
+        anc = jnp.asarray(tree.ancestor_mask)
+        L = state.cache.lengths
+        B = L.shape[0]
+        node_tok = jnp.zeros((B, N), jnp.int32).at[:, 0].set(state.last)
+        q_all = None if self.greedy else jnp.zeros((B, N, self.config.vocab_size), jnp.float32)
+        depths_j = jnp.asarray(depths, jnp.int32)
+        if self.draft_config is None:
+            cache, cfg, prm = state.cache, self.config, params
+            root_slot = L
+            sparse = self.window is not None
+            sink, window = (self.sink, self.window) if sparse else (None, None)
+            extra = {}
+        else:
+            dc = dstate.cache
+            pending = L - dc.lengths + 1
+            start = L + 1 - pending
+            base = jnp.minimum(start, self.sink + self.window) if self.ring else start
+            two = jnp.where((pending == 2)[:, None], jnp.stack([dstate.prev, state.last], 1),
+                            jnp.stack([state.last, state.last], 1))
+            pos0 = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+            root_logits, dc = forward(self.draft_config, dparams, two, pos0, dc,
+                                      AttentionPlan(lengths=base, impl=self.impl),
+                                      logits_at=(pending - 1)[:, None])
+            cache, cfg, prm = dc, self.draft_config, dparams
+            root_slot = base + pending - 1
+            sink = window = None
+            extra = {"start": start, "base": base, "root_slot": root_slot}
+        for d in range(D):
+            a, b = levels[d]
+            a2, b2 = levels[d + 1]
+            rng, sub = jax.random.split(rng)
+            if d == 0 and self.draft_config is not None:
+                logits = root_logits
+            else:
+                plan = AttentionPlan(lengths=root_slot, mask=anc[:b, :b], sink=sink,
+                                     window=window, impl=self.impl)
+                idx = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (B, b - a))
+                logits, cache = forward(cfg, prm, node_tok[:, :b], L[:, None] + depths_j[None, :b],
+                                        cache, plan, logits_at=idx)
+            k = int(max(len(tree.children[i]) for i in range(a, b)))
+            kids, q = self._children(sub, logits, sp, k)  # [B, b-a, k]
+            if q is not None:
+                q_all = q_all.at[:, a:b].set(q)
+            src_node = jnp.asarray(par[a2:b2] - a, jnp.int32)
+            src_rank = jnp.asarray(rank[a2:b2], jnp.int32)
+            node_tok = node_tok.at[:, a2:b2].set(kids[:, src_node, src_rank])
+        return cache, node_tok, q_all, extra
+
+    def _tree_body(self, params, dparams, sp, carry):
+        state, dstate, acc = carry
+        tree = self.tree
+        N, D = tree.num_nodes, tree.max_depth
+        rng, r_draft, r_verify = jax.random.split(state.rng, 3)
+        L = state.cache.lengths
+        dcache, node_tok, q_all, extra = self._draft_tree(params, dparams, sp, state, dstate,
+                                                          r_draft)
+        cache = dcache if self.draft_config is None else state.cache
+        positions = L[:, None] + jnp.asarray(tree.depths, jnp.int32)[None]
+        plan = AttentionPlan(lengths=L, mask=jnp.asarray(tree.ancestor_mask), impl=self.impl)
+        logits, cache = forward(self.config, params, node_tok, positions, cache, plan)
+        if self.greedy:
+            n_acc, acc_nodes, nxt = verify_tree_greedy(tree, node_tok, logits)
+        else:
+            p = sampling.probs_from_logits(logits, sp)
+            n_acc, acc_nodes, nxt = verify_tree(r_verify, tree, node_tok, q_all, p,
+                                                mode=self.tree_mode)
+        n_acc = n_acc.astype(jnp.int32)
+        acc_nodes = acc_nodes.astype(jnp.int32)
+        # accepted path's K/V to consecutive slots L + 0..n (root already at L)
+        k, v = compact_path((cache.k, cache.v), acc_nodes, L, slot_axis=3, batch_axis=1)
+        cache = cache.replace(k=k, v=v)
+        path = jnp.take_along_axis(node_tok, jnp.maximum(acc_nodes, 0), axis=1)  # [B, D]
+        idx = jnp.arange(D + 1, dtype=jnp.int32)[None]
+        new = jnp.where(idx < n_acc[:, None], jnp.pad(path, ((0, 0), (0, 1))),
+                        nxt[:, None].astype(jnp.int32))
+        active = ~state.done
+        st = commit_tokens(state.replace(cache=cache, rng=rng, steps=state.steps + 1), new,
+                           jnp.where(active, n_acc + 1, 0), self.stop_ids)
+        if self.draft_config is not None:
+            dc = dcache
+            # the draft holds K/V for the root and every node above the deepest level
+            dk, dv = compact_path((dc.k, dc.v), jnp.where(acc_nodes >= 0, acc_nodes, -1),
+                                  extra["root_slot"], slot_axis=3, batch_axis=1)
+            dc = dc.replace(k=dk, v=dv)
+            have = jnp.minimum(st.cache.lengths, L + D)
+            dc = self._commit_draft(dc, extra["start"], extra["base"], have, n_kv_max=D + 1)
+            prev = jnp.where(n_acc > 0, jnp.take_along_axis(
+                path, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0], state.last)
+            dstate = DraftState(cache=dc, prev=jnp.where(active, prev, dstate.prev))
+        acc = {"proposed": acc["proposed"] + jnp.sum(jnp.where(active, D, 0)),
                "accepted": acc["accepted"] + jnp.sum(jnp.where(active, n_acc, 0)),
                "committed": acc["committed"] + jnp.sum(st.n_out - state.n_out),
                "row_steps": acc["row_steps"] + jnp.sum(active.astype(jnp.int32))}
@@ -271,15 +422,24 @@ def validate(spec: Speculation, model: Model):
         if d.dtype != model.dtype:
             raise ValueError(f"draft dtype {d.dtype} differs from the target's {model.dtype}; "
                              f"load both with the same dtype (jaxspec.load(path, dtype=...))")
-        if spec.window is not None:
+        if spec.window is not None and spec.tree is None:
             gmax = 8 if g == "auto" else int(g)
             if spec.window < gmax + 2:
                 raise ValueError(f"a ring-buffer draft needs window >= gamma + 2 = "
                                  f"{gmax + 2}, got {spec.window}")
     else:
         raise TypeError(f"draft must be 'self' or a jaxspec.Model, got {type(spec.draft).__name__}")
+    if spec.tree_sampling not in ("without_replacement", "iid"):
+        raise ValueError(f"tree_sampling must be 'without_replacement' or 'iid', "
+                         f"got {spec.tree_sampling!r}")
     if spec.tree is not None:
-        raise NotImplementedError("token trees are not implemented yet (issue 5)")
+        tree = resolve_tree(spec.tree)
+        if g == "auto":
+            raise ValueError("gamma='auto' picks a chain length; it cannot be combined with a tree")
+        if (isinstance(spec.draft, Model) and spec.window is not None
+                and spec.window < tree.max_depth + 2):
+            raise ValueError(f"a ring-buffer draft needs window >= tree depth + 2 = "
+                             f"{tree.max_depth + 2}, got {spec.window}")
 
 
 @dataclasses.dataclass
@@ -289,6 +449,7 @@ class _Runner:
     extra_slots: int
     draft: Model | None
     token_lists: list
+    tree: TokenTree | None = None
 
     def run(self, model: Model, sp, state: DecodeState, *, stop_ids, impl, profile=False):
         greedy = bool(np.all(np.asarray(sp.temperature) <= 0))
@@ -315,6 +476,9 @@ class _Runner:
             gamma, predicted = choose_gamma(costs, alpha)
             stats.update({"auto_alpha": alpha, "predicted_speedup": predicted})
         stats["gamma"] = gamma
+        if self.tree is not None:
+            stats["tree_nodes"] = self.tree.num_nodes
+            stats["tree_depth"] = self.tree.max_depth
         if gamma == 0:  # speculation would not pay: plain decoding
             from jaxspec.engine import DecodeLoop, _run_loop
             loop = DecodeLoop(config=cfg, stop_ids=stop_ids, impl=impl)
@@ -324,7 +488,8 @@ class _Runner:
         loop = SpecLoop(config=cfg, stop_ids=stop_ids, gamma=gamma, sink=self.spec.sink,
                         window=self.spec.window, greedy=greedy, impl=impl,
                         draft_config=None if self.draft is None else self.draft.config,
-                        ring=self.draft is not None and self.spec.window is not None)
+                        ring=self.draft is not None and self.spec.window is not None,
+                        tree=self.tree, tree_mode=self.spec.tree_sampling)
         final, _, acc = _run_spec(model.params, dparams, sp, state, dstate, loop=loop)
         acc = {k: int(v) for k, v in acc.items()}
         rate = acc["accepted"] / max(acc["proposed"], 1)
@@ -354,7 +519,7 @@ class _Runner:
             dc = prefill(d.config, d.params, dc, prompts, impl=impl)
         else:
             dc = ring_prefill(d.config, d.params, prompts, sink=self.spec.sink,
-                              window=self.spec.window, scratch=self.gamma + 1, impl=impl,
+                              window=self.spec.window, scratch=self.extra_slots, impl=impl,
                               dtype=d.dtype)
         return DraftState(cache=dc, prev=jnp.array(state.last, copy=True))
 
@@ -414,8 +579,10 @@ def prepare_speculation(spec: Speculation, model: Model, token_lists, max_new_to
         if longest > ctx:
             raise ValueError(f"the draft model's context is {ctx} tokens but prompts + new tokens "
                              f"reach {longest}; use a ring-buffer draft (window=...) instead")
-    return _Runner(spec=spec, gamma=int(gamma), extra_slots=int(gamma) + 2, draft=draft,
-                   token_lists=token_lists)
+    tree = resolve_tree(spec.tree)
+    extra = (tree.num_nodes + 1) if tree is not None else int(gamma) + 2
+    return _Runner(spec=spec, gamma=int(gamma), extra_slots=extra, draft=draft,
+                   token_lists=token_lists, tree=tree)
 
 
 # ---------------------------------------------------------------------------- gamma="auto"

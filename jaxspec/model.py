@@ -53,6 +53,7 @@ def apply_rope(x_BTHD, cos, sin):
     return out.astype(x_BTHD.dtype)
 
 
+_SCAN_UNROLL = int(os.environ.get("JAXSPEC_SCAN_UNROLL", "1"))  # layers per scan iteration
 _KV_WRITE = os.environ.get("JAXSPEC_KV_WRITE", "bits")  # bits | native | none (profiling)
 
 
@@ -152,6 +153,7 @@ class Transformer(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast),
             length=c.num_layers,
+            unroll=_SCAN_UNROLL,
         )
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)
         (x, k, v), _ = Stack(c, dt, name="layers")((x, cache.k, cache.v), layers, rope, plan)

@@ -233,6 +233,9 @@ def main():
   p.add_argument("--Ts", default="1,5,16,64")
   p.add_argument("--no-peers", action="store_true")
   p.add_argument("--smoke", action="store_true")
+  p.add_argument("--extra", action="store_true",
+                 help="instead of the main table: small-batch long-context decode (flash-decoding "
+                      "splits) and prefill chunks, vs peers")
   p.add_argument("--verbose", action="store_true")
   args = p.parse_args()
 
@@ -243,7 +246,7 @@ def main():
          "python": platform.python_version(),
          "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
   log("env", env)
-  results = {"env": env, "ceiling": None, "dense": [], "sparse": [], "tune": []}
+  results = {"env": env, "ceiling": None, "dense": [], "sparse": [], "tune": [], "extra": []}
 
   if args.smoke:
     B, K, G, D, S = 2, 2, 4, 64, 256
@@ -262,6 +265,10 @@ def main():
   c = results["ceiling"]
   log(f"copy ceiling {c['copy_TBps']:.3f} TB/s (read+write; best of {c['copy_variants_TBps']}),"
       f" read-only {c['read_TBps']:.3f} TB/s")
+
+  if args.extra:
+    run_extra(args, results)
+    return
 
   B, K, G, D, S = 64, 8, 4, 128, 8192
   rng = np.random.default_rng(0)
@@ -339,6 +346,74 @@ def main():
     del q, k, v
 
   write_outputs(results, args.out)
+
+
+def run_extra(args, results):
+  K, G, D = 8, 4, 128
+  H = K * G
+  rng = np.random.default_rng(1)
+  out = results["extra"]
+  # Small batch, long context: parallelism must come from splitting the context.
+  for B, S in ((1, 65536), (4, 65536), (16, 32768)):
+    for T in (1, 5):
+      lengths = rng.integers(S // 2, S - T + 1, size=B)
+      q, k, v, L = make_case(B, T, K, G, D, S, lengths, seed=300 + B + T)
+      nb = kv_bytes(lengths, T, K, D, 2)
+      base = dict(section="small batch, long context", B=B, T=T, S=S, kv_bytes=nb)
+      try_time(f"ours B={B} S={S} T={T}", ours_step(None), (q, k, v, L), nb, args, out,
+               dict(base, impl="ours (auto splits)"))
+      try_time(f"ours B={B} S={S} T={T} one split", ours_step(
+          dataclasses.replace(GPU_DEFAULTS, target_programs=1)), (q, k, v, L), nb, args, out,
+               dict(base, impl="ours (1 split)"))
+      qg, ks, vs = gqa_inputs(q, k, v)
+      try_time(f"gqa B={B} S={S} T={T}", gqa_step(T), (qg, ks, vs, L), nb, args, out,
+               dict(base, impl="jax gqa (defaults)"))
+      del qg, ks, vs
+      qc, kc, vc = cudnn_inputs(q, k, v)
+      try_time(f"cudnn B={B} S={S} T={T}", cudnn_step(T), (qc, kc, vc, L), nb, args, out,
+               dict(base, impl="cudnn"))
+      del qc, kc, vc, q, k, v
+      write_extra(results, args.out)
+  # Prefill chunks after cached context (compute-bound): causal among the chunk.
+  for B, T, ctx in ((8, 512, 1536), (2, 1024, 3072), (1, 2048, 6144)):
+    S = ctx + T
+    lengths = np.full(B, ctx)
+    q, k, v, L = make_case(B, T, K, G, D, S, lengths, seed=400 + T)
+    nb = kv_bytes(lengths, T, K, D, 2)
+    flops = 4 * D * H * B * T * (ctx + (T + 1) / 2)
+    base = dict(section="prefill chunk", B=B, T=T, S=S, context=ctx, kv_bytes=nb)
+    try_time(f"ours prefill B={B} T={T} ctx={ctx}", ours_step(None), (q, k, v, L), nb, args,
+             out, dict(base, impl="ours (causal)", flops=flops))
+    qc, kc, vc = cudnn_inputs(q, k, v)
+    try_time(f"cudnn prefill B={B} T={T} ctx={ctx} (no mask)", cudnn_step(T), (qc, kc, vc, L),
+             nb, args, out, dict(base, impl="cudnn (no causal mask: more work)",
+                                 flops=4 * D * H * B * T * (ctx + T)))
+    del qc, kc, vc, q, k, v
+    write_extra(results, args.out)
+
+
+def write_extra(results, out):
+  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+  with open(out + ".json", "w") as f:
+    json.dump(results, f, indent=1)
+  env, c = results["env"], results["ceiling"]
+  lines = ["# Decode attention: small batch / long context and prefill chunks", "",
+           f"- device: {env['device']} ({env['num_sms']} SMs), jax {env['jax']}",
+           f"- command: `{env['command']}`",
+           f"- copy ceiling {c['copy_TBps']:.3f} TB/s, read-only {c['read_TBps']:.3f} TB/s",
+           "- K=8, G=4, D=128, bf16; decode lengths random in [S/2, S-T]", "",
+           "| section | B | T | S | implementation | time (us) | KV TB/s | TFLOP/s |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in results["extra"]:
+    head = f"| {r['section']} | {r['B']} | {r['T']} | {r['S']} | {r['impl']} |"
+    if "error" in r:
+      lines.append(f"{head} failed: {r['error'][:80]} | | |")
+    else:
+      tf = f"{r['flops'] / r['time_us'] / 1e6:.0f}" if "flops" in r else ""
+      lines.append(f"{head} {r['time_us']:.1f} | {r['TBps']:.3f} | {tf} |")
+  with open(out + ".md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+  log("wrote", out + ".{json,md}")
 
 
 def write_outputs(results, out):

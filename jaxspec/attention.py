@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret", "none")  # none: profiling only
 
 
 @struct.dataclass
@@ -122,22 +122,33 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
     impl = plan.impl
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
+    if impl == "none":  # profiling: the step without attention (not a model!)
+        return jnp.zeros_like(q_BTHD)
     use_kernel = impl in ("pallas", "interpret") or (impl == "auto" and _backend() in ("gpu", "tpu"))
     if use_kernel:
         kernel = _kernel()
         if kernel is not None:
-            out, _ = kernel(q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer=layer,
-                            sink=plan.sink, window=plan.window, sm_scale=sm_scale,
-                            interpret=True if impl == "interpret" else None)
-            return out
+            def run_kernel(q, k, v, lengths, mask, layer):
+                return kernel(q, k, v, lengths, mask, layer=layer, sink=plan.sink,
+                              window=plan.window, sm_scale=sm_scale,
+                              interpret=True if impl == "interpret" else None)[0]
+            return _per_shard(run_kernel, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer)
         if impl != "auto":
             raise RuntimeError("attention implementation 'pallas' requested but pallas_kernels "
                                "is not available")
-    k = jax.lax.dynamic_index_in_dim(k_LBKSD, layer, axis=0, keepdims=False)
-    v = jax.lax.dynamic_index_in_dim(v_LBKSD, layer, axis=0, keepdims=False)
-    out, _ = attention_xla(q_BTHD, k, v, plan.lengths, plan.mask, sink=plan.sink,
-                           window=plan.window, sm_scale=sm_scale)
-    return out
+    def run_xla(q, k_all, v_all, lengths, mask, layer):
+        k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
+        return attention_xla(q, k, v, lengths, mask, sink=plan.sink, window=plan.window,
+                             sm_scale=sm_scale)[0]
+    return _per_shard(run_xla, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer)
+
+
+def _per_shard(fn, *args):
+    """fn(*args) per shard inside `jax.shard_map` when a ("data", "model") mesh is active
+    (`jaxspec.sharding.per_shard_attention`), else directly."""
+    from jaxspec.sharding import per_shard_attention
+    return per_shard_attention(fn, *args)
 
 
 @functools.cache

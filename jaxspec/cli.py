@@ -53,6 +53,36 @@ def _cmd_generate(a):
                       for k, v in res.stats.items()}), file=sys.stderr)
 
 
+def _cmd_tree_search(a):
+    import pathlib
+
+    from jaxspec.tree import search_tree
+    acc = [float(x) for x in a.acceptance.split(",")]
+    if not acc or any(not 0.0 <= x <= 1.0 for x in acc):
+        raise ValueError("--acceptance must be comma-separated probabilities in [0, 1]")
+    if a.budget < 1:
+        raise ValueError("--budget must be >= 1")
+
+    def step_cost(n):  # seconds of one verify step of n tree tokens (linear model)
+        return (a.verify_ms + a.verify_ms_per_token * n) * 1e-3
+
+    r = search_tree(acc, a.budget, step_cost, draft_cost_per_level=a.draft_ms * 1e-3,
+                    max_depth=a.max_depth)
+    out = {"parents": list(r.parents), "num_nodes": len(r.parents),
+           "expected_tokens_per_step": r.expected_tokens_per_step,
+           "seconds_per_step": r.seconds_per_step, "tokens_per_second": r.tokens_per_second,
+           "inputs": {"acceptance_by_rank": acc, "budget": a.budget, "verify_ms": a.verify_ms,
+                      "verify_ms_per_token": a.verify_ms_per_token, "draft_ms": a.draft_ms}}
+    text = json.dumps(out, indent=1)
+    if a.out:
+        pathlib.Path(a.out).write_text(text)
+        print(f"wrote {a.out}: {len(r.parents)} nodes, depth {r.tree.max_depth}, "
+              f"{r.expected_tokens_per_step:.2f} expected tokens/step "
+              f"(use it with --tree {a.out} or Speculation(tree={a.out!r}))")
+    else:
+        print(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxspec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -88,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", type=int, default=496)
     g.add_argument("--tree", default=None, help="expansion config, e.g. 1,1,3,1")
     g.set_defaults(fn=_cmd_generate)
+    t = sub.add_parser("tree-search", help="best token tree for measured acceptance and costs "
+                                          "(Sequoia-style dynamic programming)")
+    t.add_argument("--acceptance", required=True,
+                   help="acceptance probability by sibling rank, e.g. 0.7,0.15,0.05")
+    t.add_argument("--budget", type=int, default=32, help="node budget (drafted tokens)")
+    t.add_argument("--verify-ms", type=float, default=10.0, help="verify step cost, fixed part")
+    t.add_argument("--verify-ms-per-token", type=float, default=0.05,
+                   help="verify step cost per tree token")
+    t.add_argument("--draft-ms", type=float, default=2.0, help="draft cost per tree level")
+    t.add_argument("--max-depth", type=int, default=None)
+    t.add_argument("--out", default=None, help="write the tree as JSON here")
+    t.set_defaults(fn=_cmd_tree_search)
     return p
 
 

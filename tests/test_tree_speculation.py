@@ -118,3 +118,16 @@ def test_bad_trees():
     with pytest.raises(ValueError, match="auto"):
         jaxspec.generate(m, [[1, 2]], max_new_tokens=2,
                          speculation=Speculation(tree=(2, 1), gamma="auto"))
+
+
+def test_tree_search_cli_writes_a_usable_tree(tmp_path, target, prompts, reference):
+    from jaxspec.cli import main
+    out = tmp_path / "tree.json"
+    main(["tree-search", "--acceptance", "0.8,0.3,0.1", "--budget", "20", "--verify-ms", "5",
+          "--verify-ms-per-token", "0.01", "--draft-ms", "0.5", "--out", str(out)])
+    import json
+    parents = json.loads(out.read_text())["parents"]
+    assert parents[0] == -1 and 2 <= len(parents) <= 21
+    res = jaxspec.generate(target, prompts, max_new_tokens=30,
+                           speculation=Speculation(draft="self", sink=2, window=6, tree=str(out)))
+    assert res.tokens == reference

@@ -95,14 +95,18 @@ class Sequence:
     _ids = itertools.count()
 
     def __init__(self, prompt_ids: list[int], options: SamplingOptions, *, index: int = 0,
-                 loop: asyncio.AbstractEventLoop | None = None):
+                 loop: asyncio.AbstractEventLoop | None = None,
+                 queue: asyncio.Queue | None = None, tag: Any = None):
         self.id = next(self._ids)
         self.index = index
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.options = options
         self.budget = 0  # set by the engine's check
         self.loop = loop
-        self.queue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        if queue is None and loop is not None:
+            queue = asyncio.Queue()
+        self.queue = queue  # several sequences of one request may share one queue
+        self.tag = tag  # the submitter's label (events carry it), e.g. the choice index
         self.tokens: list[int] = []
         self.draft_flags: list[bool] = []
         self.text = ""  # text so far (stop strings cut it)
@@ -129,6 +133,7 @@ class Sequence:
     def _emit(self, event: dict):
         if self.queue is None or self.loop is None:
             return
+        event["tag"] = self.tag
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody listens any more
@@ -386,6 +391,10 @@ class ServingEngine:
             kw["tree"] = self.tree
             kw["tree_mode"] = getattr(spec, "tree_sampling", "without_replacement")
         return SpecLoop(**kw)
+
+    @property
+    def alive(self) -> bool:
+        return self._running and self._thread is not None and self._thread.is_alive()
 
     @property
     def speculative(self) -> bool:
@@ -740,8 +749,8 @@ class ServingEngine:
                 break
         text = s.text[s._sent:end]
         s._sent = end
-        s._emit({"type": "delta", "text": text, "segments": segs,
-                 "n_tokens": len(s.tokens)})
+        s._emit({"type": "delta", "text": text, "segments": segs, "n_tokens": len(s.tokens),
+                 "accepted": s.accepted, "proposed": s.proposed, "rounds": s.rounds})
 
     def _release(self, s: Sequence):
         b = s.slot
@@ -758,7 +767,8 @@ class ServingEngine:
         s.finish_reason = reason
         s.t_done = time.perf_counter()
         self.m[f"finished_{reason}"] += 1
-        s._emit({"type": "done", "finish_reason": reason, "usage": s.usage(), "stats": s.stats()})
+        s._emit({"type": "done", "finish_reason": reason, "usage": s.usage(), "stats": s.stats(),
+                 "token_ids": list(s.tokens)})
         s.finished.set()
 
     def _fail(self, s: Sequence, message: str):

@@ -1,0 +1,488 @@
+"""The OpenAI-compatible server (`jaxspec.server`) over the continuous-batching engine, end to end on
+a tiny random model with a tiny word-level tokenizer, on a loopback port: the official openai
+client, greedy answers equal to offline `jaxspec.generate`, 64 concurrent streams, every bad input,
+disconnects, failures of one request, /metrics, and the page in headless Chromium."""
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import jaxspec  # noqa: E402
+from jaxspec.server import create_app  # noqa: E402
+from jaxspec.serving import SamplingOptions, ServingEngine, provenance  # noqa: E402
+
+from tiny import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_LEN = 160
+SPECIAL = ["<unk>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>"]
+WORDS = (list("abcdefghijklmnopqrstuvwxyz") + [str(i) for i in range(10)] +
+         "the cat dog sat on mat hello world robot story tell me a short about sea sky red blue "
+         "green is was and".split())
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {}
+    for w in SPECIAL + WORDS:
+        vocab.setdefault(w, len(vocab))
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="<eos>",
+                                  additional_special_tokens=SPECIAL[2:])
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+                         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return tok
+
+
+class Server:
+    """uvicorn on a pre-bound loopback socket, in a thread."""
+
+    def __init__(self, engine, name="tiny"):
+        import uvicorn
+        self.engine = engine
+        self.app = create_app(engine, name)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.stop()
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_model(seed=0, scale=3.0, eos_token_ids=(1,))
+    m.tokenizer = tiny_tokenizer()
+    return m
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    spec = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=6)
+    engine = ServingEngine(model, max_batch=8, max_len=MAX_LEN, speculation=spec,
+                           rounds_per_chunk=4, max_queue=128, prefill_chunk=128).start()
+    s = Server(engine)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _prompts(k, seed=0, lo=3, hi=30):
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(lo, hi)))) for _ in range(k)]
+
+
+def _metrics(url) -> dict:
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def _reference(model, prompts, max_new, chat=False):
+    return jaxspec.generate(model, prompts, max_new_tokens=max_new, chat=chat).tokens
+
+
+# ----------------------------------------------------------------------------- basics
+def test_models_health_metrics_page(server, client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny"]
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    r = httpx.get(server.url + "/")
+    assert r.status_code == 200 and "<textarea" in r.text and "tiny" in r.text
+    m = _metrics(server.url)
+    assert m["jaxspec_slots_total"] == 8
+    assert "jaxspec_acceptance_rate" in m and "jaxspec_queue_depth" in m
+
+
+def test_completions_greedy_equal_offline_generate(model, client):
+    prompts = _prompts(5, seed=1)
+    ref = _reference(model, prompts, 24)
+    for p, want in zip(prompts, ref):
+        r = client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        c = r.choices[0]
+        assert c.model_extra["token_ids"] == want
+        body = want[:-1] if want and want[-1] == 1 else want
+        assert c.text == model.tokenizer.decode(body, skip_special_tokens=True)
+        assert c.finish_reason == ("stop" if want[-1] == 1 else "length")
+        assert r.usage.completion_tokens == len(want)
+        assert r.usage.prompt_tokens == len(model.tokenizer(p)["input_ids"])
+    # a batch of prompts (list) and token-id prompts, in one request
+    r = client.completions.create(model="tiny", prompt=prompts[:3], max_tokens=24, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in r.choices] == ref[:3]
+    ids = model.tokenizer(prompts[0])["input_ids"]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=24, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == ref[0]
+
+
+def test_chat_greedy_equal_offline_generate(model, client):
+    questions = _prompts(3, seed=2)
+    ref = _reference(model, questions, 20, chat=True)
+    for q, want in zip(questions, ref):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": q}],
+                                           max_tokens=20, temperature=0,
+                                           extra_body={"return_token_ids": True})
+        c = r.choices[0]
+        assert c.message.role == "assistant"
+        assert c.model_extra["token_ids"] == want
+        body = want[:-1] if want and want[-1] == 1 else want
+        assert c.message.content == model.tokenizer.decode(body, skip_special_tokens=True)
+
+
+def test_streaming_equals_non_streaming(model, client):
+    p = _prompts(1, seed=3)[0]
+    full = client.completions.create(model="tiny", prompt=p, max_tokens=30, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=p, max_tokens=30, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # provenance segments partition the streamed text
+    seg_text = "".join(t for c in chunks if c.choices
+                       for t, _ in (c.choices[0].model_extra.get("jaxspec") or {}).get(
+                           "segments", []))
+    assert seg_text == text
+
+    msgs = [{"role": "user", "content": "tell me a short story"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=30,
+                                          temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=30,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_stop_strings_seed_and_n(model, client):
+    p = _prompts(1, seed=4)[0]
+    full = client.completions.create(model="tiny", prompt=p, max_tokens=30, temperature=0)
+    words = full.choices[0].text.split()
+    if len(words) >= 3:
+        stop = " " + words[2]
+        r = client.completions.create(model="tiny", prompt=p, max_tokens=30, temperature=0,
+                                      stop=[stop])
+        want = full.choices[0].text[:full.choices[0].text.index(stop)]
+        assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+        chunks = list(client.completions.create(model="tiny", prompt=p, max_tokens=30,
+                                                temperature=0, stop=stop, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == want
+    # per-slot rng: a seed reproduces a sample whatever else is in the batch
+    kw = dict(model="tiny", prompt=p, max_tokens=24, temperature=1.0, seed=7)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+    r = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=1.0, n=3,
+                                  seed=3)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.prompt_tokens == len(model.tokenizer(p)["input_ids"])
+    r = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.7,
+                                  top_p=0.9, extra_body={"top_k": 5})
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+# ----------------------------------------------------------------------------- load
+def test_64_concurrent_streaming_clients(model, server):
+    N, MAX_NEW = 64, 16
+    prompts = _prompts(N, seed=5, lo=2, hi=40)
+    ref = _reference(model, prompts, MAX_NEW)
+    before = _metrics(server.url)
+
+    async def one(ac, i):
+        r_text, ids, finish = [], None, None
+        async with ac.stream("POST", "/v1/completions", json={
+                "model": "tiny", "prompt": prompts[i], "max_tokens": MAX_NEW, "temperature": 0,
+                "stream": True, "return_token_ids": True}) as resp:
+            assert resp.status_code == 200
+            done = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                c = json.loads(data)["choices"][0]
+                r_text.append(c["text"])
+                if c["finish_reason"]:
+                    finish, ids = c["finish_reason"], c["token_ids"]
+            assert done
+        return i, "".join(r_text), ids, finish
+
+    async def main():
+        limits = httpx.Limits(max_connections=N)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as ac:
+            return await asyncio.wait_for(asyncio.gather(*(one(ac, i) for i in range(N))), 180)
+
+    t0 = time.time()
+    results = asyncio.run(main())
+    assert time.time() - t0 < 180
+    assert sorted(r[0] for r in results) == list(range(N))  # none lost
+    for i, text, ids, finish in results:  # none mixed up
+        assert ids == ref[i], i
+        body = ids[:-1] if ids[-1] == 1 else ids
+        assert text == model.tokenizer.decode(body, skip_special_tokens=True)
+    after = _metrics(server.url)
+    new_tokens = sum(len(r) for r in ref)
+    d = lambda k: after.get(k, 0) - before.get(k, 0)  # noqa: E731
+    assert d("jaxspec_generation_tokens_total") == new_tokens
+    assert d('jaxspec_http_requests_total{path="/v1/completions",code="200"}') == N
+    assert d("jaxspec_sequences_submitted_total") == N
+    assert (d('jaxspec_sequences_finished_total{reason="stop"}') +
+            d('jaxspec_sequences_finished_total{reason="length"}')) == N
+    assert d("jaxspec_prompt_tokens_total") == sum(
+        len(model.tokenizer(p)["input_ids"]) for p in prompts)
+    assert after["jaxspec_slots_busy"] == 0 and after["jaxspec_queue_depth"] == 0
+    assert d("jaxspec_draft_tokens_accepted_total") <= d("jaxspec_draft_tokens_proposed_total")
+    assert 0 < after["jaxspec_batch_occupancy"] <= 1
+    assert after["jaxspec_tokens_per_target_step"] >= 1
+
+
+# ----------------------------------------------------------------------------- bad input
+LONG = " ".join(["a"] * (MAX_LEN + 5))
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", {"prompt": 5}, 400, "'prompt' must be"),
+    ("/v1/completions", {}, 400, "'prompt' is required"),
+    ("/v1/completions", {"prompt": []}, 400, "'prompt' must be"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, 400, "'max_tokens' must be an integer"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "'max_tokens' must be >= 1"),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "'temperature' must be >= 0"),
+    ("/v1/completions", {"prompt": "a", "temperature": "hot"}, 400, "'temperature' must be a number"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "'top_p' must be > 0"),
+    ("/v1/completions", {"prompt": "a", "top_k": 1.5}, 400, "'top_k' must be an integer"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "'n' must be >= 1"),
+    ("/v1/completions", {"prompt": "a", "n": 99}, 400, "'n' must be <= 8"),
+    ("/v1/completions", {"prompt": "a", "stop": 3}, 400, "'stop' must be"),
+    ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "'stream' must be a boolean"),
+    ("/v1/completions", {"prompt": "a", "seed": "x"}, 400, "'seed' must be an integer"),
+    ("/v1/completions", {"prompt": [1, 2, 999]}, 400, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 2}, 400, "not supported"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-9"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": LONG}, 400, "maximum context length is 160"),
+    ("/v1/completions", {"prompt": "a b c", "max_tokens": 500}, 400,
+     "maximum context length is 160 tokens, but 503 were requested (3 in the prompt, 500"),
+    ("/v1/chat/completions", {}, 400, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "string 'role'"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "is not one of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "content must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400,
+     "maximum context length is 160"),
+    ("/v1/nothing", {}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,msg", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input(server, path, body, status, msg):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert msg in err["message"], err
+    assert set(err) >= {"message", "type", "param", "code"}
+
+
+def test_bad_input_never_takes_the_server_down(server, client):
+    r = client.completions.create(model="tiny", prompt="hello world", max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert httpx.get(server.url + "/health").status_code == 200
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=LONG, max_tokens=4)
+    assert "maximum context length" in str(e.value)
+
+
+def test_queue_full_is_503_with_retry_after(server):
+    eng = server.engine
+    old = eng.max_queue
+    eng.max_queue = 2
+    eng.pause_admission()
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                body = {"prompt": "hello world", "max_tokens": 4, "temperature": 0}
+                waiting = [asyncio.create_task(ac.post("/v1/completions", json=body))
+                           for _ in range(2)]
+                for _ in range(200):
+                    if len(eng.waiting) == 2:
+                        break
+                    await asyncio.sleep(0.02)
+                assert len(eng.waiting) == 2
+                r = await ac.post("/v1/completions", json=body)
+                assert r.status_code == 503
+                assert r.headers["retry-after"] == "1"
+                assert "queue is full" in r.json()["error"]["message"]
+                eng.resume_admission()
+                rs = await asyncio.gather(*waiting)
+                assert [x.status_code for x in rs] == [200, 200]
+        asyncio.run(main())
+    finally:
+        eng.max_queue = old
+        eng.resume_admission()
+
+
+def test_client_disconnect_frees_the_slot(model, server, monkeypatch):
+    eng = server.engine
+    slow_step = eng._step
+
+    def step():  # slow the engine down so the stream is still running when we hang up
+        time.sleep(0.1)
+        slow_step()
+    monkeypatch.setattr(eng, "_step", step)
+    before = _metrics(server.url).get('jaxspec_sequences_finished_total{reason="cancelled"}', 0)
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={
+                "prompt": "tell me a story", "max_tokens": 120, "temperature": 1.0,
+                "stream": True}) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    break  # hang up after the first chunk
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        m = _metrics(server.url)
+        if m.get('jaxspec_sequences_finished_total{reason="cancelled"}', 0) > before and \
+                m["jaxspec_slots_busy"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the slot was not freed: {m}")
+
+
+def test_exception_fails_only_that_request(server, client):
+    eng = server.engine
+
+    def hook(seq):
+        if seq.prompt_ids[:2] == [eng.tokenizer.convert_tokens_to_ids("robot")] * 2:
+            raise RuntimeError("injected failure")
+    eng.fault_hook = hook
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                good = {"prompt": "hello world", "max_tokens": 8, "temperature": 0}
+                bad = {"prompt": "robot robot sea", "max_tokens": 8, "temperature": 0}
+                return await asyncio.gather(ac.post("/v1/completions", json=bad),
+                                            ac.post("/v1/completions", json=good),
+                                            ac.post("/v1/completions", json=good))
+        rb, rg1, rg2 = asyncio.run(main())
+        assert rb.status_code == 500
+        assert "injected failure" in rb.json()["error"]["message"]
+        assert rg1.status_code == rg2.status_code == 200
+        assert rg1.json()["choices"][0]["text"] == rg2.json()["choices"][0]["text"]
+        with pytest.raises(openai.APIError, match="injected failure"):
+            list(client.completions.create(model="tiny", prompt="robot robot", max_tokens=4,
+                                           stream=True))
+    finally:
+        eng.fault_hook = None
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ----------------------------------------------------------------------------- engine units
+def test_provenance_inference_without_per_row_counters():
+    # 2 rows, 2 rounds. Round 0: row 0 commits 3 (2 drafts + target), row 1 commits 1.
+    # Round 1: row 0 finishes with 2 tokens that were both accepted drafts (cut by a stop).
+    keep = np.array([[3, 1], [2, 2]])
+    acc_sum = np.array([[2], [2 + 1]])  # round 1: row 0 accepted 2, row 1 accepted 1
+    done = np.array([True, False])
+    flags, acc = provenance(keep, acc_sum, done, speculative=True)
+    assert flags[0] == [True, True, False, True, True]
+    assert flags[1] == [False, True, False]
+    assert acc.tolist() == [4, 1]
+
+
+def test_plain_engine_greedy_and_bucketed_prefill(model):
+    # no speculation, shared rng; prompts of many lengths reuse a few prefill shapes
+    engine = ServingEngine(model, max_batch=3, max_len=MAX_LEN, rounds_per_chunk=3,
+                           prefill_chunk=32, per_row=False).start()
+    try:
+        rng = np.random.default_rng(9)
+        prompts = [rng.integers(2, 60, size=n).tolist() for n in (1, 2, 17, 33, 70, 100)]
+        ref = _reference(model, prompts, 12)
+        got = [engine.generate(p, SamplingOptions(max_tokens=12, temperature=0), timeout=120)
+               for p in prompts]
+        assert [s.tokens for s in got] == ref
+        assert all(not any(s.draft_flags) for s in got)
+    finally:
+        engine.stop()
+
+
+# ----------------------------------------------------------------------------- the page
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def test_page_in_headless_chromium(server):
+    pw = pytest.importorskip("playwright.sync_api")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Debian's chromium is not installed (`apt-get install chromium`; .ci/run "
+                    "installs it)")
+    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    with pw.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=args, headless=True)
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            page.fill("#prompt", "tell me a short story about the sea")
+            page.fill("#max_tokens", "40")
+            page.click("#send")
+            page.wait_for_selector("#out span", timeout=60_000)
+            page.wait_for_function("document.getElementById('stats').textContent.includes("
+                                   "'finish')", timeout=60_000)
+            stats = page.text_content("#stats")
+            assert "tokens/s" in stats and "acceptance rate" in stats, stats
+            spans = page.eval_on_selector_all("#out span", "els => els.map(e => e.className)")
+            assert spans and set(spans) <= {"draft", "target"}
+            assert page.text_content("#err") == ""
+            if os.environ.get("JAXSPEC_SCREENSHOT"):
+                page.screenshot(path=os.environ["JAXSPEC_SCREENSHOT"])
+        finally:
+            browser.close()

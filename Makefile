@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 MODEL  ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 
-.PHONY: test demo venv install clean test-all
+.PHONY: test demo venv install clean test-all browser
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,13 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-test: install
+# Debian's chromium for the page test (tests/test_server.py); skipped there if this cannot install it
+browser:
+	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+	  { (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+	    >/dev/null 2>&1 || echo "could not install chromium: the browser test will be skipped" >&2; }
+
+test: install browser
 	XLA_FLAGS="$${XLA_FLAGS:---xla_force_host_platform_device_count=8}" $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-all: install

@@ -53,6 +53,11 @@ def _cmd_generate(a):
                       for k, v in res.stats.items()}), file=sys.stderr)
 
 
+def _cmd_serve(a):
+    from jaxspec.server import run_from_args
+    run_from_args(a)
+
+
 def _cmd_tree_search(a):
     import pathlib
 
@@ -130,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-depth", type=int, default=None)
     t.add_argument("--out", default=None, help="write the tree as JSON here")
     t.set_defaults(fn=_cmd_tree_search)
+    from jaxspec.server import add_arguments
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, "
+                                     "streaming, speculative decoding)")
+    add_arguments(s).set_defaults(fn=_cmd_serve)
     return p
 
 

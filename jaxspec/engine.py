@@ -26,6 +26,7 @@ from jaxspec.cache import SLOT_ALIGN, KVCache, round_up
 from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
 from jaxspec.model import forward
+from jaxspec.sharding import sharded_generate
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -223,6 +224,7 @@ def _run_loop(params, sp, state, *, loop):
 
 
 # ----------------------------------------------------------------------------- generate
+@sharded_generate  # a model with a mesh: laid out on it, run with the mesh active
 def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens=None,
              speculation=None, chat: bool = False, max_len: int | None = None,
@@ -240,6 +242,10 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), got {type(model).__name__}")
     _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
     token_lists = _as_token_lists(model, prompts, chat)
+    n_real = len(token_lists)
+    if model.mesh is not None:  # batch over the data axis: pad with dummy rows (no budget)
+        from jaxspec import sharding as shd
+        token_lists = shd.pad_batch(token_lists, model.mesh)
     config = model.config
     ctx = config.max_position_embeddings
     for i, ids in enumerate(token_lists):
@@ -255,6 +261,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     lens = np.array([len(t) for t in token_lists])
     extra = spec.extra_slots if spec is not None else 1
     budget = np.minimum(max_new_tokens, ctx - lens)  # never past the model's context
+    budget[n_real:] = 0
     need = int((lens + budget).max()) + extra
     # the last prefill chunk writes whole chunks: the cache must hold them (kernels need it)
     n_pre = int(lens.max()) - 1
@@ -266,11 +273,13 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         raise ValueError(f"max_len={S} is too small: prompts of up to {lens.max()} tokens plus "
                          f"{max_new_tokens} new tokens need {need} cache slots")
     t0 = time.perf_counter()
-    stats: dict[str, Any] = {"batch": B, "prompt_tokens": int(lens.sum()), "max_len": S}
+    stats: dict[str, Any] = {"batch": n_real, "prompt_tokens": int(lens[:n_real].sum()),
+                             "max_len": S}
     if max_new_tokens == 0:
-        return _result(model, [[] for _ in token_lists], stats | {"new_tokens": 0, "seconds": 0.0,
+        return _result(model, [[] for _ in range(n_real)], stats | {"new_tokens": 0, "seconds": 0.0,
                                                                    "tokens_per_second": 0.0})
-    cache = KVCache.create(config, B, S, dtype=model.dtype)
+    cache = KVCache.create(config, B, S, dtype=model.dtype, sharding=None if model.mesh is None
+                           else shd.cache_sharding(config, model.mesh, B))
     # Prefill everything but each prompt's last token; the loop starts from that token.
     cache = prefill(config, model.params, cache, [t[:-1] for t in token_lists], impl=attn_impl,
                     chunk=prefill_chunk)
@@ -286,6 +295,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         rng=jax.random.PRNGKey(seed),
         steps=jnp.zeros((), jnp.int32),
     )
+    if model.mesh is not None:
+        state, sp = shd.put_batch((state, sp), model.mesh, B)
     jax.block_until_ready(state)
     t_prefill = time.perf_counter()
     if spec is None:
@@ -295,10 +306,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     else:
         final, extra_stats = spec.run(model, sp, state, stop_ids=stop_ids, impl=attn_impl,
                                       profile=profile)
-    out = np.asarray(final.out)
-    n_out = np.asarray(final.n_out)
+    fetch = np.asarray if model.mesh is None else shd.fetch
+    out = fetch(final.out)
+    n_out = fetch(final.n_out)
     t_end = time.perf_counter()
-    tokens = [out[i, :n_out[i]].tolist() for i in range(B)]
+    tokens = [out[i, :n_out[i]].tolist() for i in range(n_real)]
     new = int(n_out.sum())
     decode_s = t_end - t_prefill
     stats.update({

@@ -42,6 +42,7 @@ from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
 from jaxspec.engine import DecodeState, commit_tokens, prefill
 from jaxspec.model import forward
+from jaxspec.sharding import cache_sharding_like
 from jaxspec.tree import TokenTree, compact_path
 from jaxspec.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
 
@@ -515,7 +516,8 @@ class _Runner:
         prompts = [t[:-1] for t in self.token_lists]
         if self.spec.window is None:
             S = state.cache.max_len
-            dc = KVCache.create(d.config, B, S, dtype=d.dtype)
+            dc = KVCache.create(d.config, B, S, dtype=d.dtype,
+                                sharding=cache_sharding_like(d.config, d.params, B))
             dc = prefill(d.config, d.params, dc, prompts, impl=impl)
         else:
             dc = ring_prefill(d.config, d.params, prompts, sink=self.spec.sink,
@@ -553,7 +555,8 @@ def ring_prefill(config, params, prompts, *, sink, window, scratch, impl="auto",
     lens = np.array([len(p) for p in prompts], np.int32)
     C = max(8, min(256, window // 2))
     S = ring_cache_len(sink, window, scratch, C)
-    cache = KVCache.create(config, B, S, dtype=dtype)
+    cache = KVCache.create(config, B, S, dtype=dtype,
+                           sharding=cache_sharding_like(config, params, B))
     n = int(lens.max()) if B else 0
     total = round_up(max(n, 1), C)
     buf = np.zeros((B, total), np.int32)

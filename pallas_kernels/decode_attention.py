@@ -462,8 +462,10 @@ def _reference(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window, 
   m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
   p = jnp.exp(s - m_safe)
   l = jnp.sum(p, axis=-1)
-  valid_slot = (slot < L + T)[:, None, :, None]                      # [B, 1, S, 1]
-  v = jnp.where(valid_slot, v_cache.astype(jnp.float32), 0.0)        # no 0 * NaN
+  # Zero V rows no query may see (past length + T, or in the sparse gap), which may
+  # hold garbage: 0 * NaN would be NaN. Scores were masked by select, not multiply.
+  seen_slot = (ctx | is_new)[:, None, :, None]                       # [B, 1, S, 1]
+  v = jnp.where(seen_slot, v_cache.astype(jnp.float32), 0.0)
   o = jnp.einsum("bkgts,bksd->bkgtd", p, v, precision=hi)
   o = o / jnp.where(l > 0, l, 1.0)[..., None]
   lse = jnp.squeeze(m_safe, -1) + jnp.log(l)                         # -inf when l == 0

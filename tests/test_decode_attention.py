@@ -62,8 +62,13 @@ def make_inputs(c: Case, seed: int):
     shape = (c.layers,) + shape
   k = rng.standard_normal(shape, dtype=np.float32) * 1.5
   v = rng.standard_normal(shape, dtype=np.float32)
-  # Garbage past the valid slots: NaN and huge values.
+  # Garbage past the valid slots (NaN and huge values) and in the sparse gap.
   for b in range(c.B):
+    if c.sink or c.window:
+      gap_end = lengths[b] - c.window
+      if gap_end > c.sink:
+        k[..., b, :, c.sink:gap_end, :] = np.nan
+        v[..., b, :, c.sink:gap_end, :] = np.nan
     end = lengths[b] + c.T
     k[..., b, :, end:, :] = np.nan
     v[..., b, :, end:, :] = np.nan

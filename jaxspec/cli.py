@@ -32,14 +32,28 @@ def _cmd_fetch(a):
     print(f"checkpoint ready at {out}")
 
 
+def _mesh_from_args(a):
+    """``--tp N --dp M``: a data x model mesh (None when both are 1 or absent)."""
+    tp, dp = a.tp, a.dp
+    if tp is None and dp is None:
+        return None
+    if (tp or 1) < 1 or (dp or 1) < 1:
+        raise ValueError(f"--tp and --dp must be >= 1, got --tp {tp} --dp {dp}")
+    if (tp or 1) * (dp or 1) == 1:
+        return None
+    from jaxspec.sharding import make_mesh
+    return make_mesh(data=dp or 1, model=tp)
+
+
 def _cmd_generate(a):
     import jaxspec
-    model = jaxspec.load(a.model, dtype=a.dtype)
+    mesh = _mesh_from_args(a)
+    model = jaxspec.load(a.model, dtype=a.dtype, mesh=mesh)
     if not a.prompt:
         raise SystemExit("give at least one --prompt")
     spec = None
     if a.draft is not None:
-        draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype)
+        draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype, mesh=mesh)
         gamma = a.gamma if a.gamma == "auto" else int(a.gamma)
         spec = jaxspec.Speculation(draft=draft, gamma=gamma, sink=a.sink, window=a.window,
                                    tree=_parse_tree(a.tree))
@@ -122,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sink", type=int, default=16)
     g.add_argument("--window", type=int, default=496)
     g.add_argument("--tree", default=None, help="expansion config, e.g. 1,1,3,1")
+    g.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel devices (model axis; default: all the --dp leaves)")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel groups (batch axis)")
     g.set_defaults(fn=_cmd_generate)
     t = sub.add_parser("tree-search", help="best token tree for measured acceptance and costs "
                                           "(Sequoia-style dynamic programming)")

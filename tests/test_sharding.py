@@ -309,3 +309,16 @@ def test_multi_process_two_by_four(tmp_path):
     assert results[0] == results[1]
     ref = jaxspec.generate(_gqa(), PROMPTS, max_new_tokens=NEW).tokens
     assert results[0] == ref
+
+
+@need8
+def test_cli_tp_dp_flags():
+    from jaxspec.cli import _mesh_from_args, build_parser
+    parse = lambda *a: build_parser().parse_args(["generate", "ckpt", *a])
+    assert _mesh_from_args(parse()) is None
+    assert _mesh_from_args(parse("--tp", "1")) is None
+    assert dict(_mesh_from_args(parse("--tp", "4", "--dp", "2")).shape) == {"data": 2, "model": 4}
+    assert dict(_mesh_from_args(parse("--dp", "2")).shape) == {"data": 2, "model": 4}
+    assert dict(_mesh_from_args(parse("--tp", "2")).shape) == {"data": 1, "model": 2}
+    with pytest.raises(shd.ShardingError, match="needs 16 devices"):
+        _mesh_from_args(parse("--tp", "8", "--dp", "2"))

@@ -5,6 +5,12 @@ from .decode_attention import (
     decode_attention_reference,
 )
 from .merge import merge_attention_states, merge_stacked
+from .prefix_attention import (
+    PrefixAttentionBlockSizes,
+    multi_level_prefix_attention,
+    prefix_attention,
+    prefix_attention_reference,
+)
 
 __all__ = [
     "DecodeAttentionBlockSizes",
@@ -12,4 +18,8 @@ __all__ = [
     "decode_attention_reference",
     "merge_attention_states",
     "merge_stacked",
+    "PrefixAttentionBlockSizes",
+    "multi_level_prefix_attention",
+    "prefix_attention",
+    "prefix_attention_reference",
 ]

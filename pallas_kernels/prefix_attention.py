@@ -1,0 +1,439 @@
+"""Shared-prefix attention (Hydragen): Pallas kernel + jnp reference.
+
+When many sequences share a prefix (a system prompt, one document with many
+questions, n samples of one prompt), plain decode attention reads the prefix K/V
+once per sequence, as B matrix-vector products. Here the queries of all
+sequences of a group meet the group's prefix once, as one matrix product:
+
+Layout: ``q[B, T, H, D]``; ``k_prefix, v_prefix[P, L, K, D]``: P prefix groups
+of up to L tokens, ``prefix_lengths[P]`` valid tokens each (default L; 0 is
+allowed). The B sequences form P contiguous equal groups (``B % P == 0``):
+sequence ``b`` belongs to group ``b // (B // P)``. ``H = G * K``: query head
+``h`` uses KV head ``h // G``. Every query sees the whole valid prefix of its
+group (no mask: the prefix lies before all of the group's tokens). Slots at or
+past ``prefix_lengths[p]`` are never read unmasked, so garbage there (NaN
+included) cannot leak.
+
+Kernel structure (Triton-lowered ``pallas_call``; interpret mode on CPU):
+  for each (group p, KV head k), the rows are all ``(b, t, g)`` triples of the
+  group: ``R = (B/P) * T * G`` query rows (up to thousands) against one K/V
+  stream. Grid ``(row_blocks, splits, P, K)``: one program owns ``block_q``
+  rows and one split of the prefix (flash-decoding), streams K/V in ``block_k``
+  slot blocks with an online softmax in base 2 (interior blocks unmasked, only
+  the tail block masked). Row blocks are the fastest grid axis, so the
+  programs that read the same K/V tile run together and share it through L2:
+  each prefix byte comes from HBM about once per group. Splits are merged by
+  log-sum-exp (``merge.merge_stacked``).
+
+Defaults measured on an H200 (jax 0.11.2): benchmarks/prefix_attention.md.
+
+Returns ``(out[B, T, H, D] in q.dtype, lse[B, T, H] float32)`` (natural log; a
+query whose group has an empty prefix gets ``out = 0``, ``lse = -inf``) so the
+result merges exactly with attention over the other key segments.
+
+Composing with a sequence's own keys (the suffix: its prompt tail and generated
+tokens, in a per-sequence cache ``[B, K, S, D]``), exactly::
+
+    o_pre, lse_pre = prefix_attention(q, k_prefix, v_prefix, prefix_lengths)
+    o_suf, lse_suf = decode_attention(q, k_suffix, v_suffix, suffix_lengths,
+                                      tree_mask)          # causal / tree mask here
+    out, lse = merge_attention_states([o_pre, o_suf], [lse_pre, lse_suf])
+
+RoPE positions of the suffix keys and of ``q`` continue after the prefix
+(position = prefix length + suffix slot); the kernels never look at positions.
+A tree of prefixes (one system prompt for all, then a document per group, ...)
+is a list of levels, each with its own P: ``multi_level_prefix_attention``.
+Merging is associative, so its result merges with the suffix part the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Triton-specific helpers (masked loads, compiler params).
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - a jax without the Triton backend
+  plgpu = None
+
+from .decode_attention import _cdiv, _exp2, _is_nvidia, _next_pow2, _num_sms
+from .merge import merge_attention_states, merge_stacked
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+_SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB per block; keep a margin.
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixAttentionBlockSizes:
+  """Static tiling of the prefix kernel (None = chosen from the shapes).
+
+  block_q: query rows ((b, t, g) triples of one group and KV head) per program
+    (power of 2, >= 16); None: next power of 2 of the rows, clamped to
+    [16, max_block_q].
+  max_block_q: cap for the automatic block_q.
+  block_k: prefix slots per inner step (power of 2, >= 16); None: 64 (less for
+    a prefix under 64 slots). On GPU it is halved while the K/V pipeline
+    buffers would not fit in shared memory.
+  split_size: prefix slots per program (a multiple of block_k); None: on GPU
+    the number of splits that best fills whole waves of programs over the SMs
+    (each split at least ``min_split_size`` slots); one split elsewhere.
+  target_programs: None, or the number of programs that run at once (instead
+    of the SM-count estimate) for the automatic split choice.
+  num_warps / num_stages: Triton compiler parameters (ignored in interpret
+    mode); num_warps None: 4 for block_q <= 64, else 8.
+  fast_exp: on NVIDIA GPUs compute exp2 with one ``ex2.approx.ftz.f32``.
+  """
+  block_q: int | None = None
+  max_block_q: int = 128
+  block_k: int | None = None
+  split_size: int | None = None
+  target_programs: int | None = None
+  min_split_size: int = 256
+  num_warps: int | None = None
+  num_stages: int = 3
+  fast_exp: bool = True
+
+
+_GPU_DEFAULTS = PrefixAttentionBlockSizes()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  L: int
+  block_q: int
+  block_k: int
+  split_size: int
+  scale_log2: float
+  fast_exp: bool
+
+
+def _prefix_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Static):
+  _, si, p, h = (pl.program_id(i) for i in range(4))
+  bq, bk = c.block_q, c.block_k
+
+  q = q_ref[...]                                   # [bq, D]
+  if q.dtype != k_ref.dtype:
+    q = q.astype(k_ref.dtype)
+  head_dim = q.shape[-1]
+
+  def step(carry, start, load_ok):
+    """One online-softmax step over prefix slots [start, start + bk)."""
+    acc, m, l = carry
+    idx = (p, pl.ds(start, bk), h, slice(None))
+    if load_ok is None:
+      k = k_ref[idx]
+      v = v_ref[idx]
+    else:  # masked loads: slots past the prefix come back as 0 (no NaN).
+      k = plgpu.load(k_ref.at[idx], mask=load_ok[:, None], other=0)
+      v = plgpu.load(v_ref.at[idx], mask=load_ok[:, None], other=0)
+    # HIGHEST: float32 inputs use full-precision (not tf32) products on GPU;
+    # for bf16 inputs it changes nothing.
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
+                        preferred_element_type=jnp.float32)   # raw logits
+    # m is kept in base-2 units (logit * scale * log2 e). With a positive scale
+    # the row max commutes with the scaling, so each score costs one fused
+    # multiply-add (s * scale - m) before the exp2, not a multiply and a subtract.
+    if c.scale_log2 <= 0:
+      s = s * c.scale_log2
+    if load_ok is not None:
+      s = jnp.where(load_ok[None, :], s, -jnp.inf)
+    if c.scale_log2 > 0:
+      m_new = jnp.maximum(m, jnp.max(s, axis=1) * c.scale_log2)
+    else:
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    # A row that has seen no key keeps m = -inf; shift by 0 there so that
+    # exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_safe)
+    if c.scale_log2 > 0:
+      s = s * c.scale_log2 - m_safe[:, None]
+    else:
+      s = s - m_safe[:, None]
+    prob = _exp2(s, c.fast_exp)
+    l = l * alpha + jnp.sum(prob, axis=1)
+    pv = lax.dot_general(prob.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         precision=_HIGHEST, preferred_element_type=jnp.float32)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l
+
+  length = jnp.clip(lengths_ref[p], 0, c.L)
+  lo = jnp.minimum(si * c.split_size, length)
+  hi = jnp.minimum(lo + c.split_size, length)
+  n = hi - lo
+  n_full = lax.div(n, bk)
+  carry = (jnp.zeros((bq, head_dim), jnp.float32),
+           jnp.full((bq,), -jnp.inf, jnp.float32),
+           jnp.zeros((bq,), jnp.float32))
+  carry = lax.fori_loop(0, n_full, lambda i, cr: step(cr, lo + i * bk, None), carry)
+  tail = lo + n_full * bk
+
+  def tail_body(i, cr):
+    return step(cr, tail, tail + jnp.arange(bk, dtype=jnp.int32) < hi)
+  has_tail = (n - n_full * bk > 0).astype(jnp.int32)
+  acc, m, l = lax.fori_loop(0, has_tail, tail_body, carry)
+
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+
+
+def _choose_splits(base: int, max_splits: int, slots: int) -> int:
+  """Splits per (row block, group, head) that best fill whole waves of programs.
+
+  Cost model: waves / splits (time of one split ~ 1 / splits) plus a small
+  per-split charge for the partial results written and merged.
+  """
+  best, best_cost = 1, None
+  for n in range(1, max(1, max_splits) + 1):
+    cost = _cdiv(base * n, slots) / n + 0.01 * n
+    if best_cost is None or cost < best_cost - 1e-9:
+      best, best_cost = n, cost
+  return best
+
+
+def _plan(P, K, rows, L, D, *, bs: PrefixAttentionBlockSizes, on_gpu: bool, itemsize: int):
+  """Resolves automatic block sizes into concrete static numbers."""
+  block_q = bs.block_q or min(max(16, _next_pow2(rows)), max(16, bs.max_block_q))
+  block_k = bs.block_k or min(64, max(16, _next_pow2(L)))
+  if on_gpu:  # K and V tiles for every pipeline stage, plus the q tile, in shared memory
+    while block_k > 16 and (2 * block_k * bs.num_stages + block_q) * D * itemsize > _SMEM_BYTES:
+      block_k //= 2
+  for name, val in (("block_k", block_k), ("block_q", block_q)):
+    if val < 16 or val != _next_pow2(val):
+      raise ValueError(f"{name}={val} must be a power of 2 >= 16")
+  if D != _next_pow2(D) or D < 16:
+    raise ValueError(f"head dim {D} must be a power of 2 >= 16 for the kernel")
+  num_q_blocks = _cdiv(rows, block_q)
+  L1 = max(L, 1)
+  if bs.split_size is not None:
+    if bs.split_size % block_k:
+      raise ValueError(f"split_size={bs.split_size} must be a multiple of block_k={block_k}")
+    split = bs.split_size
+  elif on_gpu or bs.target_programs:
+    num_warps = bs.num_warps or (4 if block_q <= 64 else 8)
+    slots = bs.target_programs or _num_sms() * (2 if num_warps <= 4 else 1)
+    max_splits = max(1, L1 // max(bs.min_split_size, block_k))
+    n = _choose_splits(num_q_blocks * P * K, max_splits, slots)
+    split = _cdiv(_cdiv(L1, n), block_k) * block_k
+  else:
+    split = _cdiv(L1, block_k) * block_k
+  num_splits = max(1, _cdiv(L1, split))
+  return block_q, block_k, split, num_splits, num_q_blocks
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("sm_scale", "interpret", "block_sizes", "on_gpu"))
+def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, *, sm_scale, interpret,
+                             block_sizes, on_gpu):
+  B, T, H, D = q.shape
+  P, L, K, _ = k_prefix.shape
+  G = H // K
+  Bg = B // P
+  rows = Bg * T * G
+  block_q, block_k, split, num_splits, nq = _plan(
+      P, K, rows, L, D, bs=block_sizes, on_gpu=on_gpu,
+      itemsize=jnp.dtype(k_prefix.dtype).itemsize)
+  rows_pad = nq * block_q
+  if L < block_k:  # a tiny prefix: pad it to one block (its slots are masked anyway)
+    pad = ((0, 0), (0, block_k - L), (0, 0), (0, 0))
+    k_prefix, v_prefix = jnp.pad(k_prefix, pad), jnp.pad(v_prefix, pad)
+
+  # Rows of one (group, KV head): r = (b_in_group * T + t) * G + g.
+  q_PKRD = (q.reshape(P, Bg, T, K, G, D).transpose(0, 3, 1, 2, 4, 5)
+            .reshape(P, K, rows, D))
+  if rows_pad != rows:
+    q_PKRD = jnp.pad(q_PKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+
+  full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  in_specs = [full((P,)),
+              pl.BlockSpec((None, None, block_q, D), lambda qi, si, p, h: (p, h, qi, 0)),
+              full(k_prefix.shape), full(v_prefix.shape)]
+  if num_splits == 1:
+    out_shape = [jax.ShapeDtypeStruct((P, K, rows_pad, D), q.dtype),
+                 jax.ShapeDtypeStruct((P, K, rows_pad), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, None, block_q, D), lambda qi, si, p, h: (p, h, qi, 0)),
+                 pl.BlockSpec((None, None, block_q), lambda qi, si, p, h: (p, h, qi))]
+  else:
+    out_shape = [jax.ShapeDtypeStruct((P, K, num_splits, rows_pad, D), jnp.float32),
+                 jax.ShapeDtypeStruct((P, K, num_splits, rows_pad), jnp.float32)]
+    out_specs = [
+        pl.BlockSpec((None, None, None, block_q, D), lambda qi, si, p, h: (p, h, si, qi, 0)),
+        pl.BlockSpec((None, None, None, block_q), lambda qi, si, p, h: (p, h, si, qi))]
+
+  static = _Static(L=L, block_q=block_q, block_k=block_k, split_size=split,
+                   scale_log2=float(sm_scale) * _LOG2E,
+                   fast_exp=bool(block_sizes.fast_exp and on_gpu and _is_nvidia()))
+  compiler_params = None
+  if not interpret and plgpu is not None:
+    num_warps = block_sizes.num_warps or (4 if block_q <= 64 else 8)
+    compiler_params = plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=block_sizes.num_stages)
+  o, lse = pl.pallas_call(
+      functools.partial(_prefix_kernel, c=static),
+      grid=(nq, num_splits, P, K),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="jaxspec_prefix_attention",
+  )(prefix_lengths.astype(jnp.int32), q_PKRD, k_prefix, v_prefix)
+
+  if num_splits > 1:
+    o, lse = merge_stacked(o, lse, axis=2, out_dtype=q.dtype)
+  o = (o[:, :, :rows].reshape(P, K, Bg, T, G, D).transpose(0, 2, 3, 1, 4, 5)
+       .reshape(B, T, H, D))
+  lse = (lse[:, :, :rows].reshape(P, K, Bg, T, G).transpose(0, 2, 3, 1, 4)
+         .reshape(B, T, H))
+  return o, lse
+
+
+def _check_shapes(q, k_prefix, v_prefix, prefix_lengths):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, T, H, D], got {q.shape}")
+  if k_prefix.ndim != 4 or v_prefix.shape != k_prefix.shape:
+    raise ValueError(f"k/v prefix must be [P, L, K, D], got {k_prefix.shape} / "
+                     f"{v_prefix.shape}")
+  B, T, H, D = q.shape
+  P, L, K, Dk = k_prefix.shape
+  if Dk != D or K == 0 or H % K:
+    raise ValueError(f"shape mismatch: q {q.shape} (H must be a multiple of K), "
+                     f"prefix {k_prefix.shape}")
+  if P == 0 or B % P:
+    raise ValueError(f"batch {B} must split into P={P} equal groups (B % P == 0): "
+                     f"q {q.shape}, prefix {k_prefix.shape}")
+  if prefix_lengths is not None and tuple(prefix_lengths.shape) != (P,):
+    raise ValueError(f"prefix_lengths must be [P]={P}, got {prefix_lengths.shape}")
+
+
+def _lengths(prefix_lengths, P, L):
+  if prefix_lengths is None:
+    return jnp.full((P,), L, jnp.int32)
+  return jnp.asarray(prefix_lengths).astype(jnp.int32)
+
+
+def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=None,
+                     interpret=None, block_sizes=None):
+  """Attention of every query over its group's shared prefix (Hydragen).
+
+  Args:
+    q: ``[B, T, H, D]`` queries; sequences ``[p * B/P, (p + 1) * B/P)`` form
+      group ``p``.
+    k_prefix, v_prefix: ``[P, L, K, D]`` prefix keys (after RoPE) and values of
+      the P groups; ``H`` must be a multiple of ``K``.
+    prefix_lengths: ``[P]`` int32 valid prefix tokens per group (default L;
+      values are clipped to [0, L]).
+    sm_scale: logit scale (default ``1/sqrt(D)``).
+    interpret: None: kernel on GPU, reference elsewhere; True: the kernel in
+      Pallas interpret mode (any backend); False: compiled kernel on GPU,
+      reference on CPU/TPU.
+    block_sizes: ``PrefixAttentionBlockSizes`` (None: defaults).
+
+  Returns:
+    ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; queries of a group
+    with an empty prefix get ``out = 0`` and ``lse = -inf``.
+  """
+  _check_shapes(q, k_prefix, v_prefix, prefix_lengths)
+  sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+  backend = jax.default_backend()
+  on_gpu = backend in ("gpu", "cuda", "rocm")
+  # TPU: like decode_attention, this Triton-shaped kernel (whole-array refs,
+  # masked pointer loads) uses the reference until a Mosaic TPU variant exists.
+  use_kernel = bool(interpret) or (on_gpu and plgpu is not None)
+  lengths = _lengths(prefix_lengths, k_prefix.shape[0], k_prefix.shape[1])
+  if not use_kernel:
+    return _reference(q, k_prefix, v_prefix, lengths, sm_scale=sm_scale)
+  if block_sizes is None:
+    block_sizes = _GPU_DEFAULTS
+  return _prefix_attention_kernel(
+      q, k_prefix, v_prefix, lengths, sm_scale=sm_scale, interpret=bool(interpret),
+      block_sizes=block_sizes, on_gpu=on_gpu and not interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def _reference(q, k_prefix, v_prefix, lengths, *, sm_scale):
+  B, T, H, D = q.shape
+  P, L, K, _ = k_prefix.shape
+  G = H // K
+  hi = lax.Precision.HIGHEST
+  q6 = q.reshape(P, B // P, T, K, G, D).astype(jnp.float32)
+  s = jnp.einsum("pbtkgd,plkd->pbtkgl", q6, k_prefix.astype(jnp.float32), precision=hi)
+  s = s * sm_scale                                                   # [P, Bg, T, K, G, L]
+  valid = jnp.arange(L, dtype=jnp.int32)[None, :] < lengths[:, None]  # [P, L]
+  s = jnp.where(valid[:, None, None, None, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+  p = jnp.exp(s - m_safe)
+  l = jnp.sum(p, axis=-1)
+  v = jnp.where(valid[:, :, None, None], v_prefix.astype(jnp.float32), 0.0)  # no 0 * NaN
+  o = jnp.einsum("pbtkgl,plkd->pbtkgd", p, v, precision=hi)
+  o = o / jnp.where(l > 0, l, 1.0)[..., None]
+  lse = jnp.squeeze(m_safe, -1) + jnp.log(l)                         # -inf when l == 0
+  return o.reshape(B, T, H, D).astype(q.dtype), lse.reshape(B, T, H)
+
+
+def prefix_attention_reference(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=None,
+                               interpret=None, block_sizes=None):
+  """Plain-jnp shared-prefix attention; same contract as ``prefix_attention``.
+
+  Computes dense ``[P, B/P, T, K, G, L]`` float32 logits (for tests, CPU, and as
+  a benchmark peer). ``interpret`` and ``block_sizes`` are accepted for
+  signature compatibility and ignored.
+  """
+  del interpret, block_sizes
+  _check_shapes(q, k_prefix, v_prefix, prefix_lengths)
+  sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+  lengths = _lengths(prefix_lengths, k_prefix.shape[0], k_prefix.shape[1])
+  return _reference(q, k_prefix, v_prefix, lengths, sm_scale=sm_scale)
+
+
+def multi_level_prefix_attention(q, levels: Sequence, *, sm_scale=None, interpret=None,
+                                 block_sizes=None, reference: bool = False):
+  """Attention over a tree of shared prefixes, as a list of levels.
+
+  Each level is ``(k, v, lengths)`` with ``k, v[P_i, L_i, K, D]`` and its own
+  group count ``P_i`` (``B % P_i == 0``; ``lengths`` may be None = full). E.g.
+  level 0: one system prompt for everyone (``P = 1``); level 1: one document
+  per group of questions (``P = number of documents``). A query sees every
+  level's valid prefix of its group; the per-level results are merged with one
+  ``merge_attention_states`` (exact; empty levels contribute nothing).
+
+  Merge the result with the per-sequence suffix part exactly like a single
+  prefix level (see the module docstring).
+
+  Args:
+    q: ``[B, T, H, D]``.
+    levels: sequence of ``(k, v, lengths)`` tuples (at least one).
+    sm_scale, interpret, block_sizes: passed to every ``prefix_attention``
+      call (``block_sizes`` may also be a sequence, one per level).
+    reference: use ``prefix_attention_reference`` for every level.
+
+  Returns:
+    ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``.
+  """
+  levels = list(levels)
+  if not levels:
+    raise ValueError("need at least one prefix level")
+  if block_sizes is None or isinstance(block_sizes, PrefixAttentionBlockSizes):
+    block_sizes = [block_sizes] * len(levels)
+  if len(block_sizes) != len(levels):
+    raise ValueError(f"{len(block_sizes)} block sizes for {len(levels)} levels")
+  fn = prefix_attention_reference if reference else prefix_attention
+  outs, lses = [], []
+  for level, bs in zip(levels, block_sizes):
+    if len(level) != 3:
+      raise ValueError("each level must be a (k, v, lengths) tuple")
+    k, v, lengths = level
+    o, l = fn(q, k, v, lengths, sm_scale=sm_scale, interpret=interpret, block_sizes=bs)
+    outs.append(o)
+    lses.append(l)
+  return merge_attention_states(outs, lses)

@@ -226,19 +226,26 @@ def pad_batch(token_lists: list, mesh) -> list:
 
 
 # ----------------------------------------------------------------------------- models
-def _widen_kv(config: ModelConfig, params, r: int):
-    """KV projections widened from K to K * r heads, each head repeated r times in place."""
-    Dh = config.head_dim
+_KV_PARAMS = ("wk", "wv", "bk", "bv")
 
-    def widen(path, x):
-        name = _leaf_name(path)
-        if name not in ("wk", "wv", "bk", "bv"):
-            return x
-        lead = x.shape[:-1]
-        y = x.reshape(*lead, config.num_kv_heads, Dh)
-        y = jnp.repeat(y, r, axis=-2)
-        return y.reshape(*lead, config.num_kv_heads * r * Dh)
-    return jax.tree_util.tree_map_with_path(widen, params)
+
+def _widen_array(x, K: int, Dh: int, r: int):
+    """``[..., K * Dh]`` -> ``[..., K * r * Dh]``: each KV head repeated r times in place."""
+    lead = x.shape[:-1]
+    return jnp.repeat(x.reshape(*lead, K, Dh), r, axis=-2).reshape(*lead, K * r * Dh)
+
+
+def _widen_kv(config: ModelConfig, params, r: int, mesh):
+    """The params with KV projections widened from K to K * r heads (laid out on ``mesh``); the
+    other leaves are the same arrays (no copy)."""
+    widen = functools.partial(_widen_array, K=config.num_kv_heads, Dh=config.head_dim, r=r)
+    wide = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * r)
+    abstract = jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.eval_shape(widen, x) if _leaf_name(p) in _KV_PARAMS else x, params)
+    shardings = param_shardings(wide, abstract, mesh)
+    return wide, jax.tree_util.tree_map_with_path(
+        lambda p, x, s: jax.jit(widen, out_shardings=s)(x) if _leaf_name(p) in _KV_PARAMS else x,
+        params, shardings)
 
 
 def shard_model(model: Model, mesh) -> Model:
@@ -252,12 +259,7 @@ def shard_model(model: Model, mesh) -> Model:
     m = _axis_size(mesh, "model")
     params = model.params
     if config.num_kv_heads % m:  # K < m, m % K == 0: replicate KV heads
-        r = m // config.num_kv_heads
-        wide = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * r)
-        abstract = jax.eval_shape(functools.partial(_widen_kv, config, r=r), params)
-        out = param_shardings(wide, abstract, mesh)
-        params = jax.jit(functools.partial(_widen_kv, config, r=r), out_shardings=out)(params)
-        config = wide
+        config, params = _widen_kv(config, params, m // config.num_kv_heads, mesh)
     shardings = param_shardings(config, params, mesh)
     if not _has_shardings(params, shardings):
         params = jax.device_put(params, shardings)

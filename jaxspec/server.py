@@ -460,7 +460,8 @@ async def _stream(engine, seqs, queue, base, chat, include_usage, return_ids):
             ev = await queue.get()
             tag = ev["tag"]
             if ev["type"] == "delta":
-                ext = {k: ev[k] for k in ("segments", "n_tokens", "accepted", "proposed", "rounds")}
+                ext = {k: ev[k] for k in ("segments", "n_tokens", "accepted", "proposed",
+                                          "rounds")}
                 if chat:
                     c = {"index": tag, "delta": {"content": ev["text"]}, "logprobs": None,
                          "finish_reason": None}
@@ -509,12 +510,16 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--sink", type=int, default=16)
     p.add_argument("--window", type=int, default=496)
     p.add_argument("--tree", default=None, help="token-tree expansion config, e.g. 1,1,3,1")
-    p.add_argument("--max-batch", type=int, default=64, help="slots (concurrent sequences)")
-    p.add_argument("--max-len", type=int, default=8192, help="tokens per sequence (prompt + "
-                   "completion), capped by the model's context")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="slots (concurrent sequences); default 64 on GPU/TPU, 4 on CPU")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per sequence (prompt + completion), capped by the model's "
+                        "context; default 8192 on GPU/TPU, 1024 on CPU")
     p.add_argument("--max-queue", type=int, default=1024, help="waiting sequences before 503")
     p.add_argument("--rounds-per-chunk", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--warmup-prefill", type=int, default=1024,
+                   help="compile prefill for prompts up to this many tokens at start-up")
     p.add_argument("--shared-rng", action="store_true",
                    help="one PRNG key for the whole batch (no per-request seeds; no vmap)")
     p.add_argument("--host", default="127.0.0.1")
@@ -539,9 +544,14 @@ def build_engine(a) -> tuple[ServingEngine, str]:
         gamma = a.gamma if a.gamma == "auto" else int(a.gamma)
         spec = jaxspec.Speculation(draft=draft, gamma=gamma, sink=a.sink, window=a.window,
                                    tree=_parse_tree(a.tree))
-    engine = ServingEngine(model, max_batch=a.max_batch, max_len=a.max_len, speculation=spec,
+    import jax
+    cpu = jax.default_backend() == "cpu"
+    max_batch = a.max_batch or (4 if cpu else 64)
+    max_len = a.max_len or (1024 if cpu else 8192)
+    engine = ServingEngine(model, max_batch=max_batch, max_len=max_len, speculation=spec,
                            rounds_per_chunk=a.rounds_per_chunk, max_queue=a.max_queue,
-                           prefill_chunk=a.prefill_chunk, per_row=not a.shared_rng)
+                           prefill_chunk=a.prefill_chunk, per_row=not a.shared_rng,
+                           warmup_prefill=a.warmup_prefill)
     name = a.served_model_name or pathlib.Path(path).name
     return engine, name
 

@@ -297,7 +297,7 @@ class ServingEngine:
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
                  speculation=None, rounds_per_chunk: int = 8, max_queue: int = 256,
                  prefill_chunk: int = 512, attn_impl: str = "auto", per_row: bool = True,
-                 stop_tokens=None):
+                 stop_tokens=None, warmup_prefill: int = 0):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         if max_batch < 1 or rounds_per_chunk < 1 or max_queue < 0:
@@ -311,6 +311,7 @@ class ServingEngine:
         self.prefill_chunk = int(prefill_chunk)
         self.impl = attn_impl
         self.per_row = bool(per_row)
+        self.warmup_prefill = int(warmup_prefill)
         self.stop_ids = stop_token_ids(model, stop_tokens)
         ctx = cfg.max_position_embeddings
         self.max_len = int(min(max_len or min(ctx, 4096), ctx))
@@ -506,6 +507,12 @@ class ServingEngine:
             self._choose_gamma()
         for greedy, filtering in ((True, False), (False, False), (False, True)):
             self._chunk(greedy, filtering)
+        n = 16  # prefill shapes (power-of-two buckets) up to warmup_prefill tokens, in free row 0
+        while n <= min(self.warmup_prefill, self.max_len - 1):
+            self.cache = self._prefill_row(self.config, self.model.params, self.cache, 0, [0] * n)
+            if self.draft is not None:
+                self._prefill_draft_row(0, [0] * n)
+            n *= 2
 
     def _choose_gamma(self):
         """gamma='auto': the MagicDec cost model over step times measured on the slot cache."""

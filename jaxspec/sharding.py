@@ -155,6 +155,8 @@ def param_specs(config: ModelConfig, abstract_params, mesh):
         if name not in PARAM_AXES:
             raise ShardingError(f"no partition rule for parameter {jax.tree_util.keystr(path)}")
         axes = PARAM_AXES[name]
+        if len(axes) == len(x.shape) + 1 and axes[0] == "layers":
+            axes = axes[1:]  # per-layer arrays (unstacked layout, see Model.decode_params)
         if len(axes) != len(x.shape):
             raise ShardingError(f"parameter {jax.tree_util.keystr(path)} has shape {x.shape}, "
                                 f"expected axes {axes}")

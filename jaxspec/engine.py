@@ -278,10 +278,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     if max_new_tokens == 0:
         return _result(model, [[] for _ in range(n_real)], stats | {"new_tokens": 0, "seconds": 0.0,
                                                                    "tokens_per_second": 0.0})
+    params = model.decode_params()
     cache = KVCache.create(config, B, S, dtype=model.dtype, sharding=None if model.mesh is None
                            else shd.cache_sharding(config, model.mesh, B))
     # Prefill everything but each prompt's last token; the loop starts from that token.
-    cache = prefill(config, model.params, cache, [t[:-1] for t in token_lists], impl=attn_impl,
+    cache = prefill(config, params, cache, [t[:-1] for t in token_lists], impl=attn_impl,
                     chunk=prefill_chunk)
     sp = sampling.SamplingParams.make(B, temperature=temperature, top_k=top_k, top_p=top_p)
     max_out = int(budget.max()) + extra
@@ -301,7 +302,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     t_prefill = time.perf_counter()
     if spec is None:
         loop = DecodeLoop(config=config, stop_ids=stop_ids, impl=attn_impl)
-        final = _run_loop(model.params, sp, state, loop=loop)
+        final = _run_loop(params, sp, state, loop=loop)
         extra_stats = {}
     else:
         final, extra_stats = spec.run(model, sp, state, stop_ids=stop_ids, impl=attn_impl,

@@ -461,7 +461,7 @@ class _Runner:
             dparams = jnp.zeros(())
         else:
             dstate = self._draft_prefill(state, impl)
-            dparams = self.draft.params
+            dparams = self.draft.decode_params()
         stats: dict[str, Any] = {}
         gamma = self.gamma
         costs = None
@@ -483,7 +483,7 @@ class _Runner:
         if gamma == 0:  # speculation would not pay: plain decoding
             from jaxspec.engine import DecodeLoop, _run_loop
             loop = DecodeLoop(config=cfg, stop_ids=stop_ids, impl=impl)
-            final = _run_loop(model.params, sp, state, loop=loop)
+            final = _run_loop(model.decode_params(), sp, state, loop=loop)
             stats.update({"acceptance_rate": 0.0, "tokens_per_step": 1.0})
             return final, stats
         loop = SpecLoop(config=cfg, stop_ids=stop_ids, gamma=gamma, sink=self.spec.sink,
@@ -491,7 +491,7 @@ class _Runner:
                         draft_config=None if self.draft is None else self.draft.config,
                         ring=self.draft is not None and self.spec.window is not None,
                         tree=self.tree, tree_mode=self.spec.tree_sampling)
-        final, _, acc = _run_spec(model.params, dparams, sp, state, dstate, loop=loop)
+        final, _, acc = _run_spec(model.decode_params(), dparams, sp, state, dstate, loop=loop)
         acc = {k: int(v) for k, v in acc.items()}
         rate = acc["accepted"] / max(acc["proposed"], 1)
         stats.update({
@@ -512,15 +512,16 @@ class _Runner:
 
     def _draft_prefill(self, state: DecodeState, impl: str) -> DraftState:
         d = self.draft
+        d_params = d.decode_params()
         B = len(self.token_lists)
         prompts = [t[:-1] for t in self.token_lists]
         if self.spec.window is None:
             S = state.cache.max_len
             dc = KVCache.create(d.config, B, S, dtype=d.dtype,
                                 sharding=cache_sharding_like(d.config, d.params, B))
-            dc = prefill(d.config, d.params, dc, prompts, impl=impl)
+            dc = prefill(d.config, d_params, dc, prompts, impl=impl)
         else:
-            dc = ring_prefill(d.config, d.params, prompts, sink=self.spec.sink,
+            dc = ring_prefill(d.config, d_params, prompts, sink=self.spec.sink,
                               window=self.spec.window, scratch=self.extra_slots, impl=impl,
                               dtype=d.dtype)
         return DraftState(cache=dc, prev=jnp.array(state.last, copy=True))
@@ -597,7 +598,7 @@ _COSTS: dict = {}  # measured step costs, per shape
 
 def _acceptance_key(model: Model, spec: Speculation):
     draft = "self" if spec.draft == "self" else id(spec.draft)
-    return (id(model.params), draft, spec.sink, spec.window)
+    return (id(model), draft, spec.sink, spec.window)
 
 
 def per_token_acceptance(accepted_per_round: float, gamma: int) -> float:
@@ -688,17 +689,17 @@ def measure_costs(model, spec, draft, state, dstate, impl, gammas):
         t, (c, _) = _timed(f, (c, None))
         return t, c
 
-    t_plain, cache = run(model.params, cache, cfg, 1)
+    t_plain, cache = run(model.decode_params(), cache, cfg, 1)
     verify = {}
     Ts = sorted({2, max(gammas) + 1, (min(gammas) + max(gammas)) // 2 + 1})
     for T in Ts:
-        verify[T], cache = run(model.params, cache, cfg, T)
+        verify[T], cache = run(model.decode_params(), cache, cfg, T)
     if draft is None:
         sparse = spec.window is not None
-        t_draft, cache = run(model.params, cache, cfg, 1, spec.sink if sparse else None,
+        t_draft, cache = run(model.decode_params(), cache, cfg, 1, spec.sink if sparse else None,
                              spec.window)
     else:
-        t_draft, dc = run(draft.params, dstate.cache, draft.config, 1)
+        t_draft, dc = run(draft.decode_params(), dstate.cache, draft.config, 1)
         dstate = dstate.replace(cache=dc)
     costs = {"plain": t_plain, "draft": t_draft,
              "verify": {g: _interp(verify, g + 1) for g in gammas}}

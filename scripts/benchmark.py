@@ -86,7 +86,9 @@ def param_bytes(params) -> int:
 def bench_decode(config: ModelConfig, B: int, ctx: int, impls=("auto", "xla"), steps=16,
                  bw=None) -> dict:
     bw = bw or copy_bandwidth()
-    params = random_params(config)
+    model = jaxspec.Model(config=config, params=random_params(config))
+    params = model.decode_params()  # per-layer arrays on GPU unless JAXSPEC_LAYERS=scan
+    layout = "unrolled" if isinstance(params["layers"], list) else "scan"
     S = round_up(ctx + steps + 8, 128)
     lengths = np.full((B,), ctx, np.int32)
     cache = random_cache(config, B, S, lengths)
@@ -124,13 +126,12 @@ def bench_decode(config: ModelConfig, B: int, ctx: int, impls=("auto", "xla"), s
             jax.block_until_ready(tok0)
             ts0.append(time.perf_counter() - t)
         cache = c0.replace(lengths=jnp.asarray(lengths))
-        rows.append({"impl": impl, "step_ms": med * 1e3, "floor_ms": floor * 1e3,
+        rows.append({"impl": impl, "layers": layout, "step_ms": med * 1e3, "floor_ms": floor * 1e3,
                      "over_floor": med / floor, "weights_only_step_ms": statistics.median(ts0) * 1e3,
                      "weights_floor_ms": w_bytes / bw * 1e3, "kv_floor_ms": kv_bytes / bw * 1e3,
                      "first_call_s": compile_s})
         print(json.dumps(rows[-1]), flush=True)
     # compile time of the whole generate loop
-    model = jaxspec.Model(config=config, params=params)
     t0 = time.perf_counter()
     jaxspec.generate(model, [[1] * 16] * B, max_new_tokens=4)
     gen_compile = time.perf_counter() - t0
@@ -214,10 +215,10 @@ def main(argv=None):
                  f"context {a.context}", "", f"device {env['device']}, jax {env['jax']}, "
                  f"copy bandwidth {r['copy_bw'] / 1e12:.2f} TB/s (measured in the same run)", "",
                  f"command: `{env['command']}`", "",
-                 "| attention | step ms | floor ms (weights+KV / copy bw) | x floor | weights-only step ms | weights floor ms | KV floor ms |",
-                 "|---|---|---|---|---|---|---|"]
+                 "| attention | layers | step ms | floor ms (weights+KV / copy bw) | x floor | weights-only step ms | weights floor ms | KV floor ms |",
+                 "|---|---|---|---|---|---|---|---|"]
         for row in r["rows"]:
-            lines.append(f"| {row['impl']} | {row['step_ms']:.2f} | {row['floor_ms']:.2f} | "
+            lines.append(f"| {row['impl']} | {row['layers']} | {row['step_ms']:.2f} | {row['floor_ms']:.2f} | "
                          f"{row['over_floor']:.2f} | {row['weights_only_step_ms']:.2f} | "
                          f"{row['weights_floor_ms']:.2f} | {row['kv_floor_ms']:.2f} |")
         lines.append("")

@@ -152,7 +152,7 @@ def bench_generate(model, prompts, max_new, spec=None, repeats=2):
 
 
 def bench_speculative(model, batches, prompt_lens, gammas, sink, window, max_new, prompts_fn,
-                      out_rows):
+                      out_rows, trees=()):
     for P in prompt_lens:
         for B in batches:
             prompts = prompts_fn(B, P)
@@ -163,8 +163,11 @@ def bench_speculative(model, batches, prompt_lens, gammas, sink, window, max_new
                 print(out_rows[-1], flush=True)
                 continue
             ar_tps = ar.stats["tokens_per_second"]
-            for g in gammas:
-                spec = jaxspec.Speculation(draft="self", gamma=g, sink=sink, window=window)
+            variants = [(g, jaxspec.Speculation(draft="self", gamma=g, sink=sink, window=window))
+                        for g in gammas]
+            variants += [(f"tree{t}", jaxspec.Speculation(draft="self", sink=sink, window=window,
+                                                         tree=t)) for t in trees]
+            for g, spec in variants:
                 try:
                     sp, _ = bench_generate(model, prompts, max_new, spec)
                 except Exception as e:  # noqa: BLE001
@@ -200,6 +203,7 @@ def main(argv=None):
     s.add_argument("--sink", type=int, default=16)
     s.add_argument("--window", type=int, default=496)
     s.add_argument("--max-new", type=int, default=64)
+    s.add_argument("--trees", default="", help="token trees to add, e.g. '2,1,1;3,2,1'")
     s.add_argument("--prompts-file", default=None, help="JSON list of token lists (long text)")
     s.add_argument("--out", default="benchmarks/speculative")
     a = ap.parse_args(argv)
@@ -245,7 +249,8 @@ def main(argv=None):
         rows = []
         bench_speculative(model, [int(x) for x in a.batch.split(",")],
                           [int(x) for x in a.prompt.split(",")], [int(x) for x in a.gamma.split(",")],
-                          a.sink, a.window, a.max_new, prompts_fn, rows)
+                          a.sink, a.window, a.max_new, prompts_fn, rows,
+                          trees=[tuple(int(x) for x in t.split(",")) for t in a.trees.split(";") if t])
         res = {"env": env, "model": a.model, "rows": rows}
         out.with_suffix(".json").write_text(json.dumps(res, indent=1))
         lines = [f"# Autoregressive vs self-speculation ({a.model})", "",

@@ -18,6 +18,6 @@ fi
 if [[ $what == spec || $what == all ]]; then
   MODEL="${MODEL:?set MODEL to a converted checkpoint}"
   python3 scripts/benchmark.py speculative --model "$MODEL" --batch "${BATCH:-16,64}" \
-    --prompt "${PROMPT:-1024,7680}" --gamma "${GAMMA:-3}" --max-new 64 \
+    --prompt "${PROMPT:-1024,7680}" --gamma "${GAMMA:-3}" --max-new 64 --trees "${TREES:-}" \
     ${PROMPTS_FILE:+--prompts-file "$PROMPTS_FILE"} --out "$OUT/speculative_$(basename "$MODEL")"
 fi

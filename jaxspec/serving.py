@@ -340,7 +340,14 @@ class ServingEngine:
         self._running = False
         self._paused = False
         self.fault_hook = None  # tests: called with each Sequence at admission (may raise)
-        self.m = collections.Counter()  # metrics counters
+        # metrics counters; every key exists from the start (other threads read them while the
+        # engine thread updates them)
+        self.m = collections.Counter({k: 0 for k in (
+            "sequences_submitted", "sequences_admitted", "prompt_tokens", "prefill_tokens",
+            "generation_tokens", "chunks", "rounds", "chunk_seconds", "busy_slot_rounds",
+            "slot_rounds", "draft_proposed", "draft_accepted", "target_row_steps",
+            "rejected_queue_full", "finished_stop", "finished_length", "finished_cancelled",
+            "finished_error")})
         self.started_at = time.time()
 
     # ------------------------------------------------------------------ set-up

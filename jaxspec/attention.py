@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,8 @@ class AttentionPlan:
     sink: int | None = struct.field(pytree_node=False, default=None)
     window: int | None = struct.field(pytree_node=False, default=None)
     impl: str = struct.field(pytree_node=False, default="auto")
+    # shared-prefix segments before the context (`jaxspec.prefix.SharedPrefix`); None: none
+    prefix: Any = None
 
     @property
     def sparse(self) -> bool:
@@ -124,6 +127,9 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
     if impl == "none":  # profiling: the step without attention (not a model!)
         return jnp.zeros_like(q_BTHD)
+    if plan.prefix is not None:  # shared prefix (Hydragen): prefix part + suffix part, merged
+        from jaxspec.prefix import attend_with_prefix
+        return attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)
     use_kernel = impl in ("pallas", "interpret") or (impl == "auto" and _backend() in ("gpu", "tpu"))
     if use_kernel:
         kernel = _kernel()

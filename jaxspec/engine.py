@@ -229,7 +229,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens=None,
              speculation=None, chat: bool = False, max_len: int | None = None,
              attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-             profile: bool = False) -> GenerationResult:
+             profile: bool = False, shared_prefix=None, n: int = 1) -> GenerationResult:
     """Generates up to ``max_new_tokens`` new tokens for each prompt (see module docstring).
 
     ``prompts``: a list of strings (needs a tokenizer; ``chat=True`` applies the chat template)
@@ -237,11 +237,22 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     token ids (or single-token strings) besides the model's EOS. ``speculation``: a
     `jaxspec.Speculation` for speculative decoding (lossless: same tokens as greedy, same
     distribution when sampling).
+
+    ``n``: samples per prompt (results are prompt-major: prompt i's samples at ``i*n .. i*n+n-1``).
+    ``shared_prefix`` (Hydragen, `jaxspec.prefix`): ``"auto"`` shares the longest prefix common
+    to all prompts once it is long enough, an int shares that many leading tokens, a list of
+    token ids shares exactly those; with ``n > 1`` each prompt is also shared by its samples.
+    The prefix is prefilled once and attended to once per group; tokens are the same as without
+    sharing (greedy) and the distribution is the same (sampling).
     """
     if not isinstance(model, Model):
         raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), got {type(model).__name__}")
     _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
     token_lists = _as_token_lists(model, prompts, chat)
+    share = None
+    if shared_prefix is not None or n != 1:
+        from jaxspec.prefix import plan_sharing
+        token_lists, share = plan_sharing(token_lists, shared_prefix, n)
     n_real = len(token_lists)
     if model.mesh is not None:  # batch over the data axis: pad with dummy rows (no budget)
         from jaxspec import sharding as shd
@@ -262,9 +273,10 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     extra = spec.extra_slots if spec is not None else 1
     budget = np.minimum(max_new_tokens, ctx - lens)  # never past the model's context
     budget[n_real:] = 0
-    need = int((lens + budget).max()) + extra
+    slot_lens = lens if share is None else lens - share.offsets  # suffix slots per row
+    need = int((slot_lens + budget).max()) + extra
     # the last prefill chunk writes whole chunks: the cache must hold them (kernels need it)
-    n_pre = int(lens.max()) - 1
+    n_pre = int(slot_lens.max()) - 1
     if n_pre > 0:
         C = min(prefill_chunk, round_up(n_pre, 16))
         need = max(need, round_up(n_pre, C))
@@ -275,15 +287,22 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     t0 = time.perf_counter()
     stats: dict[str, Any] = {"batch": n_real, "prompt_tokens": int(lens[:n_real].sum()),
                              "max_len": S}
+    if share is not None:
+        stats["shared_prefix_tokens"] = share.prefix_tokens
     if max_new_tokens == 0:
         return _result(model, [[] for _ in range(n_real)], stats | {"new_tokens": 0, "seconds": 0.0,
                                                                    "tokens_per_second": 0.0})
     params = model.decode_params()
-    cache = KVCache.create(config, B, S, dtype=model.dtype, sharding=None if model.mesh is None
-                           else shd.cache_sharding(config, model.mesh, B))
-    # Prefill everything but each prompt's last token; the loop starts from that token.
-    cache = prefill(config, params, cache, [t[:-1] for t in token_lists], impl=attn_impl,
-                    chunk=prefill_chunk)
+    c_shd = None if model.mesh is None else shd.cache_sharding(config, model.mesh, B)
+    if share is None:
+        cache = KVCache.create(config, B, S, dtype=model.dtype, sharding=c_shd)
+        # Prefill everything but each prompt's last token; the loop starts from that token.
+        cache = prefill(config, params, cache, [t[:-1] for t in token_lists], impl=attn_impl,
+                        chunk=prefill_chunk)
+    else:  # the shared prefix once, then each row's suffix (jaxspec.prefix)
+        from jaxspec.prefix import prefill_shared
+        cache = prefill_shared(config, params, token_lists, share, S=S, impl=attn_impl,
+                               chunk=prefill_chunk, dtype=model.dtype, sharding=c_shd)
     sp = sampling.SamplingParams.make(B, temperature=temperature, top_k=top_k, top_p=top_p)
     max_out = int(budget.max()) + extra
     state = DecodeState(

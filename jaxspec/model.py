@@ -220,6 +220,10 @@ def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache
     """Functional entry point: ``(logits, cache)`` for params of ``config``."""
     if dtype is None:
         dtype = params["embed"].dtype
+    prefix = getattr(cache, "prefix", None)
+    if prefix is not None:  # shared-prefix cache (jaxspec.prefix): slots count after the prefix
+        positions_BT = positions_BT + prefix.offset[:, None]
+        plan = plan.replace(prefix=prefix)
     if isinstance(params["layers"], (list, tuple)):
         return _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logits_at,
                                  dtype)

@@ -42,6 +42,7 @@ from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
 from jaxspec.engine import DecodeState, commit_tokens, prefill
 from jaxspec.model import forward
+from jaxspec.prefix import positions_of
 from jaxspec.sharding import cache_sharding_like
 from jaxspec.tree import TokenTree, compact_path
 from jaxspec.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
@@ -160,7 +161,7 @@ class SpecLoop:
         when the draft has not seen ``prev`` yet (all drafts accepted last round), otherwise
         [last, pad]; its K/V is idempotent for a token already present."""
         dc = dstate.cache
-        L = state.cache.lengths  # position of `last`
+        L = positions_of(state.cache)  # position of `last` (after a shared prefix, if any)
         Ld = dc.lengths  # positions < Ld are in the draft cache
         pending = L - Ld + 1  # 1 or 2
         start = L + 1 - pending  # first position processed this round
@@ -251,7 +252,7 @@ class SpecLoop:
         if self.draft_config is not None:
             new_L = st.cache.lengths
             # the draft computed K/V for positions start .. L+g-1 (not for the last draft d_g)
-            have = jnp.minimum(new_L, L + g)
+            have = jnp.minimum(positions_of(st.cache), positions_of(state.cache) + g)
             dc = self._commit_draft(dc, start, base, have, n_kv_max=g + 1)
             # token at position new_L - 1: the last accepted draft, or the old `last`
             prev = jnp.where(n_acc > 0, jnp.take_along_axis(
@@ -294,6 +295,7 @@ class SpecLoop:
             extra = {}
         else:
             dc = dstate.cache
+            L = positions_of(state.cache)  # the draft's cache holds whole prompts: positions
             pending = L - dc.lengths + 1
             start = L + 1 - pending
             base = jnp.minimum(start, self.sink + self.window) if self.ring else start
@@ -364,7 +366,7 @@ class SpecLoop:
             dk, dv = compact_path((dc.k, dc.v), jnp.where(acc_nodes >= 0, acc_nodes, -1),
                                   extra["root_slot"], slot_axis=3, batch_axis=1)
             dc = dc.replace(k=dk, v=dv)
-            have = jnp.minimum(st.cache.lengths, L + D)
+            have = jnp.minimum(positions_of(st.cache), positions_of(state.cache) + D)
             dc = self._commit_draft(dc, extra["start"], extra["base"], have, n_kv_max=D + 1)
             prev = jnp.where(n_acc > 0, jnp.take_along_axis(
                 path, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0], state.last)

@@ -1,0 +1,355 @@
+"""Shared prefixes (Hydragen): detect a common token prefix, prefill it once, attend to it once.
+
+When many sequences share a prefix (a system prompt, one document with many questions, ``n``
+samples of one prompt), the prefix is prefilled once into a `PrefixLevel` (one copy per group of
+sequences) and every sequence's own cache holds only its suffix. Attention is then
+
+    prefix part (all queries of a group against the group's prefix, one matrix product:
+                 `pallas_kernels.prefix_attention`)  +  suffix part (the ragged per-sequence cache,
+                 causal / tree mask: the usual decode path)  ->  merged exactly by log-sum-exp.
+
+Levels: a list of prefixes one after the other (level 0: shared by all rows, ``P = 1``; level 1:
+one per prompt when ``n`` samples are drawn per prompt, ...). Level ``i`` has ``P_i`` groups of
+``B / P_i`` contiguous rows; each level's groups nest in the previous level's (``P_{i-1} | P_i``).
+
+Positions: a row's suffix slot ``s`` holds position ``offset[b] + s`` (``offset`` = total prefix
+length of the row). `PrefixedKVCache` carries the prefix next to the suffix cache; the model's
+`forward` adds ``offset`` to the positions and puts the prefix into the attention plan, so the
+decode and speculative loops run unchanged.
+
+The StreamingLLM self-draft (``plan.sink`` / ``plan.window``) sees the same sparse view as without
+sharing: positions ``< sink`` (from the prefix) and the last ``window`` positions (from the suffix
+and, where the suffix is shorter than the window, the prefix's tail); it gathers only those slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxspec.attention import AttentionPlan, _kernel, _new_token_mask, _softmax_attend, attention_xla
+from jaxspec.cache import KVCache, round_up
+
+AUTO_MIN_TOKENS = 32  # shared_prefix="auto": share a common prefix only from this length on
+
+
+# ----------------------------------------------------------------------------- pytrees
+@struct.dataclass
+class PrefixLevel:
+    """One level of shared prefixes: ``P`` groups of up to ``Lp`` tokens, stacked over layers."""
+
+    k: jax.Array  # [L, P, Lp, K, D] (the layout `prefix_attention` reads)
+    v: jax.Array  # [L, P, Lp, K, D]
+    lengths: jax.Array  # [P] int32 valid tokens per group
+    start: jax.Array  # [P] int32 position of the group's first token (earlier levels' length)
+
+    @property
+    def groups(self) -> int:
+        return self.k.shape[1]
+
+
+@struct.dataclass
+class SharedPrefix:
+    levels: tuple  # of PrefixLevel
+    offset: jax.Array  # [B] int32: position of suffix slot 0 of each row (its total prefix length)
+
+
+@struct.dataclass
+class PrefixedKVCache(KVCache):
+    """A suffix `KVCache` plus the shared prefix its rows continue (see module docstring)."""
+
+    prefix: SharedPrefix = None
+
+
+def positions_of(cache):
+    """Position of each row's next slot: ``cache.lengths`` (+ prefix offset for a prefixed cache)."""
+    prefix = getattr(cache, "prefix", None)
+    return cache.lengths if prefix is None else cache.lengths + prefix.offset
+
+
+# ----------------------------------------------------------------------------- attention
+def attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
+    """`jaxspec.attention.attend` when ``plan.prefix`` is set (per shard under a mesh)."""
+    from jaxspec.sharding import _active_mesh
+    pre: SharedPrefix = plan.prefix
+    B = q_BTHD.shape[0]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q_BTHD.shape[-1])
+    fn = functools.partial(_sparse if plan.sparse else _dense, plan=plan, sm_scale=sm_scale,
+                           batch=B)
+    mesh = _active_mesh()
+    mask = plan.mask
+    layer = jnp.asarray(layer, jnp.int32)
+    if mesh is None:
+        rows = jnp.arange(B, dtype=jnp.int32)
+        return fn(q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, mask, layer, pre, rows, sharded=False)
+    from jax.sharding import PartitionSpec as P
+    kv = P(None, "data", "model", None, None)
+    lvl = P(None, None, None, "model", None)
+    pre_spec = SharedPrefix(levels=tuple(PrefixLevel(k=lvl, v=lvl, lengths=P(), start=P())
+                                         for _ in pre.levels), offset=P("data"))
+    args = [q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, layer, pre,
+            jnp.arange(B, dtype=jnp.int32)]
+    specs = [P("data", None, "model", None), kv, kv, P("data"), P(), pre_spec, P("data")]
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        args.append(mask)
+        specs.append(P("data", None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
+
+    def body(q, k, v, ln, lay, pr, rows, *m):
+        return fn(q, k, v, ln, m[0] if m else None, lay, pr, rows, sharded=True)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                         out_specs=P("data", None, "model", None), check_vma=False)(*args)
+
+
+def _use_kernel(impl: str) -> bool:
+    return impl in ("pallas", "interpret") or (
+        impl == "auto" and jax.default_backend() in ("gpu", "tpu"))
+
+
+def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
+           batch, sharded):
+    """Suffix part (decode kernel / jnp, ragged, causal or tree mask) + one `prefix_attention`
+    per level, merged by log-sum-exp."""
+    from pallas_kernels import merge_attention_states, prefix_attention, prefix_attention_reference
+    impl = plan.impl
+    interpret = True if impl == "interpret" else None
+    kernel = _kernel() if _use_kernel(impl) else None
+    if kernel is not None:
+        o, lse = kernel(q, k_all, v_all, lengths, mask, layer=layer, sm_scale=sm_scale,
+                        interpret=interpret)
+    else:
+        k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
+        o, lse = attention_xla(q, k, v, lengths, mask, sm_scale=sm_scale)
+    outs, lses = [o], [lse]
+    Bl = q.shape[0]
+    for lv in pre.levels:
+        kp = jax.lax.dynamic_index_in_dim(lv.k, layer, axis=0, keepdims=False)  # [P, Lp, K, D]
+        vp = jax.lax.dynamic_index_in_dim(lv.v, layer, axis=0, keepdims=False)
+        n, ln = lv.groups, lv.lengths
+        if sharded:  # this shard's rows: the groups they belong to (contiguous rows)
+            gs = batch // n
+            if Bl % gs and gs % Bl:
+                raise ValueError(f"shared-prefix groups of {gs} rows do not align with "
+                                 f"{Bl} rows per data shard")
+            n_loc = max(1, Bl // gs)
+            g0 = rows[0] // gs
+            kp = jax.lax.dynamic_slice_in_dim(kp, g0, n_loc, axis=0)
+            vp = jax.lax.dynamic_slice_in_dim(vp, g0, n_loc, axis=0)
+            ln = jax.lax.dynamic_slice_in_dim(ln, g0, n_loc, axis=0)
+        fn = prefix_attention_reference if kernel is None else prefix_attention
+        o, lse = fn(q, kp, vp, ln, sm_scale=sm_scale, interpret=interpret)
+        outs.append(o)
+        lses.append(lse)
+    return merge_attention_states(outs, lses)[0]
+
+
+def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
+            batch, sharded):
+    """The StreamingLLM view over [prefix levels | suffix]: positions ``< sink`` and the last
+    ``window`` context positions, plus the new tokens. Gathers at most ``sink + window`` slots
+    per level and ``sink + window + T`` from the suffix, then one masked softmax."""
+    del sharded
+    B, T, H, D = q.shape
+    sink, window = int(plan.sink or 0), int(plan.window or 0)
+    lengths = lengths.astype(jnp.int32)
+    off = pre.offset.astype(jnp.int32)
+    ctx = off + lengths  # [B] context positions before the new tokens
+    ar_s = jnp.arange(sink, dtype=jnp.int32)[None]
+    ar_w = jnp.arange(window, dtype=jnp.int32)[None]
+    keys, vals, oks = [], [], []
+    for lv in pre.levels:
+        g = rows // (batch // lv.groups)  # [B] group of each row
+        n_len, st = lv.lengths[g][:, None], lv.start[g][:, None]
+        j_s = jnp.broadcast_to(ar_s, (B, sink))
+        ok_s = (j_s < n_len) & (st + j_s < sink)
+        j_w = (ctx[:, None] - window - st) + ar_w
+        ok_w = (j_w >= 0) & (j_w < n_len) & (st + j_w >= sink)
+        idx = jnp.clip(jnp.concatenate([j_s, j_w], 1), 0, lv.k.shape[2] - 1)  # [B, n]
+        keys.append(lv.k[layer, g[:, None], idx])  # [B, n, K, D]
+        vals.append(lv.v[layer, g[:, None], idx])
+        oks.append(jnp.concatenate([ok_s, ok_w], 1))
+    s_s = jnp.broadcast_to(ar_s, (B, sink))
+    ok_s = (off[:, None] + s_s < sink) & (s_s < lengths[:, None])
+    s_w = lengths[:, None] - window + ar_w
+    ok_w = (s_w >= 0) & (off[:, None] + s_w >= sink)
+    s_new = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    idx = jnp.clip(jnp.concatenate([s_s, s_w, s_new], 1), 0, k_all.shape[3] - 1)
+    b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+    keys.append(k_all[layer, b_idx, :, idx])  # [B, n, K, D]
+    vals.append(v_all[layer, b_idx, :, idx])
+    ctx_ok = jnp.concatenate(oks + [ok_s, ok_w], 1)  # [B, n_ctx]
+    visible = jnp.concatenate([jnp.broadcast_to(ctx_ok[:, None], (B, T, ctx_ok.shape[1])),
+                               _new_token_mask(mask, B, T)], 2)
+    k = jnp.concatenate(keys, 1).transpose(0, 2, 1, 3)  # [B, K, N, D]
+    v = jnp.concatenate(vals, 1).transpose(0, 2, 1, 3)
+    return _softmax_attend(q, k, v, visible, sm_scale)[0]
+
+
+# ----------------------------------------------------------------------------- detection
+@dataclasses.dataclass
+class SharingPlan:
+    """Host-side description of the prefix levels of a batch (from `plan_sharing`)."""
+
+    levels: list  # per level: (P, [tokens of each group])
+    offsets: np.ndarray  # [B] total prefix length of each row
+
+    @property
+    def prefix_tokens(self) -> int:
+        return int(sum(sum(len(t) for t in toks) for _, toks in self.levels))
+
+
+def _common_prefix_len(rows) -> int:
+    n = min(len(r) for r in rows)
+    first = rows[0]
+    for i in range(n):
+        t = first[i]
+        if any(r[i] != t for r in rows):
+            return i
+    return n
+
+
+def plan_sharing(token_lists, shared_prefix, n: int = 1, *, min_tokens: int | None = None):
+    """Expands ``n`` samples per prompt and finds the prefix levels.
+
+    ``shared_prefix``: None (share only the ``n`` samples' prompt when ``n > 1``), ``"auto"``
+    (the longest prefix common to all prompts, if at least ``AUTO_MIN_TOKENS`` long), an int (that
+    many leading tokens, which must be common to all prompts) or a list of token ids (which every
+    prompt must start with). Every row keeps at least its last prompt token in its suffix.
+    With ``n > 1`` each prompt's remaining tokens form a second level shared by its samples.
+
+    Returns ``(rows, SharingPlan | None)``; None when nothing is shared."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    min_tokens = AUTO_MIN_TOKENS if min_tokens is None else min_tokens
+    prompts = [list(t) for t in token_lists]
+    rows = [p for p in prompts for _ in range(n)]
+    cap = min(len(p) for p in prompts) - 1  # the last token of each prompt is decoded, not shared
+    if shared_prefix is None or shared_prefix == "auto":
+        n0 = min(_common_prefix_len(prompts), cap) if len(prompts) > 1 or n == 1 else 0
+        if shared_prefix is None or n0 < min_tokens:
+            n0 = 0
+    elif isinstance(shared_prefix, (int, np.integer)) and not isinstance(shared_prefix, bool):
+        n0 = int(shared_prefix)
+        if not 0 <= n0 <= cap:
+            raise ValueError(f"shared_prefix={n0} must be in [0, {cap}] (every prompt keeps at "
+                             f"least its last token outside the shared prefix)")
+        if _common_prefix_len(prompts) < n0:
+            raise ValueError(f"the prompts do not share their first {n0} tokens")
+    elif isinstance(shared_prefix, str):
+        raise ValueError(f"shared_prefix must be None, 'auto', an int or a list of token ids, "
+                         f"got {shared_prefix!r}")
+    else:
+        try:
+            toks = [int(t) for t in shared_prefix]
+        except (TypeError, ValueError):
+            raise TypeError("shared_prefix must be None, 'auto', an int or a list of token "
+                            "ids") from None
+        n0 = len(toks)
+        if n0 > cap:
+            raise ValueError(f"shared_prefix has {n0} tokens but the shortest prompt has only "
+                             f"{cap + 1} (it must keep at least its last token)")
+        bad = [i for i, p in enumerate(prompts) if p[:n0] != toks]
+        if bad:
+            raise ValueError(f"prompt {bad[0]} does not start with shared_prefix")
+    levels = []
+    if n0 > 0:
+        levels.append((1, [prompts[0][:n0]]))
+    if n > 1:
+        own = [p[n0:len(p) - 1] for p in prompts]
+        if max(len(t) for t in own) > 0:
+            levels.append((len(prompts), own))
+    if not levels:
+        return rows, None
+    if len(levels) and levels[-1][0] == len(prompts) and n > 1:  # per-prompt level
+        offsets = np.array([len(p) - 1 for p in rows], np.int64)
+    else:
+        offsets = np.full((len(rows),), n0, np.int64)
+    return rows, SharingPlan(levels=levels, offsets=offsets)
+
+
+# ----------------------------------------------------------------------------- prefill
+@functools.partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
+def _prefill_chunk(params, cache: KVCache, tokens_BC, start, offset_B, prefix, *, config, impl):
+    from jaxspec.model import forward
+    B, C = tokens_BC.shape
+    positions = offset_B[:, None] + start + jnp.arange(C, dtype=jnp.int32)[None]
+    plan = AttentionPlan(lengths=jnp.full((B,), start, jnp.int32), impl=impl, prefix=prefix)
+    _, cache = forward(config, params, tokens_BC, positions, cache, plan,
+                       logits_at=jnp.zeros((B, 1), jnp.int32))
+    return cache
+
+
+def _prefill_rows(config, params, rows, offset, prefix, *, S, impl, chunk, dtype, sharding=None):
+    """A plain KVCache of ``len(rows)`` rows with ``rows`` written from slot 0 (position
+    ``offset + slot``), attending also to ``prefix`` (a SharedPrefix or None)."""
+    B = len(rows)
+    lens = np.array([len(r) for r in rows], np.int32)
+    cache = KVCache.create(config, B, S, dtype=dtype, sharding=sharding)
+    n = int(lens.max()) if B else 0
+    if n > 0:
+        C = min(chunk, round_up(n, 16))
+        total = round_up(n, C)
+        assert total <= S, (total, S)
+        buf = np.zeros((B, total), np.int32)
+        for i, r in enumerate(rows):
+            buf[i, :len(r)] = r
+        off = jnp.asarray(offset, jnp.int32)
+        for start in range(0, total, C):
+            cache = _prefill_chunk(params, cache, jnp.asarray(buf[:, start:start + C]),
+                                   jnp.int32(start), off, prefix, config=config, impl=impl)
+    return cache.replace(lengths=jnp.asarray(lens))
+
+
+def prefill_slots(n: int, chunk: int) -> int:
+    """Cache slots a prefill of ``n`` tokens writes (whole chunks)."""
+    if n <= 0:
+        return 1
+    C = min(chunk, round_up(n, 16))
+    return round_up(n, C)
+
+
+def build_prefix(config, params, share: SharingPlan, *, impl="auto", chunk=512, dtype=jnp.float32):
+    """Prefills every level once (level i attends to levels < i) -> tuple of PrefixLevel."""
+    levels = []
+    for P_i, toks in share.levels:
+        lens = np.array([len(t) for t in toks], np.int32)
+        # start of each group: total length of the earlier levels' groups it continues
+        start = np.zeros((P_i,), np.int32)
+        for lv in levels:
+            Pj = lv.groups
+            start += np.asarray(lv.lengths)[np.arange(P_i) // (P_i // Pj)]
+        prefix = None
+        if levels:
+            prefix = SharedPrefix(levels=tuple(levels), offset=jnp.asarray(start))
+        S = prefill_slots(int(lens.max()), chunk)
+        c = _prefill_rows(config, params, toks, start, prefix, S=S, impl=impl, chunk=chunk,
+                          dtype=dtype)
+        Lp = min(S, round_up(max(int(lens.max()), 1), 16))
+        k = jnp.transpose(c.k[:, :, :, :Lp], (0, 1, 3, 2, 4))
+        v = jnp.transpose(c.v[:, :, :, :Lp], (0, 1, 3, 2, 4))
+        levels.append(PrefixLevel(k=k, v=v, lengths=jnp.asarray(lens), start=jnp.asarray(start)))
+    return tuple(levels)
+
+
+def prefill_shared(config, params, rows, share: SharingPlan, *, S, impl="auto", chunk=512,
+                   dtype=jnp.float32, sharding=None, prefix_levels=None) -> PrefixedKVCache:
+    """Prefix levels once, then every row's suffix (all but its last token) with the prefix
+    visible: a `PrefixedKVCache` of ``S`` suffix slots per row."""
+    if prefix_levels is None:
+        prefix_levels = build_prefix(config, params, share, impl=impl, chunk=chunk, dtype=dtype)
+    offsets = np.asarray(share.offsets, np.int32)
+    pre = SharedPrefix(levels=tuple(prefix_levels), offset=jnp.asarray(offsets))
+    suffixes = [r[int(o):len(r) - 1] for r, o in zip(rows, offsets)]
+    c = _prefill_rows(config, params, suffixes, offsets, pre, S=S, impl=impl, chunk=chunk,
+                      dtype=dtype, sharding=sharding)
+    return PrefixedKVCache(k=c.k, v=c.v, lengths=c.lengths, prefix=pre)

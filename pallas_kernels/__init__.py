@@ -11,6 +11,14 @@ from .prefix_attention import (
     prefix_attention,
     prefix_attention_reference,
 )
+from .tpu import (
+    TPUDecodeBlockSizes,
+    TPUPrefixBlockSizes,
+    target_platform,
+    tpu_decode_attention,
+    tpu_prefix_attention,
+    tpu_prefix_attention_pkld,
+)
 
 __all__ = [
     "DecodeAttentionBlockSizes",
@@ -22,4 +30,10 @@ __all__ = [
     "multi_level_prefix_attention",
     "prefix_attention",
     "prefix_attention_reference",
+    "TPUDecodeBlockSizes",
+    "TPUPrefixBlockSizes",
+    "target_platform",
+    "tpu_decode_attention",
+    "tpu_prefix_attention",
+    "tpu_prefix_attention_pkld",
 ]

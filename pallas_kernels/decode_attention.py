@@ -401,10 +401,11 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
     sink, window: static ints; if either is set, only context slots
       ``s < sink`` or ``s >= lengths[b] - window`` are visible (and read).
     sm_scale: logit scale (default ``1/sqrt(D)``).
-    interpret: None: kernel on GPU, reference elsewhere; True: the kernel in
-      Pallas interpret mode (any backend); False: compiled kernel on GPU,
-      reference on CPU/TPU.
-    block_sizes: ``DecodeAttentionBlockSizes`` (None: tuned defaults).
+    interpret: None: kernel on GPU, the Mosaic kernel (``tpu.py``) on TPU,
+      reference on CPU; True: the portable kernel in Pallas interpret mode (any
+      backend); False: as None.
+    block_sizes: ``DecodeAttentionBlockSizes`` (None: tuned defaults), or on
+      TPU a ``TPUDecodeBlockSizes``.
 
   Returns:
     ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; a query that saw
@@ -412,11 +413,17 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
   """
   _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer)
   sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-  backend = jax.default_backend()
+  from . import tpu as _tpu
+  backend = _tpu.dispatch_platform()   # the default backend, or tpu.target_platform's
   on_gpu = backend in ("gpu", "cuda", "rocm")
   # TPU: this Triton-shaped kernel (whole-cache refs, masked pointer loads) does
-  # not map onto Mosaic TPU's VMEM blocking; a Mosaic TPU variant is separate
-  # work, so TPU uses the reference until then.
+  # not map onto Mosaic TPU's VMEM blocking; TPU runs the Mosaic TPU kernel of
+  # pallas_kernels/tpu.py (block_sizes: a TPUDecodeBlockSizes, else its defaults).
+  if backend == "tpu" and not interpret:
+    return _tpu.tpu_decode_attention(
+        q, k_cache, v_cache, lengths, tree_mask, layer=layer, sink=sink, window=window,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes if isinstance(block_sizes, _tpu.TPUDecodeBlockSizes) else None)
   use_kernel = bool(interpret) or (on_gpu and plgpu is not None)
   if not use_kernel:
     return decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask, layer=layer,

@@ -333,10 +333,11 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
     prefix_lengths: ``[P]`` int32 valid prefix tokens per group (default L;
       values are clipped to [0, L]).
     sm_scale: logit scale (default ``1/sqrt(D)``).
-    interpret: None: kernel on GPU, reference elsewhere; True: the kernel in
-      Pallas interpret mode (any backend); False: compiled kernel on GPU,
-      reference on CPU/TPU.
-    block_sizes: ``PrefixAttentionBlockSizes`` (None: defaults).
+    interpret: None: kernel on GPU, the Mosaic kernel (``tpu.py``) on TPU,
+      reference on CPU; True: the portable kernel in Pallas interpret mode (any
+      backend); False: as None.
+    block_sizes: ``PrefixAttentionBlockSizes`` (None: defaults), or on TPU a
+      ``TPUPrefixBlockSizes``.
 
   Returns:
     ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; queries of a group
@@ -344,10 +345,15 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
   """
   _check_shapes(q, k_prefix, v_prefix, prefix_lengths)
   sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-  backend = jax.default_backend()
+  from . import tpu as _tpu
+  backend = _tpu.dispatch_platform()   # the default backend, or tpu.target_platform's
   on_gpu = backend in ("gpu", "cuda", "rocm")
   # TPU: like decode_attention, this Triton-shaped kernel (whole-array refs,
-  # masked pointer loads) uses the reference until a Mosaic TPU variant exists.
+  # masked pointer loads) gives way to the Mosaic TPU kernel of pallas_kernels/tpu.py.
+  if backend == "tpu" and not interpret:
+    return _tpu.tpu_prefix_attention(
+        q, k_prefix, v_prefix, prefix_lengths, sm_scale=sm_scale,
+        block_sizes=block_sizes if isinstance(block_sizes, _tpu.TPUPrefixBlockSizes) else None)
   use_kernel = bool(interpret) or (on_gpu and plgpu is not None)
   lengths = _lengths(prefix_lengths, k_prefix.shape[0], k_prefix.shape[1])
   if not use_kernel:

@@ -253,6 +253,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     if shared_prefix is not None or n != 1:
         from jaxspec.prefix import plan_sharing
         token_lists, share = plan_sharing(token_lists, shared_prefix, n)
+        if share is not None and model.mesh is not None:
+            d = model.mesh.shape["data"]
+            if len(token_lists) % d:
+                raise ValueError(f"with a shared prefix on a mesh the batch ({len(token_lists)} "
+                                 f"rows) must be a multiple of the data axis ({d})")
     n_real = len(token_lists)
     if model.mesh is not None:  # batch over the data axis: pad with dummy rows (no budget)
         from jaxspec import sharding as shd
@@ -302,7 +307,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     else:  # the shared prefix once, then each row's suffix (jaxspec.prefix)
         from jaxspec.prefix import prefill_shared
         cache = prefill_shared(config, params, token_lists, share, S=S, impl=attn_impl,
-                               chunk=prefill_chunk, dtype=model.dtype, sharding=c_shd)
+                               chunk=prefill_chunk, dtype=model.dtype, sharding=c_shd,
+                               mesh=model.mesh)
     sp = sampling.SamplingParams.make(B, temperature=temperature, top_k=top_k, top_p=top_p)
     max_out = int(budget.max()) + extra
     state = DecodeState(

@@ -35,7 +35,7 @@ import numpy as np
 from flax import struct
 
 from jaxspec.attention import AttentionPlan, _kernel, _new_token_mask, _softmax_attend, attention_xla
-from jaxspec.cache import KVCache, round_up
+from jaxspec.cache import SLOT_ALIGN, KVCache, round_up
 
 AUTO_MIN_TOKENS = 32  # shared_prefix="auto": share a common prefix only from this length on
 
@@ -318,10 +318,16 @@ def prefill_slots(n: int, chunk: int) -> int:
     return round_up(n, C)
 
 
-def build_prefix(config, params, share: SharingPlan, *, impl="auto", chunk=512, dtype=jnp.float32):
-    """Prefills every level once (level i attends to levels < i) -> tuple of PrefixLevel."""
+def build_prefix(config, params, share: SharingPlan, *, impl="auto", chunk=512, dtype=jnp.float32,
+                 mesh=None):
+    """Prefills every level once (level i attends to levels < i) -> tuple of PrefixLevel.
+
+    On a mesh each group's row is repeated so the rows split evenly over the data axis (the copies
+    are identical; one is kept)."""
     levels = []
+    d = 1 if mesh is None else int(mesh.shape["data"])
     for P_i, toks in share.levels:
+        r = d // math.gcd(P_i, d)  # rows per group in the prefill batch
         lens = np.array([len(t) for t in toks], np.int32)
         # start of each group: total length of the earlier levels' groups it continues
         start = np.zeros((P_i,), np.int32)
@@ -330,23 +336,34 @@ def build_prefix(config, params, share: SharingPlan, *, impl="auto", chunk=512, 
             start += np.asarray(lv.lengths)[np.arange(P_i) // (P_i // Pj)]
         prefix = None
         if levels:
-            prefix = SharedPrefix(levels=tuple(levels), offset=jnp.asarray(start))
-        S = prefill_slots(int(lens.max()), chunk)
-        c = _prefill_rows(config, params, toks, start, prefix, S=S, impl=impl, chunk=chunk,
-                          dtype=dtype)
+            prefix = SharedPrefix(levels=tuple(levels), offset=jnp.asarray(np.repeat(start, r)))
+        S = round_up(prefill_slots(int(lens.max()), chunk), SLOT_ALIGN)  # kernel blocks divide it
+        sharding = None
+        if mesh is not None:
+            from jaxspec.sharding import cache_sharding
+            sharding = cache_sharding(config, mesh, P_i * r)
+        c = _prefill_rows(config, params, [t for t in toks for _ in range(r)],
+                          np.repeat(start, r), prefix, S=S, impl=impl, chunk=chunk,
+                          dtype=dtype, sharding=sharding)
         Lp = min(S, round_up(max(int(lens.max()), 1), 16))
-        k = jnp.transpose(c.k[:, :, :, :Lp], (0, 1, 3, 2, 4))
-        v = jnp.transpose(c.v[:, :, :, :Lp], (0, 1, 3, 2, 4))
+        k = jnp.transpose(c.k[:, ::r, :, :Lp], (0, 1, 3, 2, 4))
+        v = jnp.transpose(c.v[:, ::r, :, :Lp], (0, 1, 3, 2, 4))
+        if mesh is not None:  # KV heads over model, replicated over data
+            from jax.sharding import NamedSharding, PartitionSpec
+            lvl = NamedSharding(mesh, PartitionSpec(None, None, None, "model", None))
+            k, v = jax.device_put(k, lvl), jax.device_put(v, lvl)
         levels.append(PrefixLevel(k=k, v=v, lengths=jnp.asarray(lens), start=jnp.asarray(start)))
     return tuple(levels)
 
 
 def prefill_shared(config, params, rows, share: SharingPlan, *, S, impl="auto", chunk=512,
-                   dtype=jnp.float32, sharding=None, prefix_levels=None) -> PrefixedKVCache:
+                   dtype=jnp.float32, sharding=None, mesh=None,
+                   prefix_levels=None) -> PrefixedKVCache:
     """Prefix levels once, then every row's suffix (all but its last token) with the prefix
     visible: a `PrefixedKVCache` of ``S`` suffix slots per row."""
     if prefix_levels is None:
-        prefix_levels = build_prefix(config, params, share, impl=impl, chunk=chunk, dtype=dtype)
+        prefix_levels = build_prefix(config, params, share, impl=impl, chunk=chunk, dtype=dtype,
+                                     mesh=mesh)
     offsets = np.asarray(share.offsets, np.int32)
     pre = SharedPrefix(levels=tuple(prefix_levels), offset=jnp.asarray(offsets))
     suffixes = [r[int(o):len(r) - 1] for r, o in zip(rows, offsets)]

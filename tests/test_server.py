@@ -378,10 +378,15 @@ def test_client_disconnect_frees_the_slot(model, server, monkeypatch):
         time.sleep(0.1)
         slow_step()
     monkeypatch.setattr(eng, "_step", step)
+    # a greedy prompt that does not reach EOS within its budget: it can only end by the hang-up
+    prompts = _prompts(20, seed=11)
+    refs = _reference(model, prompts, 100)
+    prompt = next((p for p, r in zip(prompts, refs) if 1 not in r), None)
+    assert prompt is not None, "no prompt without EOS: pick other seeds"
     before = _metrics(server.url).get('jaxspec_sequences_finished_total{reason="cancelled"}', 0)
     with httpx.Client(base_url=server.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json={
-                "prompt": "tell me a story", "max_tokens": 120, "temperature": 1.0,
+                "prompt": prompt, "max_tokens": 100, "temperature": 0,
                 "stream": True}) as resp:
             assert resp.status_code == 200
             for line in resp.iter_lines():

@@ -66,6 +66,8 @@ DECODE_CASES = [
     # stacked layers: the layer is a prefetched scalar read by the K/V index maps
     (C(2, 5, 4, 2, 64, 100, (0, 70), layers=3), SMALL),
     (C(2, 2, 2, 2, 64, 120, (33, 90), layers=2, sink=4, window=20, mask="tree"), SMALL),
+    (C(2, 2, 2, 4, 64, 120, (33, 90), layers=2, sink=4, window=20, mask="tree_b"),
+     TPUDecodeBlockSizes(block_k=16, new_align=16, heads_per_block=1)),
     # default blocks (512 dense / 128 sparse, new tokens padded to 128): a partial last block
     (C(2, 1, 4, 2, 128, 1100, (1090, 130), dtype="bfloat16"), DEFAULT),
     (C(2, 5, 4, 1, 64, 600, (300, 590), mask="tree"), DEFAULT),
@@ -76,7 +78,7 @@ DECODE_CASES = [
 
 def _id(case_bs):
   c, bs = case_bs
-  return f"{c}-bk{bs.block_k}bq{bs.block_q}"
+  return f"{c}-bk{bs.block_k}bq{bs.block_q}hb{bs.heads_per_block}"
 
 
 def _decode_inputs(c):
@@ -146,7 +148,7 @@ def _streamed(length, *, S, T, G, sink, window, bk):
   """(blocks of the active steps, number of DMAs the pipeline issues) for one sequence."""
   _, block_k, sink_steps, steps = tpu_mod._decode_plan(
       T, G, S, 2, sink, window, TPUDecodeBlockSizes(block_k=bk))
-  c = tpu_mod._Static(S=S, block_q=16, block_k=block_k, num_steps=steps, sink=sink,
+  c = tpu_mod._Static(S=S, heads=1, block_q=16, block_k=block_k, num_steps=steps, sink=sink,
                       window=window, sparse=bool(sink or window), sink_steps=sink_steps,
                       has_layer=False, has_new=True, mask_per_batch=False, sm_scale=1.0,
                       precision=None)

@@ -74,7 +74,7 @@ from jax.experimental.pallas import tpu as pltpu
 _CompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
 _InterpretParams = (getattr(pltpu, "InterpretParams", None)
                     or getattr(pltpu, "TPUInterpretParams", None))
-_VMEM = pltpu.VMEM
+_VMEM = getattr(pltpu, "VMEM", None) or pltpu.MemorySpace.VMEM
 
 _NEG_INF = -math.inf
 

@@ -87,6 +87,13 @@ def attention_xla(q_BTHD, k_BKSD, v_BKSD, lengths, mask=None, *, sink=None, wind
     """
     B, T, H, D = q_BTHD.shape
     S = k_BKSD.shape[2]
+    out_dtype = q_BTHD.dtype
+    if _backend() == "cpu" and q_BTHD.dtype != jnp.float32:
+        # XLA's CPU backend has no fast 16-bit matmuls: attend in float32 there.
+        out, lse = attention_xla(q_BTHD.astype(jnp.float32), k_BKSD.astype(jnp.float32),
+                                 v_BKSD.astype(jnp.float32), lengths, mask, sink=sink,
+                                 window=window, sm_scale=sm_scale)
+        return out.astype(out_dtype), lse
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     lengths = lengths.astype(jnp.int32)

@@ -57,6 +57,19 @@ _SCAN_UNROLL = int(os.environ.get("JAXSPEC_SCAN_UNROLL", "1"))  # layers per sca
 _KV_WRITE = os.environ.get("JAXSPEC_KV_WRITE", "bits")  # bits | native | none (profiling)
 
 
+def _write_rows(cache_LBKSD, layer, start_B, new_BTKD):
+    """Row-by-row dynamic-update-slice of the T contiguous new slots (CPU: the XLA CPU backend
+    turns a 16-bit scatter, or a bitcast around one, into copies of the whole cache). The write
+    must fit (``start + T <= S``, which generate's cache sizing guarantees)."""
+    upd = jnp.swapaxes(new_BTKD, 1, 2)[:, None, :, :, :]  # [B, 1, K, T, D]
+
+    def one(b, c):
+        return jax.lax.dynamic_update_slice(
+            c, upd[b][None], (layer, b, 0, start_B[b], 0))
+
+    return jax.lax.fori_loop(0, new_BTKD.shape[0], one, cache_LBKSD)
+
+
 def write_slots(cache_LBKSD, layer, b_idx, slots_BT, new_BTKD):
     """Writes ``new[b, t]`` at ``cache[layer, b, :, slots[b, t]]`` in place (slots past the end are
     dropped). The scatter runs on the raw bits (an unsigned int view of the same width): some
@@ -65,6 +78,8 @@ def write_slots(cache_LBKSD, layer, b_idx, slots_BT, new_BTKD):
     new = new_BTKD.astype(dt)
     if _KV_WRITE == "none":  # profiling only: skip the write
         return cache_LBKSD
+    if _KV_WRITE == "rows" or (_KV_WRITE == "bits" and jax.default_backend() == "cpu"):
+        return _write_rows(cache_LBKSD, layer, slots_BT[:, 0], new)
     if _KV_WRITE == "bits" and jnp.issubdtype(dt, jnp.floating):
         ut = {2: jnp.uint16, 4: jnp.uint32, 1: jnp.uint8}[jnp.dtype(dt).itemsize]
         bits = jax.lax.bitcast_convert_type(cache_LBKSD, ut)

@@ -92,7 +92,7 @@ class DecodeAttentionBlockSizes:
   fast_exp: bool = True
 
 
-# Tuned on an H100 80GB HBM3 (jax 0.11.2, Triton backend); see
+# Tuned on an H200 (jax 0.11.2, Triton backend); see
 # benchmarks/attention.md. Other GPUs use the same until tuned.
 _GPU_DEFAULTS = DecodeAttentionBlockSizes()
 _SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB per block; keep a margin.

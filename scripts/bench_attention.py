@@ -43,29 +43,7 @@ from pallas_kernels import (  # noqa: E402
     DecodeAttentionBlockSizes, decode_attention, decode_attention_reference)
 from pallas_kernels.decode_attention import _GPU_DEFAULTS as GPU_DEFAULTS  # noqa: E402
 
-T0 = time.time()
-
-
-def log(*a):
-  print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
-
-
-def timeit(step, arrays, *, inner, reps):
-  """Median seconds per call of step(i, *arrays) -> scalar, looped on device."""
-  @jax.jit
-  def loop(*arrays):
-    def body(i, acc):
-      return acc + step(i, *arrays).astype(jnp.float32)
-    return jax.lax.fori_loop(0, inner, body, jnp.float32(0))
-  t = time.time()
-  jax.block_until_ready(loop(*arrays))
-  compile_s = time.time() - t
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(loop(*arrays))
-    times.append((time.perf_counter() - t) / inner)
-  return statistics.median(times), min(times), compile_s
+from benchutil import T0, log, timeit  # noqa: E402,F401
 
 
 def ceilings(nbytes, inner, reps):

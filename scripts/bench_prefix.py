@@ -46,29 +46,7 @@ from pallas_kernels.prefix_attention import (  # noqa: E402
     PrefixAttentionBlockSizes, _GPU_DEFAULTS, _plan, prefix_attention,
     prefix_attention_reference)
 
-T0 = time.time()
-
-
-def log(*a):
-  print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
-
-
-def timeit(step, arrays, *, inner, reps):
-  """Median and best seconds per call of step(i, *arrays) -> scalar, looped on device."""
-  @jax.jit
-  def loop(*arrays):
-    def body(i, acc):
-      return acc + step(i, *arrays).astype(jnp.float32)
-    return jax.lax.fori_loop(0, inner, body, jnp.float32(0))
-  t = time.time()
-  jax.block_until_ready(loop(*arrays))
-  compile_s = time.time() - t
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(loop(*arrays))
-    times.append((time.perf_counter() - t) / inner)
-  return statistics.median(times), min(times), compile_s
+from benchutil import T0, log, timeit  # noqa: E402,F401
 
 
 def _time_carry(body, init, inner, reps):

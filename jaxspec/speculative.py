@@ -156,27 +156,33 @@ class SpecLoop:
         s, w = self.sink, self.window
         return jnp.where(pos < s, pos, s + (pos - s) % w)
 
+    def _catch_up(self, dparams, state: DecodeState, dstate: DraftState):
+        """First forward of a separate draft in a round: two tokens, [prev, last] when the draft has
+        not seen ``prev`` yet (all drafts accepted last round), else [last, pad]; K/V of a token
+        already present is rewritten identically. Returns the draft logits at ``last`` [B, 1, V],
+        the draft cache, the first position processed (``start``) and the slot it went to
+        (``base``: equal to ``start`` for a full cache, the ring fill for a ring buffer), and
+        ``pending`` (1 or 2)."""
+        dc = dstate.cache
+        L = positions_of(state.cache)  # position of `last` (after a shared prefix, if any)
+        pending = L - dc.lengths + 1  # positions < dc.lengths are in the draft cache
+        start = L + 1 - pending
+        base = jnp.minimum(start, self.sink + self.window) if self.ring else start
+        two = jnp.where((pending == 2)[:, None], jnp.stack([dstate.prev, state.last], 1),
+                        jnp.stack([state.last, state.last], 1))
+        pos0 = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+        logits, dc = forward(self.draft_config, dparams, two, pos0, dc,
+                             AttentionPlan(lengths=base, impl=self.impl),
+                             logits_at=(pending - 1)[:, None])
+        return logits, dc, start, base, pending
+
     def _model_draft(self, dparams, sp, state: DecodeState, dstate: DraftState, rng):
         """gamma steps of a separate draft model. The first step takes two tokens, [prev, last]
         when the draft has not seen ``prev`` yet (all drafts accepted last round), otherwise
         [last, pad]; its K/V is idempotent for a token already present."""
-        dc = dstate.cache
-        L = positions_of(state.cache)  # position of `last` (after a shared prefix, if any)
-        Ld = dc.lengths  # positions < Ld are in the draft cache
-        pending = L - Ld + 1  # 1 or 2
-        start = L + 1 - pending  # first position processed this round
+        L = positions_of(state.cache)  # position of `last`
         g = self.gamma
-        if self.ring:
-            W = self.sink + self.window
-            base = jnp.minimum(start, W)  # ring slots in use; this round's tokens follow them
-        else:
-            base = start
-        two = jnp.where((pending == 2)[:, None], jnp.stack([dstate.prev, state.last], 1),
-                        jnp.stack([state.last, state.last], 1))
-        pos0 = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
-        plan0 = AttentionPlan(lengths=base, impl=self.impl)
-        logits, dc = forward(self.draft_config, dparams, two, pos0, dc, plan0,
-                             logits_at=(pending - 1)[:, None])
+        logits, dc, start, base, pending = self._catch_up(dparams, state, dstate)
         rng, sub = jax.random.split(rng)
         d1, q1 = self._propose(sub, logits[:, 0], sp)
 
@@ -250,19 +256,11 @@ class SpecLoop:
         st = commit_tokens(state.replace(cache=cache, rng=rng, steps=state.steps + 1), new,
                            jnp.where(active, n_acc + 1, 0), self.stop_ids)
         if self.draft_config is not None:
-            new_L = st.cache.lengths
             # the draft computed K/V for positions start .. L+g-1 (not for the last draft d_g)
             have = jnp.minimum(positions_of(st.cache), positions_of(state.cache) + g)
             dc = self._commit_draft(dc, start, base, have, n_kv_max=g + 1)
-            # token at position new_L - 1: the last accepted draft, or the old `last`
-            prev = jnp.where(n_acc > 0, jnp.take_along_axis(
-                drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0], state.last)
-            dstate = DraftState(cache=dc, prev=jnp.where(active, prev, dstate.prev))
-        acc = {"proposed": acc["proposed"] + jnp.sum(jnp.where(active, g, 0)),
-               "accepted": acc["accepted"] + jnp.sum(jnp.where(active, n_acc, 0)),
-               "committed": acc["committed"] + jnp.sum(st.n_out - state.n_out),
-               "row_steps": acc["row_steps"] + jnp.sum(active.astype(jnp.int32))}
-        return st, dstate, acc
+            dstate = _next_draft_state(dc, drafts, n_acc, state, dstate, active)
+        return st, dstate, _count(acc, g, n_acc, state, st)
 
 
     # ------------------------------------------------------------------ token trees
@@ -294,17 +292,8 @@ class SpecLoop:
             sink, window = (self.sink, self.window) if sparse else (None, None)
             extra = {}
         else:
-            dc = dstate.cache
             L = positions_of(state.cache)  # the draft's cache holds whole prompts: positions
-            pending = L - dc.lengths + 1
-            start = L + 1 - pending
-            base = jnp.minimum(start, self.sink + self.window) if self.ring else start
-            two = jnp.where((pending == 2)[:, None], jnp.stack([dstate.prev, state.last], 1),
-                            jnp.stack([state.last, state.last], 1))
-            pos0 = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
-            root_logits, dc = forward(self.draft_config, dparams, two, pos0, dc,
-                                      AttentionPlan(lengths=base, impl=self.impl),
-                                      logits_at=(pending - 1)[:, None])
+            root_logits, dc, start, base, pending = self._catch_up(dparams, state, dstate)
             cache, cfg, prm = dc, self.draft_config, dparams
             root_slot = base + pending - 1
             sink = window = None
@@ -368,14 +357,8 @@ class SpecLoop:
             dc = dc.replace(k=dk, v=dv)
             have = jnp.minimum(positions_of(st.cache), positions_of(state.cache) + D)
             dc = self._commit_draft(dc, extra["start"], extra["base"], have, n_kv_max=D + 1)
-            prev = jnp.where(n_acc > 0, jnp.take_along_axis(
-                path, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0], state.last)
-            dstate = DraftState(cache=dc, prev=jnp.where(active, prev, dstate.prev))
-        acc = {"proposed": acc["proposed"] + jnp.sum(jnp.where(active, D, 0)),
-               "accepted": acc["accepted"] + jnp.sum(jnp.where(active, n_acc, 0)),
-               "committed": acc["committed"] + jnp.sum(st.n_out - state.n_out),
-               "row_steps": acc["row_steps"] + jnp.sum(active.astype(jnp.int32))}
-        return st, dstate, acc
+            dstate = _next_draft_state(dc, path, n_acc, state, dstate, active)
+        return st, dstate, _count(acc, D, n_acc, state, st)
 
     def cond(self, carry):
         return jnp.any(~carry[0].done)
@@ -385,6 +368,23 @@ class SpecLoop:
                                                       "row_steps")}
         return jax.lax.while_loop(self.cond, functools.partial(self.body, params, dparams, sp),
                                   (state, dstate, acc))
+
+
+def _next_draft_state(dc, accepted_BN, n_acc, state, dstate, active) -> DraftState:
+    """The token at position new_L - 1 (``prev`` of the next round): the last accepted draft, or
+    the old ``last``; finished rows keep theirs."""
+    prev = jnp.where(n_acc > 0, jnp.take_along_axis(
+        accepted_BN, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0], state.last)
+    return DraftState(cache=dc, prev=jnp.where(active, prev, dstate.prev))
+
+
+def _count(acc, proposed_per_row, n_acc, state, st):
+    """Round counters: drafts proposed / accepted, tokens committed, active row-steps."""
+    active = ~state.done
+    return {"proposed": acc["proposed"] + jnp.sum(jnp.where(active, proposed_per_row, 0)),
+            "accepted": acc["accepted"] + jnp.sum(jnp.where(active, n_acc, 0)),
+            "committed": acc["committed"] + jnp.sum(st.n_out - state.n_out),
+            "row_steps": acc["row_steps"] + jnp.sum(active.astype(jnp.int32))}
 
 
 def _qs_BgV(qs):

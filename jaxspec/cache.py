@@ -54,5 +54,20 @@ class KVCache:
         return int(self.k.size * self.k.dtype.itemsize * 2)
 
 
+def set_bits(x, idx, values):
+    """``x.at[idx].set(values, mode="drop")`` done on the raw bits (an unsigned int view of the same
+    width) for floating-point ``x``. XLA's GPU float normalization turns a 16-bit float scatter
+    into a float32 scatter with a conversion of the *whole* operand there and back: on a KV cache
+    that is two full-cache passes per call. An integer scatter is native and stays in place."""
+    dt = x.dtype
+    values = jnp.asarray(values).astype(dt)
+    if not jnp.issubdtype(dt, jnp.floating):
+        return x.at[idx].set(values, mode="drop")
+    ut = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dt).itemsize]
+    bits = jax.lax.bitcast_convert_type(x, ut)
+    bits = bits.at[idx].set(jax.lax.bitcast_convert_type(values, ut), mode="drop")
+    return jax.lax.bitcast_convert_type(bits, dt)
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype=jnp.bfloat16) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize

@@ -224,27 +224,57 @@ def _run_loop(params, sp, state, *, loop):
 
 
 # ----------------------------------------------------------------------------- generate
-@sharded_generate  # a model with a mesh: laid out on it, run with the mesh active
-def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens=None,
-             speculation=None, chat: bool = False, max_len: int | None = None,
-             attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-             profile: bool = False, shared_prefix=None, n: int = 1) -> GenerationResult:
-    """Generates up to ``max_new_tokens`` new tokens for each prompt (see module docstring).
+@dataclasses.dataclass
+class Prepared:
+    """Everything `generate` sets up before its decode loop: validated prompts, the prefilled
+    cache, sampling settings and the speculation runner. ``fresh_state(cache)`` rebuilds the
+    initial decode state around a cache whose prompt slots hold these prompts (decoding writes
+    only slots past the prompts, so the cache a loop returns can be decoded from again:
+    benchmarks prefill once and decode many times)."""
 
-    ``prompts``: a list of strings (needs a tokenizer; ``chat=True`` applies the chat template)
-    or of token-id lists, of any lengths. ``temperature=0`` is greedy. ``stop_tokens``: extra stop
-    token ids (or single-token strings) besides the model's EOS. ``speculation``: a
-    `jaxspec.Speculation` for speculative decoding (lossless: same tokens as greedy, same
-    distribution when sampling).
+    token_lists: list[list[int]]
+    n_real: int  # real rows (the rest pad the batch to the data axis)
+    state: DecodeState
+    sp: Any
+    stop_ids: tuple[int, ...]
+    spec: Any  # jaxspec.speculative._Runner or None
+    stats: dict[str, Any]
+    t0: float
+    slot_lens: np.ndarray
+    budget: np.ndarray
+    seed: int
 
-    ``n``: samples per prompt (results are prompt-major: prompt i's samples at ``i*n .. i*n+n-1``).
-    ``shared_prefix`` (Hydragen, `jaxspec.prefix`): ``"auto"`` shares the longest prefix common
-    to all prompts once it is long enough, an int shares that many leading tokens, a list of
-    token ids shares exactly those; with ``n > 1`` each prompt is also shared by its samples.
-    The prefix is prefilled once and attended to once per group; tokens are the same as without
-    sharing (greedy) and the distribution is the same (sampling).
-    """
+    def fresh_state(self, cache: KVCache | None = None, *, budget=None, extra: int | None = None,
+                    seed: int | None = None) -> DecodeState:
+        """The initial decode state around ``cache`` (default: the prefilled one) rewound to the
+        prompts. ``budget`` (new tokens per row), ``extra`` (slots a round may write past the
+        budget: ``_Runner.extra_slots`` for speculation, 1 for plain decoding) and ``seed`` may
+        differ from the prepared ones, as long as the cache has room."""
+        st = self.state
+        cache = st.cache if cache is None else cache
+        b = self.budget if budget is None else np.broadcast_to(np.asarray(budget), self.budget.shape)
+        b = np.where(np.arange(len(b)) < self.n_real, b, 0).astype(np.int32)
+        if extra is None:
+            extra = st.out.shape[1] - int(self.budget.max())
+        need = int((self.slot_lens + b).max()) + extra
+        if need > cache.max_len:
+            raise ValueError(f"the cache holds {cache.max_len} slots per row, {need} needed")
+        B = st.out.shape[0]
+        return st.replace(
+            cache=cache.replace(lengths=jnp.asarray(self.slot_lens - 1, jnp.int32)),
+            out=jnp.zeros((B, int(b.max()) + extra), jnp.int32), n_out=jnp.zeros_like(st.n_out),
+            budget=jnp.asarray(b), done=jnp.asarray(b <= 0),
+            rng=jax.random.PRNGKey(self.seed if seed is None else seed),
+            steps=jnp.zeros((), jnp.int32))
+
+
+def prepare(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+            top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens=None,
+            speculation=None, chat: bool = False, max_len: int | None = None,
+            attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+            shared_prefix=None, n: int = 1) -> Prepared | GenerationResult:
+    """Validation, cache sizing and prefill of `generate` (same arguments). Returns the finished
+    (empty) result when there is nothing to generate."""
     if not isinstance(model, Model):
         raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), got {type(model).__name__}")
     _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
@@ -323,32 +353,76 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     )
     if model.mesh is not None:
         state, sp = shd.put_batch((state, sp), model.mesh, B)
-    jax.block_until_ready(state)
+    return Prepared(token_lists=token_lists, n_real=n_real, state=state, sp=sp,
+                    stop_ids=stop_ids, spec=spec, stats=stats, t0=t0,
+                    slot_lens=np.asarray(slot_lens), budget=np.asarray(budget), seed=seed)
+
+
+def decode(model: Model, prep: Prepared, state: DecodeState | None = None, *,
+           attn_impl: str = "auto", profile: bool = False, dstate=None):
+    """Runs the decode loop (plain or speculative) of a prepared generation from ``state``
+    (default: the prepared one). Returns the final state and the loop's stats."""
+    state = prep.state if state is None else state
+    if prep.spec is None:
+        loop = DecodeLoop(config=model.config, stop_ids=prep.stop_ids, impl=attn_impl)
+        return _run_loop(model.decode_params(), prep.sp, state, loop=loop), {}
+    return prep.spec.run(model, prep.sp, state, stop_ids=prep.stop_ids, impl=attn_impl,
+                         profile=profile, dstate=dstate)
+
+
+@sharded_generate  # a model with a mesh: laid out on it, run with the mesh active
+def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens=None,
+             speculation=None, chat: bool = False, max_len: int | None = None,
+             attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+             profile: bool = False, shared_prefix=None, n: int = 1) -> GenerationResult:
+    """Generates up to ``max_new_tokens`` new tokens for each prompt (see module docstring).
+
+    ``prompts``: a list of strings (needs a tokenizer; ``chat=True`` applies the chat template)
+    or of token-id lists, of any lengths. ``temperature=0`` is greedy. ``stop_tokens``: extra stop
+    token ids (or single-token strings) besides the model's EOS. ``speculation``: a
+    `jaxspec.Speculation` for speculative decoding (lossless: same tokens as greedy, same
+    distribution when sampling).
+
+    ``n``: samples per prompt (results are prompt-major: prompt i's samples at ``i*n .. i*n+n-1``).
+    ``shared_prefix`` (Hydragen, `jaxspec.prefix`): ``"auto"`` shares the longest prefix common
+    to all prompts once it is long enough, an int shares that many leading tokens, a list of
+    token ids shares exactly those; with ``n > 1`` each prompt is also shared by its samples.
+    The prefix is prefilled once and attended to once per group; tokens are the same as without
+    sharing (greedy) and the distribution is the same (sampling).
+    """
+    prep = prepare(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                   top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,
+                   speculation=speculation, chat=chat, max_len=max_len, attn_impl=attn_impl,
+                   prefill_chunk=prefill_chunk, shared_prefix=shared_prefix, n=n)
+    if isinstance(prep, GenerationResult):
+        return prep
+    jax.block_until_ready(prep.state)
     t_prefill = time.perf_counter()
-    if spec is None:
-        loop = DecodeLoop(config=config, stop_ids=stop_ids, impl=attn_impl)
-        final = _run_loop(params, sp, state, loop=loop)
-        extra_stats = {}
-    else:
-        final, extra_stats = spec.run(model, sp, state, stop_ids=stop_ids, impl=attn_impl,
-                                      profile=profile)
-    fetch = np.asarray if model.mesh is None else shd.fetch
+    final, extra_stats = decode(model, prep, attn_impl=attn_impl, profile=profile)
+    fetch = np.asarray if model.mesh is None else _sharding_fetch()
     out = fetch(final.out)
     n_out = fetch(final.n_out)
     t_end = time.perf_counter()
-    tokens = [out[i, :n_out[i]].tolist() for i in range(n_real)]
+    tokens = [out[i, :n_out[i]].tolist() for i in range(prep.n_real)]
     new = int(n_out.sum())
     decode_s = t_end - t_prefill
+    stats = dict(prep.stats)
     stats.update({
         "new_tokens": new,
-        "seconds": t_end - t0,
-        "prefill_seconds": t_prefill - t0,
+        "seconds": t_end - prep.t0,
+        "prefill_seconds": t_prefill - prep.t0,
         "decode_seconds": decode_s,
         "tokens_per_second": new / decode_s if decode_s > 0 else 0.0,
         "target_steps": int(final.steps),
     })
     stats.update(extra_stats)
-    return _result(model, tokens, stats, stop_ids)
+    return _result(model, tokens, stats, prep.stop_ids)
+
+
+def _sharding_fetch():
+    from jaxspec import sharding as shd
+    return shd.fetch
 
 
 def _result(model, tokens, stats, stop_ids=()):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.attention import AttentionPlan, attend
-from jaxspec.cache import KVCache
+from jaxspec.cache import KVCache, set_bits
 from jaxspec.config import ModelConfig
 
 
@@ -80,12 +80,8 @@ def write_slots(cache_LBKSD, layer, b_idx, slots_BT, new_BTKD):
         return cache_LBKSD
     if _KV_WRITE == "rows" or (_KV_WRITE == "bits" and jax.default_backend() == "cpu"):
         return _write_rows(cache_LBKSD, layer, slots_BT[:, 0], new)
-    if _KV_WRITE == "bits" and jnp.issubdtype(dt, jnp.floating):
-        ut = {2: jnp.uint16, 4: jnp.uint32, 1: jnp.uint8}[jnp.dtype(dt).itemsize]
-        bits = jax.lax.bitcast_convert_type(cache_LBKSD, ut)
-        bits = bits.at[layer, b_idx, :, slots_BT].set(jax.lax.bitcast_convert_type(new, ut),
-                                                      mode="drop")
-        return jax.lax.bitcast_convert_type(bits, dt)
+    if _KV_WRITE == "bits":
+        return set_bits(cache_LBKSD, (layer, b_idx, slice(None), slots_BT), new)
     return cache_LBKSD.at[layer, b_idx, :, slots_BT].set(new, mode="drop")
 
 

@@ -37,7 +37,7 @@ from flax import struct
 
 from jaxspec import sampling
 from jaxspec.attention import AttentionPlan
-from jaxspec.cache import KVCache, round_up
+from jaxspec.cache import KVCache, round_up, set_bits
 from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
 from jaxspec.engine import DecodeState, commit_tokens, prefill
@@ -221,8 +221,8 @@ class SpecLoop:
             b = jnp.arange(dc.batch, dtype=jnp.int32)[:, None]
             k_src = dc.k[:, b, :, src]  # [B, R, L, K, D] (advanced indices first)
             v_src = dc.v[:, b, :, src]
-            k = dc.k.at[:, b, :, dst].set(k_src, mode="drop")
-            v = dc.v.at[:, b, :, dst].set(v_src, mode="drop")
+            k = set_bits(dc.k, (slice(None), b, slice(None), dst), k_src)
+            v = set_bits(dc.v, (slice(None), b, slice(None), dst), v_src)
             dc = dc.replace(k=k, v=v)
         return dc.replace(lengths=have)
 
@@ -454,16 +454,15 @@ class _Runner:
     token_lists: list
     tree: TokenTree | None = None
 
-    def run(self, model: Model, sp, state: DecodeState, *, stop_ids, impl, profile=False):
+    def run(self, model: Model, sp, state: DecodeState, *, stop_ids, impl, profile=False,
+            dstate: DraftState | None = None):
+        """The speculative loop from ``state``; ``dstate``: the draft's prefilled state (default:
+        prefilled here, see `draft_state`)."""
         greedy = bool(np.all(np.asarray(sp.temperature) <= 0))
         cfg = model.config
-        if self.draft is None:
-            dstate = DraftState(cache=KVCache.create(cfg, 1, 1, model.dtype),
-                                prev=jnp.array(state.last, copy=True))
-            dparams = jnp.zeros(())
-        else:
-            dstate = self._draft_prefill(state, impl)
-            dparams = self.draft.decode_params()
+        if dstate is None:
+            dstate = self.draft_state(model, state, impl)
+        dparams = jnp.zeros(()) if self.draft is None else self.draft.decode_params()
         stats: dict[str, Any] = {}
         gamma = self.gamma
         costs = None
@@ -488,11 +487,7 @@ class _Runner:
             final = _run_loop(model.decode_params(), sp, state, loop=loop)
             stats.update({"acceptance_rate": 0.0, "tokens_per_step": 1.0})
             return final, stats
-        loop = SpecLoop(config=cfg, stop_ids=stop_ids, gamma=gamma, sink=self.spec.sink,
-                        window=self.spec.window, greedy=greedy, impl=impl,
-                        draft_config=None if self.draft is None else self.draft.config,
-                        ring=self.draft is not None and self.spec.window is not None,
-                        tree=self.tree, tree_mode=self.spec.tree_sampling)
+        loop = self.loop(model, stop_ids=stop_ids, impl=impl, gamma=gamma, greedy=greedy)
         final, _, acc = _run_spec(model.decode_params(), dparams, sp, state, dstate, loop=loop)
         acc = {k: int(v) for k, v in acc.items()}
         rate = acc["accepted"] / max(acc["proposed"], 1)
@@ -511,6 +506,22 @@ class _Runner:
             stats.update({"draft_seconds_estimate": rounds * d,
                           "verify_seconds_estimate": rounds * v})
         return final, stats
+
+    def loop(self, model: Model, *, stop_ids, impl, gamma: int, greedy: bool) -> SpecLoop:
+        """The static loop description for this speculation at ``gamma`` (chains)."""
+        return SpecLoop(config=model.config, stop_ids=stop_ids, gamma=gamma, sink=self.spec.sink,
+                        window=self.spec.window, greedy=greedy, impl=impl,
+                        draft_config=None if self.draft is None else self.draft.config,
+                        ring=self.draft is not None and self.spec.window is not None,
+                        tree=self.tree, tree_mode=self.spec.tree_sampling)
+
+    def draft_state(self, model: Model, state: DecodeState, impl: str) -> DraftState:
+        """The draft's state at the start of decoding: a placeholder for self-speculation, else
+        the draft model's cache prefilled with the prompts (full, or a ring buffer)."""
+        if self.draft is None:
+            return DraftState(cache=KVCache.create(model.config, 1, 1, model.dtype),
+                              prev=jnp.array(state.last, copy=True))
+        return self._draft_prefill(state, impl)
 
     def _draft_prefill(self, state: DecodeState, impl: str) -> DraftState:
         d = self.draft

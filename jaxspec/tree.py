@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.cache import set_bits
+
 Array = jax.Array
 
 __all__ = [
@@ -246,7 +248,7 @@ def compact_path(
         idx[sa] = jnp.minimum(src, S - 1)
         vals = x[tuple(idx)]
         idx[sa] = dst
-        return x.at[tuple(idx)].set(vals, mode="drop")
+        return set_bits(x, tuple(idx), vals)
 
     return jax.tree.map(one, cache)
 

@@ -159,6 +159,12 @@ class DecodeState:
     done: jax.Array  # [B]
     rng: jax.Array
     steps: jax.Array  # target forward passes
+    max_steps: jax.Array | None = None  # optional cap on loop rounds (steady-state benchmarks)
+
+    def running(self) -> jax.Array:
+        """The loop condition: some row still generating (and rounds left under ``max_steps``)."""
+        go = jnp.any(~self.done)
+        return go if self.max_steps is None else go & (self.steps < self.max_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +176,7 @@ class DecodeLoop:
     impl: str = "auto"
 
     def cond(self, state: DecodeState):
-        return jnp.any(~state.done)
+        return state.running()
 
     def body(self, params, sp, state: DecodeState) -> DecodeState:
         B = state.last.shape[0]
@@ -245,11 +251,14 @@ class Prepared:
     seed: int
 
     def fresh_state(self, cache: KVCache | None = None, *, budget=None, extra: int | None = None,
-                    seed: int | None = None) -> DecodeState:
-        """The initial decode state around ``cache`` (default: the prefilled one) rewound to the
-        prompts. ``budget`` (new tokens per row), ``extra`` (slots a round may write past the
+                    seed: int | None = None, out_width: int | None = None,
+                    max_steps: int | None = None) -> DecodeState:
+        """A new initial decode state around ``cache`` (default: the prefilled one) rewound to the
+        prompts (the loops donate their state: only the cache is taken over). ``budget`` (new tokens per row), ``extra`` (slots a round may write past the
         budget: ``_Runner.extra_slots`` for speculation, 1 for plain decoding) and ``seed`` may
-        differ from the prepared ones, as long as the cache has room."""
+        differ from the prepared ones, as long as the cache has room. ``out_width`` fixes the
+        output buffer's width (default: budget + extra) and ``max_steps`` caps the loop's rounds,
+        so runs with different budgets can share one compiled loop."""
         st = self.state
         cache = st.cache if cache is None else cache
         b = self.budget if budget is None else np.broadcast_to(np.asarray(budget), self.budget.shape)
@@ -260,12 +269,17 @@ class Prepared:
         if need > cache.max_len:
             raise ValueError(f"the cache holds {cache.max_len} slots per row, {need} needed")
         B = st.out.shape[0]
-        return st.replace(
+        width = int(b.max()) + extra if out_width is None else int(out_width)
+        if width < int(b.max()) + extra:
+            raise ValueError(f"out_width={width} < budget + extra = {int(b.max()) + extra}")
+        return DecodeState(
             cache=cache.replace(lengths=jnp.asarray(self.slot_lens - 1, jnp.int32)),
-            out=jnp.zeros((B, int(b.max()) + extra), jnp.int32), n_out=jnp.zeros_like(st.n_out),
+            last=jnp.asarray([t[-1] for t in self.token_lists], jnp.int32),
+            out=jnp.zeros((B, width), jnp.int32), n_out=jnp.zeros((B,), jnp.int32),
             budget=jnp.asarray(b), done=jnp.asarray(b <= 0),
             rng=jax.random.PRNGKey(self.seed if seed is None else seed),
-            steps=jnp.zeros((), jnp.int32))
+            steps=jnp.zeros((), jnp.int32),
+            max_steps=None if max_steps is None else jnp.asarray(max_steps, jnp.int32))
 
 
 def prepare(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0,

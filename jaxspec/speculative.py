@@ -361,7 +361,7 @@ class SpecLoop:
         return st, dstate, _count(acc, D, n_acc, state, st)
 
     def cond(self, carry):
-        return jnp.any(~carry[0].done)
+        return carry[0].running()
 
     def run(self, params, dparams, sp, state, dstate):
         acc = {k: jnp.zeros((), jnp.int32) for k in ("proposed", "accepted", "committed",

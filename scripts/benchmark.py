@@ -141,50 +141,413 @@ def bench_decode(config: ModelConfig, B: int, ctx: int, impls=("auto", "xla"), s
 
 
 # ----------------------------------------------------------------------------- speculative
-def bench_generate(model, prompts, max_new, spec=None, repeats=2):
-    res = jaxspec.generate(model, prompts, max_new_tokens=max_new, speculation=spec)  # warm-up
-    runs = []
+QWEN15_SHAPE = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536,
+                    intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+                    head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                    max_position_embeddings=32768, attention_bias=True)
+SMOL_SHAPE = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                  num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                  rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+TINY_SHAPE = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                  max_position_embeddings=4096)
+RANDOM_MODELS = {"random-8b": None, "random-qwen15": QWEN15_SHAPE, "random-smol": SMOL_SHAPE,
+                 "tiny": TINY_SHAPE}
+
+
+def load_model(name: str, dtype=jnp.bfloat16, seed=0) -> jaxspec.Model:
+    """A checkpoint path, or a random-weight model: random-8b, random-qwen15, random-smol, tiny."""
+    dtype = jnp.dtype(dtype)
+    if name in RANDOM_MODELS:
+        cfg = llama31_8b_shape() if name == "random-8b" else ModelConfig(**RANDOM_MODELS[name])
+        return jaxspec.Model(config=cfg, params=random_params(cfg, dtype=dtype, seed=seed))
+    return jaxspec.load(name, dtype=dtype.name)
+
+
+def token_stream(path: str | None, vocab: int, seed: int = 0) -> np.ndarray:
+    """The token stream prompts are cut from: a .npy stream or a JSON list of token lists
+    (concatenated), else random tokens."""
+    if path:
+        p = pathlib.Path(path)
+        if p.suffix == ".npy":
+            return np.load(p).astype(np.int32).ravel()
+        data = json.loads(p.read_text())
+        return np.asarray([t for doc in data for t in doc], np.int32)
+    return np.random.default_rng(seed).integers(0, vocab, size=1 << 20).astype(np.int32)
+
+
+def cut_prompts(stream: np.ndarray, B: int, P: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    if len(stream) <= P:
+        stream = np.tile(stream, P // max(len(stream), 1) + 2)
+    starts = rng.integers(0, len(stream) - P, size=B)
+    return [stream[s:s + P].tolist() for s in starts]
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    spec: object = None  # jaxspec.Speculation, None for autoregressive
+
+    @property
+    def chain_gamma(self):
+        s = self.spec
+        return None if s is None or s.tree is not None or s.gamma == "auto" else int(s.gamma)
+
+
+def make_variants(a, draft_model) -> list[Variant]:
+    out = [Variant("ar")]
+    for g in _ints(a.gamma):
+        out.append(Variant(f"self g{g}", jaxspec.Speculation("self", gamma=g, sink=a.sink,
+                                                              window=a.window)))
+    for t in _trees(a.trees):
+        out.append(Variant(f"self tree{','.join(map(str, t))}",
+                           jaxspec.Speculation("self", sink=a.sink, window=a.window, tree=t)))
+    if a.auto:
+        out.append(Variant("self auto", jaxspec.Speculation("self", gamma="auto", sink=a.sink,
+                                                            window=a.window)))
+    if draft_model is not None:
+        dw = None if a.draft_window in ("none", "None", "") else int(a.draft_window)
+        tag = "draft" if dw is None else f"draft-ring{dw}"
+        for g in _ints(a.draft_gamma):
+            out.append(Variant(f"{tag} g{g}", jaxspec.Speculation(draft_model, gamma=g,
+                                                                  sink=a.sink, window=dw)))
+        for t in _trees(a.draft_trees):
+            out.append(Variant(f"{tag} tree{','.join(map(str, t))}",
+                               jaxspec.Speculation(draft_model, sink=a.sink, window=dw, tree=t)))
+        if a.draft_auto:
+            out.append(Variant(f"{tag} auto", jaxspec.Speculation(draft_model, gamma="auto",
+                                                                  sink=a.sink, window=dw)))
+    return out
+
+
+def _ints(s):
+    return [int(x) for x in str(s).split(",") if x.strip()]
+
+
+def _trees(s):
+    return [tuple(int(x) for x in t.split(",")) for t in str(s or "").split(";") if t.strip()]
+
+
+def device_bytes() -> int:
+    try:
+        return int(jax.devices()[0].memory_stats()["bytes_limit"])
+    except Exception:  # noqa: BLE001 - CPU: no limit reported
+        return 1 << 40
+
+
+def _median_run(fn, repeats):
+    ts, outs = [], None
     for _ in range(repeats):
-        r = jaxspec.generate(model, prompts, max_new_tokens=max_new, speculation=spec)
-        runs.append(r)
-    best = sorted(runs, key=lambda r: r.stats["decode_seconds"])[len(runs) // 2]
-    return best, res
+        t = time.perf_counter()
+        outs = fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts), outs
 
 
-def bench_speculative(model, batches, prompt_lens, gammas, sink, window, max_new, prompts_fn,
-                      out_rows, trees=()):
-    for P in prompt_lens:
-        for B in batches:
-            prompts = prompts_fn(B, P)
+class SpecBench:
+    """Autoregressive vs speculative decoding, side by side, one prefill per (batch, prompt).
+
+    For every point the prompts are prefilled once; each variant then decodes from the same
+    cache (`Prepared.fresh_state`: decoding writes only slots past the prompts). Two numbers per
+    variant, both from one compiled loop:
+      completion: every row generates ``max_new`` tokens, time until the last row is done (what
+        `jaxspec.generate` returns; rows with few accepted drafts hold the whole batch);
+      steady: R rounds with every row still generating (R = rounds the mean row needs for
+        ``max_new``), committed tokens / time: the regime of a continuous-batching server, where
+        a finished row's slot is refilled at once.
+    """
+
+    def __init__(self, model, variants, *, max_new, repeats, impl="auto", seed=0, log=print,
+                 precompile: int = 0):
+        self.model, self.variants, self.max_new = model, variants, max_new
+        self.repeats, self.impl, self.seed, self.log = repeats, impl, seed, log
+        self.params = model.decode_params()
+        self.precompile = precompile  # threads compiling all loops of a shape up front (0: off)
+        self._compiled = set()
+
+    def _precompile(self, prep, width) -> float:
+        """Compiles the loops of the plain and fixed-shape self-speculation variants ahead of
+        time, ``self.precompile`` at once (XLA compiles in C++, so threads overlap); the jitted
+        calls then find them in the compilation cache."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from jaxspec import engine, speculative
+        model, impl = self.model, self.impl
+        lowered = []
+        for v in self.variants:
+            if v.spec is None:
+                st = prep.fresh_state(self._cache, extra=1, out_width=width, max_steps=1)
+                loop = engine.DecodeLoop(config=model.config, stop_ids=prep.stop_ids, impl=impl)
+                lowered.append(engine._run_loop.lower(self.params, prep.sp, st, loop=loop))
+            elif v.spec.draft == "self" and v.spec.gamma != "auto":
+                r = speculative.prepare_speculation(v.spec, model, prep.token_lists, self.max_new)
+                st = prep.fresh_state(self._cache, extra=r.extra_slots, out_width=width,
+                                      max_steps=1)
+                loop = r.loop(model, stop_ids=prep.stop_ids, impl=impl, gamma=r.gamma,
+                              greedy=True)
+                lowered.append(speculative._run_spec.lower(
+                    self.params, jnp.zeros(()), prep.sp, st, r.draft_state(model, st, impl),
+                    loop=loop))
+        t = time.perf_counter()
+        with ThreadPoolExecutor(self.precompile) as ex:
+            list(ex.map(lambda low: low.compile(), lowered))
+        return time.perf_counter() - t
+
+    def cache_len(self, P: int) -> int:
+        gmax = max([v.spec.gamma if isinstance(v.spec.gamma, int) else 6
+                    for v in self.variants if v.spec is not None and v.spec.tree is None] + [1])
+        nodes = max([jaxspec.speculative.resolve_tree(v.spec.tree).num_nodes
+                     for v in self.variants if v.spec is not None and v.spec.tree is not None]
+                    + [1])
+        return round_up(P + 3 * self.max_new + 2 * max(gmax + 2, nodes + 1) + 64, 128)
+
+    def kv_bytes(self, B, S, with_drafts=True) -> int:
+        c = self.model.config
+        b = 2 * c.num_layers * B * c.num_kv_heads * S * c.head_dim * jnp.dtype(self.model.dtype).itemsize
+        for v in self.variants if with_drafts else ():
+            d = getattr(v.spec, "draft", "self")
+            if isinstance(d, jaxspec.Model):
+                dc = d.config
+                Sd = S if v.spec.window is None else v.spec.sink + v.spec.window + 128
+                b = max(b, b + 2 * dc.num_layers * B * dc.num_kv_heads * Sd * dc.head_dim * 2)
+        return b
+
+    def point(self, B: int, P: int, prompts) -> list[dict]:
+        from jaxspec import engine, speculative
+        model, impl = self.model, self.impl
+        S = self.cache_len(P)
+        t = time.perf_counter()
+        prep = engine.prepare(model, prompts, max_new_tokens=self.max_new, max_len=S,
+                              attn_impl=impl, seed=self.seed)
+        jax.block_until_ready(prep.state.cache.k)
+        prefill_s = time.perf_counter() - t
+        self.log(f"  B={B} P={P}: prefill {prefill_s:.1f} s (cache {S} slots)")
+        width = 3 * self.max_new + 2 * 64
+        big = S - int(prep.slot_lens.max()) - 80  # steady runs: no row may run out of budget
+        self._cache = prep.state.cache  # the prefilled cache, handed from run to run
+        if self.precompile and (B, S) not in self._compiled:
+            self._compiled.add((B, S))
+            self.log(f"    compiled {self._precompile(prep, width):.1f} s (all loops, "
+                     f"{self.precompile} threads)")
+        rows, ar = [], None
+        costs = {}
+        for v in self.variants:
+            row = {"batch": B, "prompt": P, "variant": v.name, "prefill_s": prefill_s}
             try:
-                ar, _ = bench_generate(model, prompts, max_new)
-            except Exception as e:  # noqa: BLE001 - OOM etc. is a result, not a crash
-                out_rows.append({"batch": B, "prompt": P, "error": f"{type(e).__name__}: {e}"[:300]})
-                print(out_rows[-1], flush=True)
+                res = self._variant(v, prep, width, big, ar, costs)
+                row.update(res)
+                if v.spec is None:
+                    ar = res
+                else:
+                    row["speedup"] = res["tok_s"] / ar["tok_s"]
+                    row["steady_speedup"] = res["steady_tok_s"] / ar["tok_s"]
+            except Exception as e:  # noqa: BLE001 - an OOM is a result, not a crash
+                row["error"] = f"{type(e).__name__}: {e}"[:400]
+            rows.append(row)
+            self.log("    " + _fmt_row(row))
+            if "error" in row and (ar is None or self._cache.k.is_deleted()):
+                break  # no baseline, or the prefilled cache went with the failed call
+        self._cache = None
+        return rows
+
+    def _variant(self, v, prep, width, big, ar, costs):
+        from jaxspec import engine, speculative
+        model, impl, B = self.model, self.impl, len(prep.token_lists)
+        out = {}
+        if v.spec is None:
+            loop = engine.DecodeLoop(config=model.config, stop_ids=prep.stop_ids, impl=impl)
+
+            def run(cache, budget=None, max_steps=1 << 30):
+                st = prep.fresh_state(cache, budget=budget, extra=1, out_width=width,
+                                      max_steps=max_steps)
+                final = engine._run_loop(self.params, prep.sp, st, loop=loop)
+                jax.block_until_ready(final.n_out)
+                return final, {}
+        else:
+            runner = speculative.prepare_speculation(v.spec, model, prep.token_lists,
+                                                     self.max_new)
+
+            def run(cache, budget=None, max_steps=1 << 30):
+                st = prep.fresh_state(cache, budget=budget, extra=runner.extra_slots,
+                                      out_width=width, max_steps=max_steps)
+                final, stats = runner.run(model, prep.sp, st, stop_ids=prep.stop_ids, impl=impl)
+                jax.block_until_ready(final.n_out)
+                return final, stats
+        def timed(**kw):
+            final, stats = run(self._cache, **kw)
+            self._cache = final.cache
+            return final, stats
+
+        t = time.perf_counter()
+        final, stats = timed()  # warm-up: compile (and gamma="auto" step costs) + one run
+        out["first_call_s"] = time.perf_counter() - t
+        dt, (final, stats) = _median_run(timed, self.repeats)
+        n_out = np.asarray(final.n_out)
+        tokens = [np.asarray(final.out)[i, :n_out[i]].tolist() for i in range(prep.n_real)]
+        out.update({"seconds": dt, "new_tokens": int(n_out.sum()), "tok_s": n_out.sum() / dt,
+                    "ms_per_token": 1e3 * dt / max(1, int(n_out.max())),
+                    "rounds": int(final.steps)})
+        if v.spec is None:
+            out["tokens"] = tokens
+            out["steady_tok_s"] = out["tok_s"]
+            return out
+        out["identical_rows"] = float(np.mean([a == b for a, b in zip(tokens, ar["tokens"])]))
+        for k in ("acceptance_rate", "tokens_per_step", "gamma", "tree_nodes", "auto_alpha",
+                  "predicted_speedup"):
+            if k in stats:
+                out[k] = stats[k]
+        # steady state: as many rounds as the mean row needed, nobody out of budget
+        tps = max(out.get("tokens_per_step", 1.0), 1.0)
+        R = max(1, int(round(self.max_new / tps)))
+        dt_s, (final, _) = _median_run(lambda: timed(budget=big, max_steps=R), self.repeats)
+        n_s = np.asarray(final.n_out)
+        out.update({"steady_rounds": R, "steady_tokens": int(n_s.sum()),
+                    "steady_tok_s": n_s.sum() / dt_s,
+                    "steady_rows_done": int(np.sum(np.asarray(final.done)[:prep.n_real]))})
+        g = v.chain_gamma or (stats.get("gamma") if v.spec.gamma == "auto" else None)
+        if g:  # MagicDec's cost model from measured step costs and the measured acceptance
+            key = "self" if v.spec.draft == "self" else f"draft{v.spec.window}"
+            if key not in costs:
+                runner = speculative.prepare_speculation(v.spec, model, prep.token_lists,
+                                                         self.max_new)
+                st = prep.fresh_state(self._cache, extra=runner.extra_slots, out_width=width)
+                ds = runner.draft_state(model, st, self.impl)
+                c, st, _ = speculative.measure_costs(model, v.spec, runner.draft, st, ds,
+                                                     self.impl, speculative.GAMMA_CANDIDATES)
+                self._cache = st.cache
+                costs[key] = c
+            c = costs[key]
+            alpha = speculative.per_token_acceptance(
+                out["acceptance_rate"] * g, g)  # accepted per row-step = rate * gamma
+            pred = speculative.expected_tokens(alpha, g) * c["plain"] / (
+                g * c["draft"] + c["verify"][g])
+            out.update({"alpha": alpha, "model_speedup": pred,
+                        "cost_ms": {"plain": c["plain"] * 1e3, "draft": c["draft"] * 1e3,
+                                    "verify": c["verify"][g] * 1e3}})
+        return out
+
+
+def _fmt_row(r):
+    if "error" in r:
+        return f"{r['variant']}: ERROR {r['error'][:120]}"
+    s = f"{r['variant']}: {r['tok_s']:.0f} tok/s ({r['seconds']:.2f} s, first call {r['first_call_s']:.1f} s)"
+    if "speedup" in r:
+        s += (f" speedup {r['speedup']:.2f} steady {r['steady_speedup']:.2f}"
+              f" acc {r.get('acceptance_rate', 0):.2f} tps {r.get('tokens_per_step', 0):.2f}"
+              f" identical {r.get('identical_rows', 0):.2f}")
+        if "model_speedup" in r:
+            s += f" model {r['model_speedup']:.2f}"
+    return s
+
+
+def bench_speculative(a, env, log=print):
+    model = load_model(a.model)
+    draft = load_model(a.draft) if a.draft else None
+    variants = make_variants(a, draft)
+    stream = token_stream(a.prompts_file, model.config.vocab_size)
+    bench = SpecBench(model, variants, max_new=a.max_new, repeats=a.repeats, impl=a.impl, log=log,
+                      precompile=a.precompile)
+    limit = device_bytes()
+    w_bytes = param_bytes(model.params) + (param_bytes(draft.params) if draft else 0)
+    deadline = time.time() + a.time_budget_s
+    rows = []
+    out = pathlib.Path(a.out)
+    for B in _ints(a.batch):
+        for P in _ints(a.prompt):
+            if P >= model.config.max_position_embeddings - bench.cache_len(0):
+                rows.append({"batch": B, "prompt": P, "skipped": "longer than the context"})
                 continue
-            ar_tps = ar.stats["tokens_per_second"]
-            variants = [(g, jaxspec.Speculation(draft="self", gamma=g, sink=sink, window=window))
-                        for g in gammas]
-            variants += [(f"tree{t}", jaxspec.Speculation(draft="self", sink=sink, window=window,
-                                                         tree=t)) for t in trees]
-            for g, spec in variants:
-                try:
-                    sp, _ = bench_generate(model, prompts, max_new, spec)
-                except Exception as e:  # noqa: BLE001
-                    out_rows.append({"batch": B, "prompt": P, "gamma": g,
-                                     "error": f"{type(e).__name__}: {e}"[:300]})
-                    continue
-                same = sp.tokens == ar.tokens
-                row = {"batch": B, "prompt": P, "gamma": g, "ar_tok_s": ar_tps,
-                       "spec_tok_s": sp.stats["tokens_per_second"],
-                       "speedup": sp.stats["tokens_per_second"] / ar_tps,
-                       "acceptance": sp.stats["acceptance_rate"],
-                       "tokens_per_step": sp.stats["tokens_per_step"],
-                       "ar_ms_per_token": 1e3 * ar.stats["decode_seconds"] / max_new,
-                       "spec_ms_per_token": 1e3 * sp.stats["decode_seconds"] / max_new,
-                       "greedy_identical": same}
-                out_rows.append(row)
-                print(json.dumps(row), flush=True)
+            need = bench.kv_bytes(B, bench.cache_len(P)) + w_bytes
+            if need > 0.92 * limit:
+                rows.append({"batch": B, "prompt": P,
+                             "skipped": f"needs {need / 2**30:.1f} GiB of {limit / 2**30:.1f}"})
+                log(f"  B={B} P={P}: skipped (memory {need / 2**30:.1f} GiB)")
+                continue
+            if time.time() > deadline:
+                rows.append({"batch": B, "prompt": P, "skipped": "time budget"})
+                continue
+            prompts = cut_prompts(stream, B, P, seed=B * 100003 + P)
+            try:
+                rows += bench.point(B, P, prompts)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory in prefill
+                rows.append({"batch": B, "prompt": P, "error": f"{type(e).__name__}: {e}"[:400]})
+                log(f"  B={B} P={P}: {rows[-1]['error'][:200]}")
+            write_spec_results(out, a, env, rows)
+    return rows
+
+
+def write_spec_results(out: pathlib.Path, a, env, rows):
+    out.mkdir(parents=True, exist_ok=True)
+    slim = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
+    (out / "speculative.json").write_text(json.dumps({"env": env, "args": vars(a), "rows": slim},
+                                                     indent=1, default=str))
+    lines = [f"# Autoregressive vs speculative decoding ({a.model}"
+             + (f", draft {a.draft}" if a.draft else "") + ")", "",
+             f"device {env['device']}, jax {env['jax']}, {env['date']}; greedy, {a.max_new} new "
+             f"tokens per row; self-speculation sink {a.sink} + window {a.window}", "",
+             f"command: `{env['command']}`", "",
+             "speedup = completion throughput (all rows reach the budget) over autoregressive; "
+             "steady = throughput over the rounds in which every row is still generating "
+             "(continuous batching); model = MagicDec's cost model from measured step costs and "
+             "the measured acceptance.", "",
+             "| batch | prompt | variant | tok/s | speedup | steady | model | acceptance | "
+             "tokens/step | gamma | ms/token | identical | first call s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in slim:
+        if "skipped" in r:
+            lines.append(f"| {r['batch']} | {r['prompt']} | skipped: {r['skipped']} |"
+                         + " |" * 10)
+        elif "error" in r:
+            lines.append(f"| {r['batch']} | {r['prompt']} | {r.get('variant', '-')}: "
+                         f"{r['error'][:80]} |" + " |" * 10)
+        elif "speedup" not in r:
+            lines.append(f"| {r['batch']} | {r['prompt']} | {r['variant']} | {r['tok_s']:.0f} | "
+                         f"1.00 | 1.00 | | | 1.00 | | {r['ms_per_token']:.2f} | | "
+                         f"{r['first_call_s']:.0f} |")
+        else:
+            ms = r.get("model_speedup")
+            lines.append(
+                f"| {r['batch']} | {r['prompt']} | {r['variant']} | {r['tok_s']:.0f} | "
+                f"{r['speedup']:.2f} | {r['steady_speedup']:.2f} | "
+                f"{'' if ms is None else f'{ms:.2f}'} | {r.get('acceptance_rate', 0):.2f} | "
+                f"{r.get('tokens_per_step', 0):.2f} | {r.get('gamma', '')} | "
+                f"{r['ms_per_token']:.2f} | {r.get('identical_rows', 0):.2f} | "
+                f"{r['first_call_s']:.0f} |")
+    (out / "speculative.md").write_text("\n".join(lines) + "\n")
+    try:
+        plot_speedups(out, slim)
+    except Exception as e:  # noqa: BLE001 - plotting must not lose the numbers
+        print("plot failed:", e)
+
+
+def plot_speedups(out: pathlib.Path, rows):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r for r in rows if "speedup" in r]
+    if not ok:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, key, title in ((axes[0], "speedup", "completion (all rows reach the budget)"),
+                           (axes[1], "steady_speedup", "steady state (every row generating)")):
+        for P in sorted({r["prompt"] for r in ok}):
+            best = {}
+            for r in ok:
+                if r["prompt"] == P:
+                    best[r["batch"]] = max(best.get(r["batch"], 0), r[key])
+            xs = sorted(best)
+            ax.plot(xs, [best[x] for x in xs], marker="o", label=f"prompt {P}")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("best speculative speedup over autoregressive")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speculative_speedup.png", dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -195,16 +558,29 @@ def main(argv=None):
     d.add_argument("--context", type=int, default=8192)
     d.add_argument("--impls", default="auto,xla")
     d.add_argument("--out", default="benchmarks/decode_llama8b")
-    s = sub.add_parser("speculative")
-    s.add_argument("--model", default="random-8b")
+    s = sub.add_parser("speculative", help="autoregressive vs speculative grid")
+    s.add_argument("--model", default="random-qwen15",
+                   help="checkpoint path or random-8b / random-qwen15 / random-smol / tiny")
     s.add_argument("--batch", default="8,32,64")
     s.add_argument("--prompt", default="1024,8192")
-    s.add_argument("--gamma", default="2,4")
+    s.add_argument("--gamma", default="2,4", help="self-speculation chain lengths")
+    s.add_argument("--auto", action="store_true", help="add self-speculation with gamma='auto'")
+    s.add_argument("--trees", default="", help="self-speculation trees, e.g. '2,1,1;3,2,1'")
     s.add_argument("--sink", type=int, default=16)
     s.add_argument("--window", type=int, default=496)
-    s.add_argument("--max-new", type=int, default=64)
-    s.add_argument("--trees", default="", help="token trees to add, e.g. '2,1,1;3,2,1'")
-    s.add_argument("--prompts-file", default=None, help="JSON list of token lists (long text)")
+    s.add_argument("--draft", default=None, help="a draft model checkpoint (or random name)")
+    s.add_argument("--draft-gamma", default="4")
+    s.add_argument("--draft-window", default="none", help="ring-buffer window or 'none'")
+    s.add_argument("--draft-trees", default="")
+    s.add_argument("--draft-auto", action="store_true")
+    s.add_argument("--max-new", type=int, default=128)
+    s.add_argument("--repeats", type=int, default=2)
+    s.add_argument("--impl", default="auto")
+    s.add_argument("--time-budget-s", type=float, default=1e9)
+    s.add_argument("--precompile", type=int, default=0,
+                   help="compile all loops of a batch size up front in this many threads")
+    s.add_argument("--prompts-file", default=None,
+                   help=".npy token stream or JSON list of token lists (long text)")
     s.add_argument("--out", default="benchmarks/speculative")
     a = ap.parse_args(argv)
     env = environment()
@@ -231,43 +607,8 @@ def main(argv=None):
         out.with_suffix(".md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
     else:
-        if a.model == "random-8b":
-            cfg = llama31_8b_shape()
-            model = jaxspec.Model(config=cfg, params=random_params(cfg))
-        else:
-            model = jaxspec.load(a.model)
-        rng = np.random.default_rng(0)
-        texts = json.loads(pathlib.Path(a.prompts_file).read_text()) if a.prompts_file else None
-
-        def prompts_fn(B, P):
-            if texts:
-                flat = [t for doc in texts for t in doc]
-                starts = rng.integers(0, max(1, len(flat) - P), size=B)
-                return [flat[s:s + P] for s in starts]
-            return rng.integers(0, model.config.vocab_size, size=(B, P)).tolist()
-
-        rows = []
-        bench_speculative(model, [int(x) for x in a.batch.split(",")],
-                          [int(x) for x in a.prompt.split(",")], [int(x) for x in a.gamma.split(",")],
-                          a.sink, a.window, a.max_new, prompts_fn, rows,
-                          trees=[tuple(int(x) for x in t.split(",")) for t in a.trees.split(";") if t])
-        res = {"env": env, "model": a.model, "rows": rows}
-        out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-        lines = [f"# Autoregressive vs self-speculation ({a.model})", "",
-                 f"device {env['device']}, jax {env['jax']}; sink {a.sink}, window {a.window}, "
-                 f"{a.max_new} new tokens, greedy", "", f"command: `{env['command']}`", "",
-                 "| batch | prompt | gamma | AR tok/s | spec tok/s | speedup | acceptance | tokens/step | identical |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            if "error" in r:
-                lines.append(f"| {r['batch']} | {r['prompt']} | {r.get('gamma', '-')} | "
-                             f"{r['error'][:60]} | | | | | |")
-            else:
-                lines.append(f"| {r['batch']} | {r['prompt']} | {r['gamma']} | {r['ar_tok_s']:.0f} | "
-                             f"{r['spec_tok_s']:.0f} | {r['speedup']:.2f} | {r['acceptance']:.2f} | "
-                             f"{r['tokens_per_step']:.2f} | {r['greedy_identical']} |")
-        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
+        rows = bench_speculative(a, env)
+        print((pathlib.Path(a.out) / "speculative.md").read_text())
 
 
 if __name__ == "__main__":

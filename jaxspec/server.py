@@ -556,6 +556,42 @@ def build_engine(a) -> tuple[ServingEngine, str]:
     return engine, name
 
 
+class BackgroundServer:
+    """uvicorn serving `create_app(engine, name)` from a daemon thread on a socket bound before it
+    starts (``port=0``: a free port), for benchmarks and tests. The engine must be started;
+    ``close()`` stops the HTTP server only (the caller owns the engine)."""
+
+    def __init__(self, engine: ServingEngine, name: str = "jaxspec", host: str = "127.0.0.1",
+                 port: int = 0, log_level: str = "warning", start_timeout: float = 30.0):
+        import socket
+        import threading
+
+        import uvicorn
+        self.app = create_app(engine, name)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        cfg = uvicorn.Config(self.app, log_level=log_level, access_log=False,
+                             timeout_graceful_shutdown=2, backlog=4096)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="jaxspec-http", daemon=True)
+        self.thread.start()
+        deadline = time.time() + start_timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                self.close()
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
 def run_from_args(a):
     import uvicorn
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")

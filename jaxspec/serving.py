@@ -111,6 +111,7 @@ class Sequence:
         self.draft_flags: list[bool] = []
         self.text = ""  # text so far (stop strings cut it)
         self._sent = 0  # chars of text already emitted
+        self._sent_tokens = 0  # tokens already reported in a delta's n_tokens
         self._pieces: list[tuple[int, bool]] = []  # (end char, from draft) of each decoded piece
         self._po = 0  # detokenizer: prefix offset
         self._ro = 0  # detokenizer: read offset
@@ -303,6 +304,10 @@ class ServingEngine:
         if max_batch < 1 or rounds_per_chunk < 1 or max_queue < 0:
             raise ValueError("max_batch and rounds_per_chunk must be >= 1, max_queue >= 0")
         self.model = model
+        # the layout decoding runs fastest with (per-layer arrays on one GPU), as `generate` uses;
+        # decode_params() switches model.params once, so every chunk and prefill sees one layout
+        # (before, gamma="auto" switched it half-way, through its cost measurement)
+        model.decode_params()
         self.config = cfg = model.config
         self.tokenizer = model.tokenizer
         self.B = int(max_batch)
@@ -363,6 +368,8 @@ class ServingEngine:
         from jaxspec.speculative import prepare_speculation
         runner = prepare_speculation(spec, self.model, [[0]], 1)
         self.draft = runner.draft
+        if self.draft is not None:
+            self.draft.decode_params()
         self.tree = getattr(runner, "tree", None)
         self.gamma = runner.gamma
         self.extra = runner.extra_slots
@@ -487,11 +494,13 @@ class ServingEngine:
             self._cv.notify()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, warmup: bool = True):
+    def start(self, warmup: bool = True, variants=None):
+        """Starts the engine thread, after compiling (``warmup``) the chunk ``variants`` (see
+        `warmup`)."""
         if self._thread is not None:
             return self
         if warmup:
-            self.warmup()
+            self.warmup(variants)
         self._running = True
         self._thread = threading.Thread(target=self._main, name="jaxspec-engine", daemon=True)
         self._thread.start()
@@ -508,12 +517,16 @@ class ServingEngine:
             self._fail(s, "the server is shutting down")
         self.waiting.clear()
 
-    def warmup(self):
-        """Compiles the chunk variants (greedy / sampling) with every slot idle."""
+    def warmup(self, variants=None):
+        """Compiles the chunk variants with every slot idle: ``variants`` is a list of
+        ``(greedy, filtering)`` pairs (default: greedy, sampling, sampling with top-k / top-p; a
+        benchmark that only sends greedy requests passes ``[(True, False)]``), then prefill."""
         if self.speculation is not None and getattr(self, "_auto_gamma", False):
             self._choose_gamma()
-        for greedy, filtering in ((True, False), (False, False), (False, True)):
-            self._chunk(greedy, filtering)
+        if variants is None:
+            variants = ((True, False), (False, False), (False, True))
+        for greedy, filtering in variants:
+            self._chunk(bool(greedy), bool(filtering))
         n = 16  # prefill shapes (power-of-two buckets) up to warmup_prefill tokens, in free row 0
         while n <= min(self.warmup_prefill, self.max_len - 1):
             self.cache = self._prefill_row(self.config, self.model.params, self.cache, 0, [0] * n)
@@ -746,6 +759,9 @@ class ServingEngine:
         if not final and s.options.stop:
             end -= _stop_holdback(s.text, s.options.stop)
         if end <= s._sent:
+            if self.tokenizer is None and len(s.tokens) > s._sent_tokens:
+                # no tokenizer, so no text: a delta still tells the client how far it got
+                self._emit_delta(s, "", [])
             return
         segs = []
         start = s._sent
@@ -763,6 +779,11 @@ class ServingEngine:
                 break
         text = s.text[s._sent:end]
         s._sent = end
+        self._emit_delta(s, text, segs)
+
+    @staticmethod
+    def _emit_delta(s: Sequence, text: str, segs: list):
+        s._sent_tokens = len(s.tokens)
         s._emit({"type": "delta", "text": text, "segments": segs, "n_tokens": len(s.tokens),
                  "accepted": s.accepted, "proposed": s.proposed, "rounds": s.rounds})
 

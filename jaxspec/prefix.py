@@ -289,14 +289,17 @@ def _prefill_chunk(params, cache: KVCache, tokens_BC, start, offset_B, prefix, *
     return cache
 
 
-def _prefill_rows(config, params, rows, offset, prefix, *, S, impl, chunk, dtype, sharding=None):
+def _prefill_rows(config, params, rows, offset, prefix, *, S, impl, chunk, dtype, sharding=None,
+                  width=None):
     """A plain KVCache of ``len(rows)`` rows with ``rows`` written from slot 0 (position
-    ``offset + slot``), attending also to ``prefix`` (a SharedPrefix or None)."""
+    ``offset + slot``), attending also to ``prefix`` (a SharedPrefix or None). ``width``: prefill as
+    if the longest row had that many tokens (the same chunk shapes for several calls)."""
     B = len(rows)
     lens = np.array([len(r) for r in rows], np.int32)
     cache = KVCache.create(config, B, S, dtype=dtype, sharding=sharding)
-    n = int(lens.max()) if B else 0
-    if n > 0:
+    n_real = int(lens.max()) if B else 0
+    n = n_real if width is None else max(n_real, int(width))
+    if n_real > 0:
         C = min(chunk, round_up(n, 16))
         total = round_up(n, C)
         assert total <= S, (total, S)
@@ -305,6 +308,8 @@ def _prefill_rows(config, params, rows, offset, prefix, *, S, impl, chunk, dtype
             buf[i, :len(r)] = r
         off = jnp.asarray(offset, jnp.int32)
         for start in range(0, total, C):
+            if start >= n_real:  # nothing left to write (width padding only)
+                break
             cache = _prefill_chunk(params, cache, jnp.asarray(buf[:, start:start + C]),
                                    jnp.int32(start), off, prefix, config=config, impl=impl)
     return cache.replace(lengths=jnp.asarray(lens))
@@ -319,16 +324,22 @@ def prefill_slots(n: int, chunk: int) -> int:
 
 
 def build_prefix(config, params, share: SharingPlan, *, impl="auto", chunk=512, dtype=jnp.float32,
-                 mesh=None):
+                 mesh=None, slots: int | None = None):
     """Prefills every level once (level i attends to levels < i) -> tuple of PrefixLevel.
 
     On a mesh each group's row is repeated so the rows split evenly over the data axis (the copies
-    are identical; one is kept)."""
+    are identical; one is kept).
+
+    ``slots``: give every level exactly this many prefix slots (at least its longest group; the
+    slots past a group's length are never read unmasked). Prefixes of different lengths then
+    share one compiled prefill and one compiled decode loop (benchmarks sweeping prefix lengths);
+    None: just enough slots for the longest group."""
     levels = []
     d = 1 if mesh is None else int(mesh.shape["data"])
     for P_i, toks in share.levels:
         r = d // math.gcd(P_i, d)  # rows per group in the prefill batch
         lens = np.array([len(t) for t in toks], np.int32)
+        n_max = int(lens.max())
         # start of each group: total length of the earlier levels' groups it continues
         start = np.zeros((P_i,), np.int32)
         for lv in levels:
@@ -337,15 +348,22 @@ def build_prefix(config, params, share: SharingPlan, *, impl="auto", chunk=512, 
         prefix = None
         if levels:
             prefix = SharedPrefix(levels=tuple(levels), offset=jnp.asarray(np.repeat(start, r)))
-        S = round_up(prefill_slots(int(lens.max()), chunk), SLOT_ALIGN)  # kernel blocks divide it
+        S = round_up(prefill_slots(n_max, chunk), SLOT_ALIGN)  # kernel blocks divide it
+        width = None
+        if slots is not None:
+            if slots < n_max:
+                raise ValueError(f"slots={slots} is less than the longest prefix ({n_max} tokens)")
+            # the chunk shapes of a prefill of `slots` tokens, whatever the real length
+            width = slots
+            S = max(S, round_up(prefill_slots(slots, chunk), SLOT_ALIGN))
         sharding = None
         if mesh is not None:
             from jaxspec.sharding import cache_sharding
             sharding = cache_sharding(config, mesh, P_i * r)
         c = _prefill_rows(config, params, [t for t in toks for _ in range(r)],
                           np.repeat(start, r), prefix, S=S, impl=impl, chunk=chunk,
-                          dtype=dtype, sharding=sharding)
-        Lp = min(S, round_up(max(int(lens.max()), 1), 16))
+                          dtype=dtype, sharding=sharding, width=width)
+        Lp = min(S, round_up(max(n_max, 1), 16)) if slots is None else int(slots)
         k = jnp.transpose(c.k[:, ::r, :, :Lp], (0, 1, 3, 2, 4))
         v = jnp.transpose(c.v[:, ::r, :, :Lp], (0, 1, 3, 2, 4))
         if mesh is not None:  # KV heads over model, replicated over data
@@ -356,17 +374,101 @@ def build_prefix(config, params, share: SharingPlan, *, impl="auto", chunk=512, 
     return tuple(levels)
 
 
+@functools.partial(jax.jit, donate_argnames=("k", "v"))
+def _put_rows(k, v, k_rows, v_rows, row0):
+    z = jnp.zeros((), jnp.int32)
+    at = (z, jnp.asarray(row0, jnp.int32), z, z, z)
+    return (jax.lax.dynamic_update_slice(k, k_rows.astype(k.dtype), at),
+            jax.lax.dynamic_update_slice(v, v_rows.astype(v.dtype), at))
+
+
 def prefill_shared(config, params, rows, share: SharingPlan, *, S, impl="auto", chunk=512,
                    dtype=jnp.float32, sharding=None, mesh=None,
-                   prefix_levels=None) -> PrefixedKVCache:
+                   prefix_levels=None, row_block: int | None = None,
+                   width: int | None = None) -> PrefixedKVCache:
     """Prefix levels once, then every row's suffix (all but its last token) with the prefix
-    visible: a `PrefixedKVCache` of ``S`` suffix slots per row."""
+    visible: a `PrefixedKVCache` of ``S`` suffix slots per row.
+
+    ``width``: prefill with the chunk shapes of a suffix this long (at least the longest), so
+    batches of different suffix lengths share one compiled prefill.
+
+    ``row_block`` (single device, all rows in one group per level): prefill the suffixes
+    ``row_block`` rows at a time with the same chunk shapes, copying each block into the batch's
+    cache, so every batch size shares one compiled prefill (the last block is aligned to the end
+    of the batch; rows it repeats are recomputed identically)."""
     if prefix_levels is None:
         prefix_levels = build_prefix(config, params, share, impl=impl, chunk=chunk, dtype=dtype,
                                      mesh=mesh)
     offsets = np.asarray(share.offsets, np.int32)
     pre = SharedPrefix(levels=tuple(prefix_levels), offset=jnp.asarray(offsets))
     suffixes = [r[int(o):len(r) - 1] for r, o in zip(rows, offsets)]
-    c = _prefill_rows(config, params, suffixes, offsets, pre, S=S, impl=impl, chunk=chunk,
-                      dtype=dtype, sharding=sharding)
-    return PrefixedKVCache(k=c.k, v=c.v, lengths=c.lengths, prefix=pre)
+    B = len(rows)
+    if row_block is None or row_block >= B:
+        c = _prefill_rows(config, params, suffixes, offsets, pre, S=S, impl=impl, chunk=chunk,
+                          dtype=dtype, sharding=sharding, width=width)
+        return PrefixedKVCache(k=c.k, v=c.v, lengths=c.lengths, prefix=pre)
+    if mesh is not None or sharding is not None:
+        raise ValueError("row_block is for a single device (no mesh)")
+    if any(lv.groups != 1 for lv in prefix_levels):
+        raise ValueError("row_block needs levels of one group (one prefix shared by all rows)")
+    width = max([len(t) for t in suffixes] + [int(width or 0)])
+    full = KVCache.create(config, B, S, dtype=dtype)
+    k, v = full.k, full.v
+    del full
+    for b0 in range(0, B, row_block):
+        b0 = min(b0, B - row_block)
+        blk = slice(b0, b0 + row_block)
+        p_blk = SharedPrefix(levels=tuple(prefix_levels), offset=jnp.asarray(offsets[blk]))
+        c = _prefill_rows(config, params, suffixes[blk], offsets[blk], p_blk, S=S, impl=impl,
+                          chunk=chunk, dtype=dtype, width=width)
+        k, v = _put_rows(k, v, c.k, c.v, b0)
+        del c
+    lengths = jnp.asarray(np.array([len(t) for t in suffixes], np.int32))
+    return PrefixedKVCache(k=k, v=v, lengths=lengths, prefix=pre)
+
+
+# ----------------------------------------------------------------------------- un-sharing
+@functools.partial(jax.jit, static_argnames=("S",))
+def _unshare(k_suf, v_suf, lengths, pre: SharedPrefix, *, S):
+    L, B, K, Ss, D = k_suf.shape
+    off = pre.offset.astype(jnp.int32)
+    s = jnp.arange(S, dtype=jnp.int32)[None, :]  # [1, S]
+    rows = jnp.arange(B, dtype=jnp.int32)
+    j_suf = s - off[:, None]  # [B, S] suffix slot of each full slot
+    ok_suf = (j_suf >= 0) & (j_suf < Ss)
+    j_suf = jnp.clip(j_suf, 0, Ss - 1)
+    srcs = []
+    for lv in pre.levels:
+        g = rows // (B // lv.groups)
+        j = s - lv.start[g][:, None]
+        ok = (j >= 0) & (j < lv.lengths[g][:, None])
+        srcs.append((lv, g, jnp.clip(j, 0, lv.k.shape[2] - 1), ok))
+
+    def one(x_suf, which):
+        def layer(l, out):
+            xs = jax.lax.dynamic_index_in_dim(x_suf, l, 0, keepdims=False)  # [B, K, Ss, D]
+            x = jnp.take_along_axis(xs, j_suf[:, None, :, None], axis=2)  # [B, K, S, D]
+            x = jnp.where(ok_suf[:, None, :, None], x, jnp.zeros((), x.dtype))
+            for lv, g, j, ok in srcs:
+                xp = jax.lax.dynamic_index_in_dim(getattr(lv, which), l, 0, keepdims=False)
+                xp = xp[g[:, None], j]  # [B, S, K, D]
+                x = jnp.where(ok[:, None, :, None], jnp.swapaxes(xp, 1, 2).astype(x.dtype), x)
+            return jax.lax.dynamic_update_index_in_dim(out, x, l, 0)
+        out = jnp.zeros((L, B, K, S, D), x_suf.dtype)
+        return jax.lax.fori_loop(0, L, layer, out)
+
+    return one(k_suf, "k"), one(v_suf, "v"), off + lengths.astype(jnp.int32)
+
+
+def unshare_cache(cache: PrefixedKVCache, S: int | None = None) -> KVCache:
+    """The same rows as a plain `KVCache` without sharing: each row holds its prefix levels and
+    then its suffix in ``S`` slots (position = slot), bit for bit the K/V of ``cache``. Decoding
+    from either gives the same tokens (the baseline of shared-prefix benchmarks). ``S`` defaults
+    to the prefix offsets plus the suffix slots, rounded up to `SLOT_ALIGN`."""
+    pre = cache.prefix
+    if pre is None:
+        return cache
+    if S is None:
+        S = round_up(int(np.max(np.asarray(pre.offset))) + cache.max_len, SLOT_ALIGN)
+    k, v, lengths = _unshare(cache.k, cache.v, cache.lengths, pre, S=int(S))
+    return KVCache(k=k, v=v, lengths=lengths)

@@ -98,45 +98,83 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, carry, layer, rope, plan: AttentionPlan):
         c = self.config
-        x, k_cache, v_cache = carry
-        B, T, D = x.shape
+        D = carry[0].shape[-1]
         H, K, Dh, F = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-        p = functools.partial(self.param)
         dt = self.dtype
-        attn_norm = p("attn_norm", nn.initializers.ones, (D,), dt)
-        wq = p("wq", _init(D ** -0.5), (D, H * Dh), dt)
-        wk = p("wk", _init(D ** -0.5), (D, K * Dh), dt)
-        wv = p("wv", _init(D ** -0.5), (D, K * Dh), dt)
-        wo = p("wo", _init((H * Dh) ** -0.5), (H * Dh, D), dt)
-        mlp_norm = p("mlp_norm", nn.initializers.ones, (D,), dt)
-        w_gate = p("w_gate", _init(D ** -0.5), (D, F), dt)
-        w_up = p("w_up", _init(D ** -0.5), (D, F), dt)
-        w_down = p("w_down", _init(F ** -0.5), (F, D), dt)
-
-        h = rms_norm(x, attn_norm, c.rms_norm_eps)
-        q = h @ wq
-        k = h @ wk
-        v = h @ wv
+        names = {"attn_norm": (nn.initializers.ones, (D,)),
+                 "wq": (_init(D ** -0.5), (D, H * Dh)), "wk": (_init(D ** -0.5), (D, K * Dh)),
+                 "wv": (_init(D ** -0.5), (D, K * Dh)), "wo": (_init((H * Dh) ** -0.5), (H * Dh, D)),
+                 "mlp_norm": (nn.initializers.ones, (D,)),
+                 "w_gate": (_init(D ** -0.5), (D, F)), "w_up": (_init(D ** -0.5), (D, F)),
+                 "w_down": (_init(F ** -0.5), (F, D))}
         if c.attention_bias:
-            q = q + p("bq", _init(0.02), (H * Dh,), dt)
-            k = k + p("bk", _init(0.02), (K * Dh,), dt)
-            v = v + p("bv", _init(0.02), (K * Dh,), dt)
-        cos, sin = rope
-        q = apply_rope(q.reshape(B, T, H, Dh), cos, sin)
-        k = apply_rope(k.reshape(B, T, K, Dh), cos, sin)
-        v = v.reshape(B, T, K, Dh)
+            names.update({"bq": (_init(0.02), (H * Dh,)), "bk": (_init(0.02), (K * Dh,)),
+                          "bv": (_init(0.02), (K * Dh,))})
+        p = {n: self.param(n, init, shape, dt) for n, (init, shape) in names.items()}
+        return layer_forward(c, p, carry, layer, rope, plan), None
 
-        # Write the T new K/V at slots lengths + t (slots past the cache are dropped).
-        slots = plan.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
-        k_cache = write_slots(k_cache, layer, b_idx, slots, k)
-        v_cache = write_slots(v_cache, layer, b_idx, slots, v)
 
-        attn = attend(q, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
-        x = x + attn.reshape(B, T, H * Dh).astype(dt) @ wo
-        h = rms_norm(x, mlp_norm, c.rms_norm_eps)
-        x = x + (nn.silu(h @ w_gate) * (h @ w_up)) @ w_down
-        return (x, k_cache, v_cache), None
+def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPlan):
+    """One decoder layer on ``carry = (x[B, T, D], k_cache, v_cache)``. ``p`` holds the layer's
+    weights, either as stored (wq, wk, wv, w_gate, w_up, ...) or fused by `fuse_layer_params`
+    (wqkv / bqkv and w_gateup: one matmul each instead of three and two)."""
+    x, k_cache, v_cache = carry
+    B, T, D = x.shape
+    H, K, Dh = c.num_heads, c.num_kv_heads, c.head_dim
+    dt = x.dtype
+    h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+    if "wqkv" in p:
+        qkv = h @ p["wqkv"]
+        if "bqkv" in p:
+            qkv = qkv + p["bqkv"]
+        q, k, v = jnp.split(qkv, [H * Dh, (H + K) * Dh], axis=-1)
+    else:
+        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        if c.attention_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    cos, sin = rope
+    q = apply_rope(q.reshape(B, T, H, Dh), cos, sin)
+    k = apply_rope(k.reshape(B, T, K, Dh), cos, sin)
+    v = v.reshape(B, T, K, Dh)
+
+    # Write the T new K/V at slots lengths + t (slots past the cache are dropped).
+    slots = plan.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+    k_cache = write_slots(k_cache, layer, b_idx, slots, k)
+    v_cache = write_slots(v_cache, layer, b_idx, slots, v)
+
+    attn = attend(q, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
+    x = x + attn.reshape(B, T, H * Dh).astype(dt) @ p["wo"]
+    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+    if "w_gateup" in p:
+        gate, up = jnp.split(h @ p["w_gateup"], 2, axis=-1)
+    else:
+        gate, up = h @ p["w_gate"], h @ p["w_up"]
+    x = x + (nn.silu(gate) * up) @ p["w_down"]
+    return x, k_cache, v_cache
+
+
+def fuse_layer_params(params):
+    """Per-layer params (`unstack_layers`) with wq|wk|wv (and their biases) concatenated into
+    ``wqkv`` and w_gate|w_up into ``w_gateup``: three fewer matmul launches per layer, which is
+    what a small model's decode step at moderate batch is bound by. Single device only (a
+    tensor-parallel split of the fused columns would not follow the heads)."""
+    layers = params["layers"]
+    if not isinstance(layers, (list, tuple)):
+        raise ValueError("fuse_layer_params needs per-layer params (unstack_layers first)")
+    out = []
+    for p in layers:
+        if "wqkv" in p:
+            out.append(p)
+            continue
+        f = {k: v for k, v in p.items() if k not in ("wq", "wk", "wv", "bq", "bk", "bv",
+                                                      "w_gate", "w_up")}
+        f["wqkv"] = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1)
+        if "bq" in p:
+            f["bqkv"] = jnp.concatenate([p["bq"], p["bk"], p["bv"]])
+        f["w_gateup"] = jnp.concatenate([p["w_gate"], p["w_up"]], axis=1)
+        out.append(f)
+    return {**params, "layers": out}
 
 
 class Transformer(nn.Module):
@@ -195,10 +233,9 @@ def _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logi
     weights at batch 32; benchmarks/decode_llama8b.md). Compile time grows with depth here."""
     x = jnp.take(params["embed"], tokens_BT, axis=0)
     rope = rope_tables(config, positions_BT)
-    block = Block(config, dtype)
     k, v = cache.k, cache.v
     for layer, p in enumerate(params["layers"]):
-        (x, k, v), _ = block.apply({"params": p}, (x, k, v), jnp.int32(layer), rope, plan)
+        x, k, v = layer_forward(config, p, (x, k, v), jnp.int32(layer), rope, plan)
     logits = lm_logits(config, x, params["final_norm"], params["embed"], params.get("lm_head"),
                        logits_at)
     return logits, cache.replace(k=k, v=v)
@@ -219,11 +256,23 @@ def unstack_layers(params):
 
 
 def stack_layers(params):
-    """Inverse of `unstack_layers`."""
+    """Inverse of `unstack_layers` (and of `fuse_layer_params`)."""
     layers = params["layers"]
     if not isinstance(layers, (list, tuple)):
         return params
+    if "wqkv" in layers[0]:
+        layers = [_unfuse(p) for p in layers]
     return {**params, "layers": {n: jnp.stack([l[n] for l in layers]) for n in layers[0]}}
+
+
+def _unfuse(p):
+    f = {k: v for k, v in p.items() if k not in ("wqkv", "bqkv", "w_gateup")}
+    q, k = p["wo"].shape[0], (p["wqkv"].shape[1] - p["wo"].shape[0]) // 2
+    f["wq"], f["wk"], f["wv"] = jnp.split(p["wqkv"], [q, q + k], axis=1)
+    if "bqkv" in p:
+        f["bq"], f["bk"], f["bv"] = jnp.split(p["bqkv"], [q, q + k])
+    f["w_gate"], f["w_up"] = jnp.split(p["w_gateup"], 2, axis=1)
+    return f
 
 
 def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache,

@@ -294,13 +294,17 @@ class SpecBench:
             list(ex.map(lambda low: low.compile(), lowered))
         return time.perf_counter() - t
 
-    def cache_len(self, P: int) -> int:
+    def extra_slots(self) -> int:
+        """The most slots any variant's round writes past a row's budget."""
         gmax = max([v.spec.gamma if isinstance(v.spec.gamma, int) else 6
                     for v in self.variants if v.spec is not None and v.spec.tree is None] + [1])
         nodes = max([jaxspec.speculative.resolve_tree(v.spec.tree).num_nodes
                      for v in self.variants if v.spec is not None and v.spec.tree is not None]
                     + [1])
-        return round_up(P + 3 * self.max_new + 2 * max(gmax + 2, nodes + 1) + 64, 128)
+        return max(gmax + 2, nodes + 1)
+
+    def cache_len(self, P: int) -> int:
+        return round_up(P + 3 * self.max_new + 2 * self.extra_slots() + 64, 128)
 
     def kv_bytes(self, B, S, with_drafts=True) -> int:
         c = self.model.config
@@ -323,8 +327,9 @@ class SpecBench:
         jax.block_until_ready(prep.state.cache.k)
         prefill_s = time.perf_counter() - t
         self.log(f"  B={B} P={P}: prefill {prefill_s:.1f} s (cache {S} slots)")
-        width = 3 * self.max_new + 2 * 64
-        big = S - int(prep.slot_lens.max()) - 80  # steady runs: no row may run out of budget
+        width = 3 * self.max_new + 2 * self.extra_slots() + 64  # one output shape per batch size
+        # steady runs: no row may run out of budget (nor past the model's context)
+        big = min(S, model.config.max_position_embeddings, P + width) - P - self.extra_slots() - 1
         self._cache = prep.state.cache  # the prefilled cache, handed from run to run
         if self.precompile and (B, S) not in self._compiled:
             self._compiled.add((B, S))
@@ -455,17 +460,20 @@ def bench_speculative(a, env, log=print):
     out = pathlib.Path(a.out)
     for B in _ints(a.batch):
         for P in _ints(a.prompt):
-            if P >= model.config.max_position_embeddings - bench.cache_len(0):
+            if P + a.max_new + bench.extra_slots() > model.config.max_position_embeddings:
                 rows.append({"batch": B, "prompt": P, "skipped": "longer than the context"})
+                write_spec_results(out, a, env, rows)
                 continue
             need = bench.kv_bytes(B, bench.cache_len(P)) + w_bytes
             if need > 0.92 * limit:
                 rows.append({"batch": B, "prompt": P,
                              "skipped": f"needs {need / 2**30:.1f} GiB of {limit / 2**30:.1f}"})
                 log(f"  B={B} P={P}: skipped (memory {need / 2**30:.1f} GiB)")
+                write_spec_results(out, a, env, rows)
                 continue
             if time.time() > deadline:
                 rows.append({"batch": B, "prompt": P, "skipped": "time budget"})
+                write_spec_results(out, a, env, rows)
                 continue
             prompts = cut_prompts(stream, B, P, seed=B * 100003 + P)
             try:

@@ -86,3 +86,25 @@ def test_generation_stops_at_eos_per_sequence(tmp_path):
         cut = ref.index(stop) + 1 if stop in ref else len(ref)
         assert got == ref[:cut]
     assert res.tokens[1][-1] == stop and len(res.tokens[1]) <= 4
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias"])
+def test_per_layer_and_fused_layouts_match_transformers(variant, tmp_path):
+    """The GPU decode layouts (per-layer arrays; fused wqkv / w_gateup) against the PyTorch model,
+    and the fused layout stacks back to the stored parameters exactly."""
+    from jaxspec.model import fuse_layer_params, stack_layers, unstack_layers
+    hf = make_hf_model(variant, seed=3)
+    model = convert_hf(hf, tmp_path)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, hf.config.vocab_size, size=(2, 24))
+    ref = torch_logits(hf, tokens)
+    per_layer = unstack_layers(model.params)
+    fused = fuse_layer_params(per_layer)
+    assert "wqkv" in fused["layers"][0] and "wq" not in fused["layers"][0]
+    assert ("bqkv" in fused["layers"][0]) == model.config.attention_bias
+    for params in (per_layer, fused):
+        got = _full_logits(jaxspec.Model(config=model.config, params=params), tokens)
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    back = stack_layers(fused)
+    for name, leaf in model.params["layers"].items():
+        np.testing.assert_array_equal(np.asarray(back["layers"][name]), np.asarray(leaf))

@@ -53,21 +53,24 @@ class Model:
     def decode_params(self):
         """The parameters in the layout generation runs fastest with on this backend.
 
-        On GPU (single device) the stacked per-layer weights are split once into per-layer
-        arrays (``self.params`` is replaced, no second copy is kept): XLA copies slices of
-        stacked weights before each matmul, which triples the weight traffic of a decode step.
-        ``JAXSPEC_LAYERS=scan`` keeps the stacked, scanned layout; ``=unrolled`` forces the split.
+        On GPU the stacked layer weights are split once into per-layer arrays (``self.params`` is
+        replaced, no second copy is kept): XLA copies slices of stacked weights before each
+        matmul, which triples the weight traffic of a decode step. On a mesh the per-layer arrays
+        keep the shardings of the partition rules (`jaxspec.sharding.unstack_layers`), so tensor
+        parallel runs get the same layout as single-GPU ones. Elsewhere (CPU, TPU) the layers stay
+        stacked and scanned. ``JAXSPEC_LAYERS=scan`` forces the stacked layout (restacking
+        per-layer params), ``=unrolled`` the split, on any backend and mesh.
         """
-        import os
-
-        from jaxspec.model import unstack_layers
+        from jaxspec import sharding as shd
         layout = os.environ.get("JAXSPEC_LAYERS", "auto")
-        if layout == "scan" or self.mesh is not None:
-            return self.params
-        if layout == "auto" and jax.default_backend() != "gpu":
-            return self.params
-        if not isinstance(self.params["layers"], (list, tuple)):
-            self.params = unstack_layers(self.params)
+        if layout not in ("auto", "scan", "unrolled"):
+            raise ValueError(f"JAXSPEC_LAYERS must be auto, scan or unrolled, got {layout!r}")
+        per_layer = isinstance(self.params["layers"], (list, tuple))
+        want = layout == "unrolled" or (layout == "auto" and jax.default_backend() == "gpu")
+        if want and not per_layer:
+            self.params = shd.unstack_layers(self.config, self.params, self.mesh)
+        elif layout == "scan" and per_layer:
+            self.params = shd.stack_layers(self.config, self.params, self.mesh)
         return self.params
 
     def __repr__(self):

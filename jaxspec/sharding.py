@@ -20,6 +20,13 @@ a divisor of the model axis, e.g. SmolLM2's 9/3 heads on 2, 4 or 8 devices) is r
 `ShardingError` naming the numbers. MLP and vocabulary dimensions that do not divide are
 replicated (correct, just not split).
 
+Layer layout: the rules name a ``layers`` axis for the stacked ``[L, ...]`` leaves that the scanned
+model runs, and `param_specs` also accepts per-layer leaves (``layers`` dropped). On GPU
+`Model.decode_params` splits the stacked leaves into per-layer arrays once (XLA copies slices of
+stacked weights before their matmuls, tripling the weight traffic of a decode step); on a mesh
+`unstack_layers` gives each per-layer array the rules' sharding, so tensor-parallel runs read the
+weights the way single-GPU runs do. ``JAXSPEC_LAYERS=unrolled`` / ``scan`` forces either layout.
+
 Multi-host: call ``jax.distributed.initialize(...)`` in every process first, then build the mesh
 from the global device list (`make_mesh`) and load with ``jaxspec.load(path, mesh=mesh)``; every
 process runs the same program on the same prompts (see README, "Multiple devices").
@@ -273,6 +280,47 @@ def _has_shardings(params, shardings) -> bool:
         lambda x, s: isinstance(getattr(x, "sharding", None), NamedSharding)
         and x.sharding.is_equivalent_to(s, x.ndim), params, shardings)
     return all(jax.tree_util.tree_leaves(ok))
+
+
+# ----------------------------------------------------------------------------- layer layout
+def unstack_layers(config: ModelConfig, params, mesh=None):
+    """Stacked ``layers`` (``[L, ...]`` leaves) -> a list of per-layer dicts (the layout
+    `jaxspec.model._forward_unrolled` runs; see `Model.decode_params`), sliced in one jit. On a
+    ``mesh`` the per-layer arrays carry the ``NamedSharding``s of the partition rules (with the
+    rules' replicated ``layers`` axis every device slices its own shards: no communication);
+    without one they stay where the stacked arrays are. The other leaves are returned as they
+    are."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    L = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    out_shardings = None
+    if mesh is not None:
+        abstract = {n: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for n, x in layers.items()}
+        per_layer = param_shardings(config, {"layers": abstract}, mesh)["layers"]
+        out_shardings = [dict(per_layer) for _ in range(L)]
+
+    def split(stacked):
+        return [{n: x[i] for n, x in stacked.items()} for i in range(L)]
+    return {**params, "layers": jax.jit(split, out_shardings=out_shardings)(dict(layers))}
+
+
+def stack_layers(config: ModelConfig, params, mesh=None):
+    """Inverse of `unstack_layers`: stacked ``[L, ...]`` leaves (on a ``mesh``: with the rules'
+    shardings), in one jit."""
+    layers = params["layers"]
+    if not isinstance(layers, (list, tuple)):
+        return params
+    L = len(layers)
+    out_shardings = None
+    if mesh is not None:
+        abstract = {n: jax.ShapeDtypeStruct((L, *x.shape), x.dtype) for n, x in layers[0].items()}
+        out_shardings = dict(param_shardings(config, {"layers": abstract}, mesh)["layers"])
+
+    def stack(per_layer):
+        return {n: jnp.stack([lay[n] for lay in per_layer]) for n in per_layer[0]}
+    return {**params, "layers": jax.jit(stack, out_shardings=out_shardings)(
+        [dict(lay) for lay in layers])}
 
 
 _PREPARED: dict = {}  # id(model) -> (weakref(model), id(params), mesh, prepared model)

@@ -499,7 +499,10 @@ def run_point(name, B, ctx, tp, filled_box: dict, table: list, cfg_d: dict) -> d
     row["weights"] = src
     row["layout"] = "unrolled" if isinstance(params["layers"], (list, tuple)) else "scan"
     lay0 = params["layers"][0] if row["layout"] == "unrolled" else params["layers"]
-    row["wq_sharding"] = str(getattr(lay0["wq"].sharding, "spec", lay0["wq"].sharding))
+    if "wqkv" in lay0:  # fused q/k/v and gate/up (jaxspec.model.fuse_layer_params)
+        row["layout"] += "+fused"
+    wq = lay0.get("wq", lay0.get("wqkv"))
+    row["wq_sharding"] = str(getattr(wq.sharding, "spec", wq.sharding))
     row["config"] = {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_heads",
                                                    "num_kv_heads", "head_dim",
                                                    "intermediate_size", "vocab_size")}

@@ -143,6 +143,11 @@ def test_per_layer_params_keep_their_shardings(dm, monkeypatch):
     # per-layer params count as laid out: generate does not lay them out again
     assert shd.prepare(model) is model
     assert model.decode_params() is params  # idempotent
+    # shard_model moves per-layer params to another mesh by the same rules
+    other = jaxspec.make_mesh(4, 2)
+    moved = shd.shard_model(model, other)
+    _check_per_layer(moved.params, other, model.config.num_layers)
+    np.testing.assert_array_equal(np.asarray(moved.params["layers"][1]["wk"]), wide_k[1])
     # JAXSPEC_LAYERS=scan stacks them back, with the stacked shardings
     monkeypatch.setenv("JAXSPEC_LAYERS", "scan")
     back = model.decode_params()["layers"]

@@ -50,7 +50,7 @@ def run(a, log=print):
             continue
         prompts = cut_prompts(stream, a.batch, P, seed=P)
         t = time.perf_counter()
-        S = engine.round_up(P + a.max_new + a.gamma + 64, 128)
+        S = engine.round_up(max(_ints(a.prompt)) + a.max_new + a.gamma + 64, 128)  # one shape
         prep = engine.prepare(model, prompts, max_new_tokens=a.max_new, max_len=S,
                               attn_impl=a.impl)
         loop = engine.DecodeLoop(config=model.config, stop_ids=prep.stop_ids, impl=a.impl)

@@ -236,12 +236,16 @@ def device_bytes() -> int:
         return 1 << 40
 
 
-def _median_run(fn, repeats):
+def _median_run(fn, repeats, cap_s=6.0):
+    """Median seconds of up to ``repeats`` calls of fn (fewer once ``cap_s`` seconds are spent:
+    long runs vary little) and the last result."""
     ts, outs = [], None
     for _ in range(repeats):
         t = time.perf_counter()
         outs = fn()
         ts.append(time.perf_counter() - t)
+        if sum(ts) > cap_s:
+            break
     return statistics.median(ts), outs
 
 
@@ -317,10 +321,12 @@ class SpecBench:
                 b = max(b, b + 2 * dc.num_layers * B * dc.num_kv_heads * Sd * dc.head_dim * 2)
         return b
 
-    def point(self, B: int, P: int, prompts) -> list[dict]:
-        from jaxspec import engine, speculative
+    def point(self, B: int, P: int, prompts, S: int | None = None) -> list[dict]:
+        """All variants at one (batch, prompt length); ``S``: cache slots per row (one cache
+        length for all prompt lengths of a batch size keeps the compiled loops few)."""
+        from jaxspec import engine
         model, impl = self.model, self.impl
-        S = self.cache_len(P)
+        S = S or self.cache_len(P)
         t = time.perf_counter()
         prep = engine.prepare(model, prompts, max_new_tokens=self.max_new, max_len=S,
                               attn_impl=impl, seed=self.seed)
@@ -458,26 +464,39 @@ def bench_speculative(a, env, log=print):
     deadline = time.time() + a.time_budget_s
     rows = []
     out = pathlib.Path(a.out)
-    for B in _ints(a.batch):
-        for P in _ints(a.prompt):
-            if P + a.max_new + bench.extra_slots() > model.config.max_position_embeddings:
-                rows.append({"batch": B, "prompt": P, "skipped": "longer than the context"})
-                write_spec_results(out, a, env, rows)
-                continue
+    if a.points:  # explicit (batch x prompt) pairs
+        pts = [tuple(int(x) for x in p.split("x")) for p in a.points.split(",") if p.strip()]
+    else:
+        pts = [(B, P) for B in _ints(a.batch) for P in _ints(a.prompt)]
+    by_batch: dict[int, list[int]] = {}
+    for B, P in pts:
+        by_batch.setdefault(B, []).append(P)
+
+    def skip(B, P, why):
+        rows.append({"batch": B, "prompt": P, "skipped": why})
+        log(f"  B={B} P={P}: skipped ({why})")
+        write_spec_results(out, a, env, rows)
+
+    for B, Ps in by_batch.items():
+        ok = []
+        for P in Ps:
             need = bench.kv_bytes(B, bench.cache_len(P)) + w_bytes
-            if need > 0.92 * limit:
-                rows.append({"batch": B, "prompt": P,
-                             "skipped": f"needs {need / 2**30:.1f} GiB of {limit / 2**30:.1f}"})
-                log(f"  B={B} P={P}: skipped (memory {need / 2**30:.1f} GiB)")
-                write_spec_results(out, a, env, rows)
-                continue
+            if P + a.max_new + bench.extra_slots() > model.config.max_position_embeddings:
+                skip(B, P, "longer than the context")
+            elif need > 0.9 * limit:
+                skip(B, P, f"needs {need / 2**30:.1f} GiB of {limit / 2**30:.1f}")
+            else:
+                ok.append(P)
+        if not ok:
+            continue
+        S = bench.cache_len(max(ok))  # one cache length (and compiled loops) per batch size
+        for P in ok:
             if time.time() > deadline:
-                rows.append({"batch": B, "prompt": P, "skipped": "time budget"})
-                write_spec_results(out, a, env, rows)
+                skip(B, P, "time budget")
                 continue
             prompts = cut_prompts(stream, B, P, seed=B * 100003 + P)
             try:
-                rows += bench.point(B, P, prompts)
+                rows += bench.point(B, P, prompts, S=S)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory in prefill
                 rows.append({"batch": B, "prompt": P, "error": f"{type(e).__name__}: {e}"[:400]})
                 log(f"  B={B} P={P}: {rows[-1]['error'][:200]}")
@@ -571,6 +590,8 @@ def main(argv=None):
                    help="checkpoint path or random-8b / random-qwen15 / random-smol / tiny")
     s.add_argument("--batch", default="8,32,64")
     s.add_argument("--prompt", default="1024,8192")
+    s.add_argument("--points", default="", help="explicit BxP pairs instead of batch x prompt, "
+                   "e.g. '1x8192,64x8192,32x32000'")
     s.add_argument("--gamma", default="2,4", help="self-speculation chain lengths")
     s.add_argument("--auto", action="store_true", help="add self-speculation with gamma='auto'")
     s.add_argument("--trees", default="", help="self-speculation trees, e.g. '2,1,1;3,2,1'")

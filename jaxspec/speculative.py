@@ -366,6 +366,9 @@ class SpecLoop:
     def run(self, params, dparams, sp, state, dstate):
         acc = {k: jnp.zeros((), jnp.int32) for k in ("proposed", "accepted", "committed",
                                                       "row_steps")}
+        B = state.last.shape[0]
+        acc["rows_committed"] = jnp.zeros((B,), jnp.int32)
+        acc["rows_steps"] = jnp.zeros((B,), jnp.int32)
         return jax.lax.while_loop(self.cond, functools.partial(self.body, params, dparams, sp),
                                   (state, dstate, acc))
 
@@ -379,12 +382,17 @@ def _next_draft_state(dc, accepted_BN, n_acc, state, dstate, active) -> DraftSta
 
 
 def _count(acc, proposed_per_row, n_acc, state, st):
-    """Round counters: drafts proposed / accepted, tokens committed, active row-steps."""
+    """Round counters: drafts proposed / accepted, tokens committed, active row-steps (and, when
+    the carry has them, per-row ``rows_committed`` / ``rows_steps``)."""
     active = ~state.done
-    return {"proposed": acc["proposed"] + jnp.sum(jnp.where(active, proposed_per_row, 0)),
-            "accepted": acc["accepted"] + jnp.sum(jnp.where(active, n_acc, 0)),
-            "committed": acc["committed"] + jnp.sum(st.n_out - state.n_out),
-            "row_steps": acc["row_steps"] + jnp.sum(active.astype(jnp.int32))}
+    out = {"proposed": acc["proposed"] + jnp.sum(jnp.where(active, proposed_per_row, 0)),
+           "accepted": acc["accepted"] + jnp.sum(jnp.where(active, n_acc, 0)),
+           "committed": acc["committed"] + jnp.sum(st.n_out - state.n_out),
+           "row_steps": acc["row_steps"] + jnp.sum(active.astype(jnp.int32))}
+    if "rows_steps" in acc:
+        out["rows_committed"] = acc["rows_committed"] + (st.n_out - state.n_out)
+        out["rows_steps"] = acc["rows_steps"] + active.astype(jnp.int32)
+    return out
 
 
 def _qs_BgV(qs):
@@ -475,7 +483,8 @@ class _Runner:
         key = _acceptance_key(model, self.spec)
         if self.spec.gamma == "auto":
             alpha = _ACCEPTANCE.get(key, PRIOR_ACCEPTANCE)
-            gamma, predicted = choose_gamma(costs, alpha)
+            gamma, predicted = choose_gamma(costs, alpha, previous=_CHOSEN.get(key))
+            _CHOSEN[key] = gamma
             stats.update({"auto_alpha": alpha, "predicted_speedup": predicted})
         stats["gamma"] = gamma
         if self.tree is not None:
@@ -489,11 +498,16 @@ class _Runner:
             return final, stats
         loop = self.loop(model, stop_ids=stop_ids, impl=impl, gamma=gamma, greedy=greedy)
         final, _, acc = _run_spec(model.decode_params(), dparams, sp, state, dstate, loop=loop)
+        rows_c, rows_s = np.asarray(acc.pop("rows_committed")), np.asarray(acc.pop("rows_steps"))
         acc = {k: int(v) for k, v in acc.items()}
         rate = acc["accepted"] / max(acc["proposed"], 1)
+        per_row = (rows_c / np.maximum(rows_s, 1))[rows_s > 0]
         stats.update({
             "acceptance_rate": rate,
             "tokens_per_step": acc["committed"] / max(acc["row_steps"], 1),
+            # spread over rows: the slowest row sets the rounds a whole batch needs
+            "tokens_per_step_rows": {q: float(np.percentile(per_row, q)) if per_row.size else 0.0
+                                     for q in (0, 10, 50, 90, 100)},
         })
         if acc["proposed"]:
             alpha = per_token_acceptance(acc["accepted"] / max(acc["row_steps"], 1), gamma)
@@ -607,6 +621,7 @@ GAMMA_CANDIDATES = (1, 2, 3, 4, 5, 6)
 PRIOR_ACCEPTANCE = 0.6  # per-token acceptance assumed before any speculative run of a model
 _ACCEPTANCE: dict = {}  # running per-token acceptance, per (model, draft kind)
 _COSTS: dict = {}  # measured step costs, per shape
+_CHOSEN: dict = {}  # last gamma chosen by gamma="auto", per (model, draft kind)
 
 
 def _acceptance_key(model: Model, spec: Speculation):
@@ -644,18 +659,28 @@ def _interp(table: dict, T: int) -> float:
 
 
 def choose_gamma(costs: dict, alpha: float, candidates=GAMMA_CANDIDATES,
-                 margin: float = 1.05) -> tuple[int, float]:
+                 margin: float = 1.05, previous: int | None = None,
+                 hysteresis: float = 1.05) -> tuple[int, float]:
     """MagicDec's cost model: speedup(g) = E[tokens](alpha, g) * t_plain / (g t_draft + t_verify(g+1)).
     Returns (gamma, predicted speedup); gamma 0 (plain decoding) unless a gamma beats it by
-    ``margin``."""
+    ``margin``. ``previous`` (the last choice for this model and shape) is kept unless another
+    gamma is predicted ``hysteresis`` times faster: every new gamma compiles a new loop, so the
+    choice must not flip on noise in the running acceptance."""
+    def speedup(g):
+        if g == 0:
+            return 1.0
+        return expected_tokens(alpha, g) * costs["plain"] / (g * costs["draft"] + costs["verify"][g])
     best, best_s = 0, 1.0
     for g in candidates:
-        t_round = g * costs["draft"] + costs["verify"][g]
-        s = expected_tokens(alpha, g) * costs["plain"] / t_round
+        s = speedup(g)
         if s > best_s:
             best, best_s = g, s
     if best_s < margin:
-        return 0, 1.0
+        best, best_s = 0, 1.0
+    if previous is not None and previous != best and (
+            previous == 0 or (previous in candidates and speedup(previous) >= margin)):
+        if speedup(previous) * hysteresis >= best_s:
+            return previous, speedup(previous)
     return best, best_s
 
 

@@ -392,6 +392,8 @@ class SpecBench:
 
         t = time.perf_counter()
         final, stats = timed()  # warm-up: compile (and gamma="auto" step costs) + one run
+        if v.spec is not None and v.spec.gamma == "auto":
+            final, stats = timed()  # auto: the choice made with this run's acceptance, compiled
         out["first_call_s"] = time.perf_counter() - t
         dt, (final, stats) = _median_run(timed, self.repeats)
         n_out = np.asarray(final.n_out)
@@ -405,7 +407,7 @@ class SpecBench:
             return out
         out["identical_rows"] = float(np.mean([a == b for a, b in zip(tokens, ar["tokens"])]))
         for k in ("acceptance_rate", "tokens_per_step", "gamma", "tree_nodes", "auto_alpha",
-                  "predicted_speedup"):
+                  "predicted_speedup", "tokens_per_step_rows"):
             if k in stats:
                 out[k] = stats[k]
         # steady state: as many rounds as the mean row needed, nobody out of budget
@@ -519,7 +521,7 @@ def write_spec_results(out: pathlib.Path, a, env, rows):
              "(continuous batching); model = MagicDec's cost model from measured step costs and "
              "the measured acceptance.", "",
              "| batch | prompt | variant | tok/s | speedup | steady | model | acceptance | "
-             "tokens/step | gamma | ms/token | identical | first call s |",
+             "tokens/step (slowest row) | gamma | ms/token | identical | first call s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in slim:
         if "skipped" in r:
@@ -538,7 +540,8 @@ def write_spec_results(out: pathlib.Path, a, env, rows):
                 f"| {r['batch']} | {r['prompt']} | {r['variant']} | {r['tok_s']:.0f} | "
                 f"{r['speedup']:.2f} | {r['steady_speedup']:.2f} | "
                 f"{'' if ms is None else f'{ms:.2f}'} | {r.get('acceptance_rate', 0):.2f} | "
-                f"{r.get('tokens_per_step', 0):.2f} | {r.get('gamma', '')} | "
+                f"{r.get('tokens_per_step', 0):.2f} ({r.get('tokens_per_step_rows', {}).get(0, 0):.2f}) | "
+                f"{str(r.get('tree_nodes', '')) + ' nodes' if 'tree_nodes' in r else r.get('gamma', '')} | "
                 f"{r['ms_per_token']:.2f} | {r.get('identical_rows', 0):.2f} | "
                 f"{r['first_call_s']:.0f} |")
     (out / "speculative.md").write_text("\n".join(lines) + "\n")

@@ -219,6 +219,16 @@ def test_cost_model_choice():
     # weight-bound: the self-draft costs as much as the target -> never speculate
     w_bound = {"plain": 10.0, "draft": 9.5, "verify": {g: 10.0 * (1 + 0.1 * g) for g in range(1, 7)}}
     assert choose_gamma(w_bound, 0.9) == (0, 1.0)
+    # hysteresis: a previous choice within 5% of the best is kept (no recompile on noise),
+    # one clearly worse is not
+    best, s_best = choose_gamma(kv_bound, 0.8)
+    near = [h for h in range(1, 7) if h != best and
+            choose_gamma(kv_bound, 0.8, candidates=(h,))[1] * 1.05 >= s_best]
+    far = [h for h in range(1, 7) if choose_gamma(kv_bound, 0.8, candidates=(h,))[1] * 1.05 < s_best]
+    assert near and far
+    assert choose_gamma(kv_bound, 0.8, previous=near[0])[0] == near[0]
+    assert choose_gamma(kv_bound, 0.8, previous=far[0]) == (best, s_best)
+    assert choose_gamma(w_bound, 0.9, previous=3) == (0, 1.0)
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert per_token_acceptance(0.5 + 0.25, 2) == pytest.approx(0.5, abs=1e-6)
 
@@ -228,6 +238,9 @@ def test_auto_gamma_is_lossless_and_reports_costs(target, prompts, reference):
     res = jaxspec.generate(target, prompts, max_new_tokens=40, speculation=spec)
     assert res.tokens == reference
     assert res.stats["gamma"] in (0, 1, 2, 3, 4, 5, 6)
+    if res.stats["gamma"]:  # per-row spread of tokens per step, slowest row first
+        q = res.stats["tokens_per_step_rows"]
+        assert 1.0 <= q[0] <= q[50] <= q[100] <= res.stats["gamma"] + 1
     assert set(res.stats["step_costs_ms"]) == {"plain", "draft", "verify"}
     # profiling with a fixed gamma reports the draft / verify split
     res = jaxspec.generate(target, prompts, max_new_tokens=40, profile=True,

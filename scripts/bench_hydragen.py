@@ -1001,7 +1001,7 @@ class ModelCtx:
         st["cache"] = None  # donated below
         cache, tokens, times, first, final, acc, same = self._timed_runs(run, state_fn, cache)
         self.adopt(st, cache)
-        acc = {k: int(v) for k, v in acc.items()}
+        acc = {k: int(v) for k, v in acc.items() if not k.startswith("rows_")}
         steps = int(final.steps)
         out = self._result(B * a.new_tokens, times, first, steps, compile_s, same)
         out.update(gamma=gamma, sink=a.sink, window=a.window,

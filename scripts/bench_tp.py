@@ -641,7 +641,7 @@ def run_point(name, B, ctx, tp, filled_box: dict, table: list, cfg_d: dict) -> d
         jax.block_until_ready(final)
         ts.append(time.perf_counter() - t)
         cache = final.cache
-        accs.append({k: int(v) for k, v in acc.items()})
+        accs.append({k: int(v) for k, v in acc.items() if not k.startswith("rows_")})
         rounds, n_out = int(final.steps), np.asarray(final.n_out)
         del final, st, ds
     t_spec = statistics.median(ts[ARGS.warmup:])

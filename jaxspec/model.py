@@ -154,18 +154,19 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
     return x, k_cache, v_cache
 
 
-def fuse_layer_params(params):
+def fuse_layer_params(params, *, in_place: bool = False):
     """Per-layer params (`unstack_layers`) with wq|wk|wv (and their biases) concatenated into
     ``wqkv`` and w_gate|w_up into ``w_gateup``: three fewer matmul launches per layer, which is
     what a small model's decode step at moderate batch is bound by. Single device only (a
-    tensor-parallel split of the fused columns would not follow the heads)."""
+    tensor-parallel split of the fused columns would not follow the heads). ``in_place``
+    replaces the entries of ``params["layers"]`` one by one, so that at most one layer's weights
+    exist twice at a time (a list given by the caller is modified)."""
     layers = params["layers"]
-    if not isinstance(layers, (list, tuple)):
+    if not isinstance(layers, list if in_place else (list, tuple)):
         raise ValueError("fuse_layer_params needs per-layer params (unstack_layers first)")
-    out = []
-    for p in layers:
+    out = layers if in_place else list(layers)
+    for i, p in enumerate(out):
         if "wqkv" in p:
-            out.append(p)
             continue
         f = {k: v for k, v in p.items() if k not in ("wq", "wk", "wv", "bq", "bk", "bv",
                                                       "w_gate", "w_up")}
@@ -173,8 +174,17 @@ def fuse_layer_params(params):
         if "bq" in p:
             f["bqkv"] = jnp.concatenate([p["bq"], p["bk"], p["bv"]])
         f["w_gateup"] = jnp.concatenate([p["w_gate"], p["w_up"]], axis=1)
-        out.append(f)
+        out[i] = f
+        del p
     return {**params, "layers": out}
+
+
+def unfuse_layer_params(params):
+    """Inverse of `fuse_layer_params` (per-layer params as stored: wq, wk, wv, w_gate, w_up)."""
+    layers = params["layers"]
+    if not isinstance(layers, (list, tuple)) or "wqkv" not in layers[0]:
+        return params
+    return {**params, "layers": [_unfuse(p) for p in layers]}
 
 
 class Transformer(nn.Module):

@@ -263,10 +263,11 @@ def shard_model(model: Model, mesh) -> Model:
     returned config has ``num_kv_heads`` = model axis size (see the module docstring)."""
     if not isinstance(model, Model):
         raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
+    from jaxspec.model import unfuse_layer_params
     config = model.config
     check_config(config, mesh)
     m = _axis_size(mesh, "model")
-    params = model.params
+    params = unfuse_layer_params(model.params)  # fused columns would not follow the heads
     if config.num_kv_heads % m:  # K < m, m % K == 0: replicate KV heads
         config, params = _widen_kv(config, params, m // config.num_kv_heads, mesh)
     shardings = param_shardings(config, params, mesh)
@@ -308,6 +309,8 @@ def unstack_layers(config: ModelConfig, params, mesh=None):
 def stack_layers(config: ModelConfig, params, mesh=None):
     """Inverse of `unstack_layers`: stacked ``[L, ...]`` leaves (on a ``mesh``: with the rules'
     shardings), in one jit."""
+    from jaxspec.model import unfuse_layer_params
+    params = unfuse_layer_params(params)
     layers = params["layers"]
     if not isinstance(layers, (list, tuple)):
         return params

@@ -26,7 +26,7 @@ from jaxspec.cache import SLOT_ALIGN, KVCache, round_up
 from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
 from jaxspec.model import forward
-from jaxspec.sharding import sharded_generate
+from jaxspec.sharding import fetch as _fetch_sharded, sharded_generate
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -254,9 +254,10 @@ class Prepared:
                     seed: int | None = None, out_width: int | None = None,
                     max_steps: int | None = None) -> DecodeState:
         """A new initial decode state around ``cache`` (default: the prefilled one) rewound to the
-        prompts (the loops donate their state: only the cache is taken over). ``budget`` (new tokens per row), ``extra`` (slots a round may write past the
-        budget: ``_Runner.extra_slots`` for speculation, 1 for plain decoding) and ``seed`` may
-        differ from the prepared ones, as long as the cache has room. ``out_width`` fixes the
+        prompts (the loops donate their state: only the cache is taken over). ``budget`` (new
+        tokens per row), ``extra`` (slots a round may write past the budget:
+        ``_Runner.extra_slots`` for speculation, 1 for plain decoding) and ``seed`` may differ
+        from the prepared ones, as long as the cache has room. ``out_width`` fixes the
         output buffer's width (default: budget + extra) and ``max_steps`` caps the loop's rounds,
         so runs with different budgets can share one compiled loop."""
         st = self.state
@@ -414,7 +415,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     jax.block_until_ready(prep.state)
     t_prefill = time.perf_counter()
     final, extra_stats = decode(model, prep, attn_impl=attn_impl, profile=profile)
-    fetch = np.asarray if model.mesh is None else _sharding_fetch()
+    fetch = np.asarray if model.mesh is None else _fetch_sharded
     out = fetch(final.out)
     n_out = fetch(final.n_out)
     t_end = time.perf_counter()
@@ -432,11 +433,6 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     })
     stats.update(extra_stats)
     return _result(model, tokens, stats, prep.stop_ids)
-
-
-def _sharding_fetch():
-    from jaxspec import sharding as shd
-    return shd.fetch
 
 
 def _result(model, tokens, stats, stop_ids=()):

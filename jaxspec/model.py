@@ -17,7 +17,6 @@ Parameter tree (shapes for L layers, hidden D, heads H x head_dim Dh, KV heads K
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -156,8 +155,8 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
 
 def fuse_layer_params(params, *, in_place: bool = False):
     """Per-layer params (`unstack_layers`) with wq|wk|wv (and their biases) concatenated into
-    ``wqkv`` and w_gate|w_up into ``w_gateup``: three fewer matmul launches per layer, which is
-    what a small model's decode step at moderate batch is bound by. Single device only (a
+    ``wqkv`` and w_gate|w_up into ``w_gateup``: three fewer matmuls per layer (small ones, which
+    run far below the memory bandwidth at decode batch sizes). Single device only (a
     tensor-parallel split of the fused columns would not follow the heads). ``in_place``
     replaces the entries of ``params["layers"]`` one by one, so that at most one layer's weights
     exist twice at a time (a list given by the caller is modified)."""
@@ -175,7 +174,6 @@ def fuse_layer_params(params, *, in_place: bool = False):
             f["bqkv"] = jnp.concatenate([p["bq"], p["bk"], p["bv"]])
         f["w_gateup"] = jnp.concatenate([p["w_gate"], p["w_up"]], axis=1)
         out[i] = f
-        del p
     return {**params, "layers": out}
 
 
@@ -270,8 +268,7 @@ def stack_layers(params):
     layers = params["layers"]
     if not isinstance(layers, (list, tuple)):
         return params
-    if "wqkv" in layers[0]:
-        layers = [_unfuse(p) for p in layers]
+    layers = unfuse_layer_params(params)["layers"]
     return {**params, "layers": {n: jnp.stack([l[n] for l in layers]) for n in layers[0]}}
 
 

@@ -301,15 +301,15 @@ def unstack_layers(config: ModelConfig, params, mesh=None):
         per_layer = param_shardings(config, {"layers": abstract}, mesh)["layers"]
         out_shardings = [dict(per_layer) for _ in range(L)]
 
-    def split(stacked):
-        return [{n: x[i] for n, x in stacked.items()} for i in range(L)]
-    return {**params, "layers": jax.jit(split, out_shardings=out_shardings)(dict(layers))}
+    from jaxspec.model import unstack_layers as split
+    return {**params, "layers": jax.jit(lambda stacked: split({"layers": stacked})["layers"],
+                                        out_shardings=out_shardings)(dict(layers))}
 
 
 def stack_layers(config: ModelConfig, params, mesh=None):
     """Inverse of `unstack_layers`: stacked ``[L, ...]`` leaves (on a ``mesh``: with the rules'
     shardings), in one jit."""
-    from jaxspec.model import unfuse_layer_params
+    from jaxspec.model import stack_layers as stack, unfuse_layer_params
     params = unfuse_layer_params(params)
     layers = params["layers"]
     if not isinstance(layers, (list, tuple)):
@@ -319,11 +319,8 @@ def stack_layers(config: ModelConfig, params, mesh=None):
     if mesh is not None:
         abstract = {n: jax.ShapeDtypeStruct((L, *x.shape), x.dtype) for n, x in layers[0].items()}
         out_shardings = dict(param_shardings(config, {"layers": abstract}, mesh)["layers"])
-
-    def stack(per_layer):
-        return {n: jnp.stack([lay[n] for lay in per_layer]) for n in per_layer[0]}
-    return {**params, "layers": jax.jit(stack, out_shardings=out_shardings)(
-        [dict(lay) for lay in layers])}
+    return {**params, "layers": jax.jit(lambda per_layer: stack({"layers": per_layer})["layers"],
+                                        out_shardings=out_shardings)([dict(l) for l in layers])}
 
 
 _PREPARED: dict = {}  # id(model) -> (weakref(model), id(params), mesh, prepared model)

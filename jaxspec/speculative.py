@@ -663,7 +663,7 @@ def choose_gamma(costs: dict, alpha: float, candidates=GAMMA_CANDIDATES,
                  hysteresis: float = 1.05) -> tuple[int, float]:
     """MagicDec's cost model: speedup(g) = E[tokens](alpha, g) * t_plain / (g t_draft + t_verify(g+1)).
     Returns (gamma, predicted speedup); gamma 0 (plain decoding) unless a gamma beats it by
-    ``margin``. ``previous`` (the last choice for this model and shape) is kept unless another
+    ``margin``. ``previous`` (the last choice for this model and draft) is kept unless another
     gamma is predicted ``hysteresis`` times faster: every new gamma compiles a new loop, so the
     choice must not flip on noise in the running acceptance."""
     def speedup(g):

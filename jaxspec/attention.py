@@ -36,6 +36,10 @@ class AttentionPlan:
     impl: str = struct.field(pytree_node=False, default="auto")
     # shared-prefix segments before the context (`jaxspec.prefix.SharedPrefix`); None: none
     prefix: Any = None
+    # [B] bool or None: rows whose attention output is used. An inactive row (a finished
+    # sequence, an idle server slot) attends to no context, so the kernel reads none of its
+    # cache; its K/V are still written at ``lengths + t`` and its output is garbage (finite).
+    active: jax.Array | None = None
 
     @property
     def sparse(self) -> bool:
@@ -134,6 +138,8 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
     if impl == "none":  # profiling: the step without attention (not a model!)
         return jnp.zeros_like(q_BTHD)
+    if plan.active is not None:  # finished rows: no context read (their output is discarded)
+        plan = plan.replace(lengths=jnp.where(plan.active, plan.lengths, 0), active=None)
     if plan.prefix is not None:  # shared prefix (Hydragen): prefix part + suffix part, merged
         from jaxspec.prefix import attend_with_prefix
         return attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)

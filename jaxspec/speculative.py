@@ -37,7 +37,7 @@ from flax import struct
 
 from jaxspec import sampling
 from jaxspec.attention import AttentionPlan
-from jaxspec.cache import KVCache, round_up, set_bits
+from jaxspec.cache import KVCache, kv_bytes_per_token, round_up, set_bits
 from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
 from jaxspec.engine import DecodeState, commit_tokens, prefill
@@ -64,6 +64,13 @@ class Speculation:
     tree_sampling: how children are drawn at temperature > 0: ``"without_replacement"``
         (Gumbel-top-k, higher acceptance) or ``"iid"`` (SpecInfer's independent draws). At
         temperature 0 children are the draft's top-k.
+    adaptive: each round chooses between speculating and one plain decode step, from a cost
+        model of what the round reads for the rows still running and each row's own running
+        acceptance (`SpecLoop.speculation_pays`). In a batch whose other rows have finished,
+        a straggler with a low acceptance is then decoded plainly instead of paying for
+        ``gamma`` draft steps per token. ``None`` (default): on with ``gamma="auto"`` (whose
+        measured step costs calibrate the model), off for a fixed gamma (pure byte counts
+        then).
     """
 
     draft: Any = "self"
@@ -72,6 +79,7 @@ class Speculation:
     window: int | None = 496
     tree: Any = None
     tree_sampling: str = "without_replacement"
+    adaptive: bool | None = None
 
 
 def resolve_tree(tree) -> TokenTree | None:
@@ -122,6 +130,13 @@ class SpecLoop:
     ring: bool = False  # separate draft with a ring-buffer cache of sink + window slots
     tree: Any = None  # a static TokenTree: token-tree speculation instead of a chain
     tree_mode: str = "without_replacement"  # how sampled children are drawn (see verify_tree)
+    skip_finished: bool = True  # finished rows read no context (`AttentionPlan.active`)
+    # each round chooses between speculating and a plain decode step from a cost model
+    # (`round_costs`, passed to `run`); False: every round speculates
+    adaptive: bool = False
+
+    def _active(self, state: DecodeState):
+        return ~state.done if self.skip_finished else None
 
     # ------------------------------------------------------------------ drafting
     def _self_draft(self, params, sp, state: DecodeState, rng):
@@ -135,7 +150,7 @@ class SpecLoop:
             rng, sub = jax.random.split(rng)
             plan = AttentionPlan(lengths=L + i, impl=self.impl,
                                  sink=self.sink if self.window is not None else None,
-                                 window=self.window)
+                                 window=self.window, active=self._active(state))
             c = cache.replace(k=k, v=v)
             logits, c = forward(self.config, params, tok[:, None], (L + i)[:, None], c, plan)
             d, q = self._propose(sub, logits[:, 0], sp)
@@ -172,7 +187,8 @@ class SpecLoop:
                         jnp.stack([state.last, state.last], 1))
         pos0 = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
         logits, dc = forward(self.draft_config, dparams, two, pos0, dc,
-                             AttentionPlan(lengths=base, impl=self.impl),
+                             AttentionPlan(lengths=base, impl=self.impl,
+                                           active=self._active(state)),
                              logits_at=(pending - 1)[:, None])
         return logits, dc, start, base, pending
 
@@ -190,7 +206,7 @@ class SpecLoop:
             k, v, tok, rng = carry
             rng, sub = jax.random.split(rng)
             off = L + j - start  # slot offset of position L + j within this round's tokens
-            plan = AttentionPlan(lengths=base + off, impl=self.impl)
+            plan = AttentionPlan(lengths=base + off, impl=self.impl, active=self._active(state))
             c = dc.replace(k=k, v=v)
             lg, c = forward(self.draft_config, dparams, tok[:, None], (L + j)[:, None], c, plan)
             d, q = self._propose(sub, lg[:, 0], sp)
@@ -228,8 +244,67 @@ class SpecLoop:
 
     # ------------------------------------------------------------------ one round
     def body(self, params, dparams, sp, carry):
-        if self.tree is not None:
-            return self._tree_body(params, dparams, sp, carry)
+        spec = self._tree_body if self.tree is not None else self._chain_body
+        if not self.adaptive:
+            return spec(params, dparams, sp, carry)
+        return jax.lax.cond(self.speculation_pays(carry),
+                            functools.partial(spec, params, dparams, sp),
+                            functools.partial(self._plain_body, params, dparams, sp), carry)
+
+    def speculation_pays(self, carry):
+        """Whether a speculative round is expected to commit tokens faster than a plain step for
+        the rows still running (``acc["round_costs"]``: see `round_costs`). Row b is expected to
+        commit ``E_b`` tokens per round: its own running mean, shrunk toward the prior.
+
+        Lossless whichever way it goes: a round of either kind commits tokens with exactly the
+        target's distribution given everything before it (greedy: the target's argmax), and the
+        choice depends only on the past, so the whole sequence keeps the target's distribution."""
+        state, _, acc = carry
+        c = acc["round_costs"]
+        active = ~state.done
+        L = state.cache.lengths.astype(jnp.float32)
+        span = c[5]
+        if self.draft_config is None:
+            ctx_d = jnp.minimum(L, span) if self.window is not None else L
+        else:
+            ctx_d = jnp.full_like(L, span) if self.ring else L
+        n = jnp.sum(active.astype(jnp.float32))
+        sum_L = jnp.sum(jnp.where(active, L, 0.0))
+        sum_d = jnp.sum(jnp.where(active, ctx_d, 0.0))
+        e = ((acc["rows_committed"].astype(jnp.float32) + c[7] * c[6])
+             / (acc["rows_steps"].astype(jnp.float32) + c[7]))
+        tokens = jnp.sum(jnp.where(active, e, 0.0))
+        plain = c[0] + c[1] * sum_L
+        spec = c[2] + c[3] * sum_L + c[4] * sum_d
+        return tokens * plain >= n * spec
+
+    def _plain_body(self, params, dparams, sp, carry):
+        """A plain decode step inside the speculative loop (`RoundCosts` chose it): one target
+        token per row, sampled from the target's own distribution. A separate draft model reads
+        the token it has not seen yet, so it never lags by more than one position."""
+        state, dstate, acc = carry
+        rng, sub = jax.random.split(state.rng)
+        cache = state.cache
+        plan = AttentionPlan(lengths=cache.lengths, impl=self.impl, active=self._active(state))
+        logits, cache = forward(self.config, params, state.last[:, None],
+                                cache.lengths[:, None], cache, plan)
+        nxt = sampling.sample(sub, logits[:, 0], sp).astype(jnp.int32)
+        active = ~state.done
+        st = commit_tokens(state.replace(cache=cache, rng=rng, steps=state.steps + 1),
+                           nxt[:, None], jnp.where(active, 1, 0), self.stop_ids)
+        if self.draft_config is not None:
+            _, dc, start, base, _ = self._catch_up(dparams, state, dstate)
+            have = jnp.minimum(positions_of(st.cache), positions_of(state.cache) + 1)
+            dc = self._commit_draft(dc, start, base, have, n_kv_max=2)
+            dstate = _next_draft_state(dc, nxt[:, None], jnp.zeros_like(nxt), state, dstate,
+                                       active)
+        acc = dict(acc)
+        acc["committed"] = acc["committed"] + jnp.sum(st.n_out - state.n_out)
+        acc["row_steps"] = acc["row_steps"] + jnp.sum(active.astype(jnp.int32))
+        acc["plain_steps"] = acc["plain_steps"] + 1
+        return st, dstate, acc
+
+    def _chain_body(self, params, dparams, sp, carry):
         state, dstate, acc = carry
         rng, r_draft, r_verify = jax.random.split(state.rng, 3)
         L = state.cache.lengths
@@ -241,7 +316,7 @@ class SpecLoop:
             cache = state.cache
         tokens = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [B, g+1]
         positions = L[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None]
-        plan = AttentionPlan(lengths=L, impl=self.impl)
+        plan = AttentionPlan(lengths=L, impl=self.impl, active=self._active(state))
         logits, cache = forward(self.config, params, tokens, positions, cache, plan)
         if self.greedy:
             n_acc, nxt = verify_greedy(drafts, logits)
@@ -306,7 +381,7 @@ class SpecLoop:
                 logits = root_logits
             else:
                 plan = AttentionPlan(lengths=root_slot, mask=anc[:b, :b], sink=sink,
-                                     window=window, impl=self.impl)
+                                     window=window, impl=self.impl, active=self._active(state))
                 idx = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (B, b - a))
                 logits, cache = forward(cfg, prm, node_tok[:, :b], L[:, None] + depths_j[None, :b],
                                         cache, plan, logits_at=idx)
@@ -329,7 +404,8 @@ class SpecLoop:
                                                           r_draft)
         cache = dcache if self.draft_config is None else state.cache
         positions = L[:, None] + jnp.asarray(tree.depths, jnp.int32)[None]
-        plan = AttentionPlan(lengths=L, mask=jnp.asarray(tree.ancestor_mask), impl=self.impl)
+        plan = AttentionPlan(lengths=L, mask=jnp.asarray(tree.ancestor_mask), impl=self.impl,
+                             active=self._active(state))
         logits, cache = forward(self.config, params, node_tok, positions, cache, plan)
         if self.greedy:
             n_acc, acc_nodes, nxt = verify_tree_greedy(tree, node_tok, logits)
@@ -363,12 +439,18 @@ class SpecLoop:
     def cond(self, carry):
         return carry[0].running()
 
-    def run(self, params, dparams, sp, state, dstate):
+    def run(self, params, dparams, sp, state, dstate, round_costs=None):
+        """The loop from ``state``; ``round_costs`` (float32 [8], see `round_costs`) is needed
+        by an adaptive loop."""
         acc = {k: jnp.zeros((), jnp.int32) for k in ("proposed", "accepted", "committed",
-                                                      "row_steps")}
+                                                      "row_steps", "plain_steps")}
         B = state.last.shape[0]
         acc["rows_committed"] = jnp.zeros((B,), jnp.int32)
         acc["rows_steps"] = jnp.zeros((B,), jnp.int32)
+        if self.adaptive:
+            if round_costs is None:
+                raise ValueError("an adaptive loop needs round_costs")
+            acc["round_costs"] = jnp.asarray(round_costs, jnp.float32)
         return jax.lax.while_loop(self.cond, functools.partial(self.body, params, dparams, sp),
                                   (state, dstate, acc))
 
@@ -385,7 +467,8 @@ def _count(acc, proposed_per_row, n_acc, state, st):
     """Round counters: drafts proposed / accepted, tokens committed, active row-steps (and, when
     the carry has them, per-row ``rows_committed`` / ``rows_steps``)."""
     active = ~state.done
-    out = {"proposed": acc["proposed"] + jnp.sum(jnp.where(active, proposed_per_row, 0)),
+    out = dict(acc)
+    out |= {"proposed": acc["proposed"] + jnp.sum(jnp.where(active, proposed_per_row, 0)),
            "accepted": acc["accepted"] + jnp.sum(jnp.where(active, n_acc, 0)),
            "committed": acc["committed"] + jnp.sum(st.n_out - state.n_out),
            "row_steps": acc["row_steps"] + jnp.sum(active.astype(jnp.int32))}
@@ -400,8 +483,8 @@ def _qs_BgV(qs):
 
 
 @functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state", "dstate"))
-def _run_spec(params, dparams, sp, state, dstate, *, loop: SpecLoop):
-    return loop.run(params, dparams, sp, state, dstate)
+def _run_spec(params, dparams, sp, state, dstate, round_costs=None, *, loop: SpecLoop):
+    return loop.run(params, dparams, sp, state, dstate, round_costs)
 
 
 # ---------------------------------------------------------------------------- set-up
@@ -440,6 +523,8 @@ def validate(spec: Speculation, model: Model):
                                  f"{gmax + 2}, got {spec.window}")
     else:
         raise TypeError(f"draft must be 'self' or a jaxspec.Model, got {type(spec.draft).__name__}")
+    if spec.adaptive not in (None, True, False):
+        raise ValueError(f"adaptive must be True, False or None, got {spec.adaptive!r}")
     if spec.tree_sampling not in ("without_replacement", "iid"):
         raise ValueError(f"tree_sampling must be 'without_replacement' or 'iid', "
                          f"got {spec.tree_sampling!r}")
@@ -496,10 +581,24 @@ class _Runner:
             final = _run_loop(model.decode_params(), sp, state, loop=loop)
             stats.update({"acceptance_rate": 0.0, "tokens_per_step": 1.0})
             return final, stats
-        loop = self.loop(model, stop_ids=stop_ids, impl=impl, gamma=gamma, greedy=greedy)
-        final, _, acc = _run_spec(model.decode_params(), dparams, sp, state, dstate, loop=loop)
+        adaptive = self.spec.gamma == "auto" if self.spec.adaptive is None else self.spec.adaptive
+        rc = None
+        if adaptive:
+            n_fwd = gamma if self.tree is None else self.tree.max_depth
+            alpha = _ACCEPTANCE.get(key, PRIOR_ACCEPTANCE)
+            lens = np.asarray(state.cache.lengths)[~np.asarray(state.done)]
+            rc = round_costs(model, self.spec, self.draft, n_forwards=n_fwd,
+                             prior_tokens=expected_tokens(alpha, n_fwd), batch=len(lens),
+                             context=float(lens.mean()) if lens.size else 0.0, costs=costs,
+                             gamma=gamma)
+        loop = self.loop(model, stop_ids=stop_ids, impl=impl, gamma=gamma, greedy=greedy,
+                         adaptive=adaptive)
+        final, _, acc = _run_spec(model.decode_params(), dparams, sp, state, dstate, rc,
+                                  loop=loop)
+        acc.pop("round_costs", None)
         rows_c, rows_s = np.asarray(acc.pop("rows_committed")), np.asarray(acc.pop("rows_steps"))
         acc = {k: int(v) for k, v in acc.items()}
+        stats["plain_steps"] = acc["plain_steps"]
         rate = acc["accepted"] / max(acc["proposed"], 1)
         per_row = (rows_c / np.maximum(rows_s, 1))[rows_s > 0]
         stats.update({
@@ -514,20 +613,22 @@ class _Runner:
             old = _ACCEPTANCE.get(key)
             _ACCEPTANCE[key] = alpha if old is None else 0.5 * old + 0.5 * alpha
         if costs is not None:
-            rounds = int(final.steps)
+            rounds = int(final.steps) - acc["plain_steps"]
             d = costs["draft"] * gamma
             v = costs["verify"][gamma]
             stats.update({"draft_seconds_estimate": rounds * d,
                           "verify_seconds_estimate": rounds * v})
         return final, stats
 
-    def loop(self, model: Model, *, stop_ids, impl, gamma: int, greedy: bool) -> SpecLoop:
+    def loop(self, model: Model, *, stop_ids, impl, gamma: int, greedy: bool,
+             adaptive: bool = False, skip_finished: bool = True) -> SpecLoop:
         """The static loop description for this speculation at ``gamma`` (chains)."""
         return SpecLoop(config=model.config, stop_ids=stop_ids, gamma=gamma, sink=self.spec.sink,
                         window=self.spec.window, greedy=greedy, impl=impl,
                         draft_config=None if self.draft is None else self.draft.config,
                         ring=self.draft is not None and self.spec.window is not None,
-                        tree=self.tree, tree_mode=self.spec.tree_sampling)
+                        tree=self.tree, tree_mode=self.spec.tree_sampling,
+                        adaptive=adaptive, skip_finished=skip_finished)
 
     def draft_state(self, model: Model, state: DecodeState, impl: str) -> DraftState:
         """The draft's state at the start of decoding: a placeholder for self-speculation, else
@@ -682,6 +783,42 @@ def choose_gamma(costs: dict, alpha: float, candidates=GAMMA_CANDIDATES,
         if speedup(previous) * hysteresis >= best_s:
             return previous, speedup(previous)
     return best, best_s
+
+
+def _param_bytes(params) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+
+def round_costs(model: Model, spec: Speculation, draft: Model | None, *, n_forwards: int,
+                prior_tokens: float, batch: int, context: float, costs: dict | None = None,
+                gamma: int | None = None) -> np.ndarray:
+    """Coefficients of the adaptive loop's cost model (`SpecLoop.speculation_pays`), float32:
+    ``[plain_fixed, plain_per_token, spec_fixed, spec_per_token, draft_per_token, draft_span,
+    prior_tokens, prior_weight]``. A plain step costs ``plain_fixed + plain_per_token * sum L``
+    and a round ``spec_fixed + spec_per_token * sum L + draft_per_token * sum ctx_d`` over the
+    running rows (L: context, ctx_d: the draft's context, at most ``draft_span`` slots for a
+    sparse self-draft or a ring buffer). The terms are bytes read: weights once per forward, K/V
+    per context token; with measured step ``costs`` (gamma="auto", taken at ``batch`` rows of
+    mean ``context``), each kind of forward's bytes are scaled to its measured time."""
+    W = _param_bytes(model.params)
+    kv = kv_bytes_per_token(model.config, model.dtype)
+    if draft is None:
+        Wd, kvd = W, kv
+    else:
+        Wd, kvd = _param_bytes(draft.params), kv_bytes_per_token(draft.config, draft.dtype)
+    span = spec.sink + (spec.window or 0)
+    if spec.window is None:
+        ctx_d = context
+    else:
+        ctx_d = span if draft is not None else min(context, span)
+    s_p = s_d = s_v = 1.0
+    if costs is not None and batch > 0:
+        s_p = costs["plain"] / (W + kv * batch * context)
+        s_d = costs["draft"] / (Wd + kvd * batch * ctx_d)
+        t_v = costs["verify"].get(gamma, max(costs["verify"].values()))
+        s_v = t_v / (W + kv * batch * context)
+    return np.asarray([s_p * W, s_p * kv, n_forwards * s_d * Wd + s_v * W, s_v * kv,
+                       n_forwards * s_d * kvd, span, prior_tokens, 2.0], np.float32)
 
 
 def _timed(fn, carry, n=3):

@@ -546,6 +546,7 @@ class _Runner:
     draft: Model | None
     token_lists: list
     tree: TokenTree | None = None
+    skip_finished: bool = True  # finished rows read no context (benchmarks compare with False)
 
     def run(self, model: Model, sp, state: DecodeState, *, stop_ids, impl, profile=False,
             dstate: DraftState | None = None):
@@ -577,7 +578,8 @@ class _Runner:
             stats["tree_depth"] = self.tree.max_depth
         if gamma == 0:  # speculation would not pay: plain decoding
             from jaxspec.engine import DecodeLoop, _run_loop
-            loop = DecodeLoop(config=cfg, stop_ids=stop_ids, impl=impl)
+            loop = DecodeLoop(config=cfg, stop_ids=stop_ids, impl=impl,
+                              skip_finished=self.skip_finished)
             final = _run_loop(model.decode_params(), sp, state, loop=loop)
             stats.update({"acceptance_rate": 0.0, "tokens_per_step": 1.0})
             return final, stats
@@ -592,7 +594,7 @@ class _Runner:
                              context=float(lens.mean()) if lens.size else 0.0, costs=costs,
                              gamma=gamma)
         loop = self.loop(model, stop_ids=stop_ids, impl=impl, gamma=gamma, greedy=greedy,
-                         adaptive=adaptive)
+                         adaptive=adaptive, skip_finished=self.skip_finished)
         final, _, acc = _run_spec(model.decode_params(), dparams, sp, state, dstate, rc,
                                   loop=loop)
         acc.pop("round_costs", None)

@@ -188,6 +188,7 @@ def cut_prompts(stream: np.ndarray, B: int, P: int, seed: int) -> list[list[int]
 class Variant:
     name: str
     spec: object = None  # jaxspec.Speculation, None for autoregressive
+    skip_finished: bool = True  # False: finished rows still read their cache (the old loops)
 
     @property
     def chain_gamma(self):
@@ -200,6 +201,12 @@ def make_variants(a, draft_model) -> list[Variant]:
     for g in _ints(a.gamma):
         out.append(Variant(f"self g{g}", jaxspec.Speculation("self", gamma=g, sink=a.sink,
                                                               window=a.window)))
+        if a.noskip:
+            out.append(Variant(f"self g{g} noskip", jaxspec.Speculation(
+                "self", gamma=g, sink=a.sink, window=a.window), skip_finished=False))
+        if a.adaptive:
+            out.append(Variant(f"self g{g} adaptive", jaxspec.Speculation(
+                "self", gamma=g, sink=a.sink, window=a.window, adaptive=True)))
     for t in _trees(a.trees):
         out.append(Variant(f"self tree{','.join(map(str, t))}",
                            jaxspec.Speculation("self", sink=a.sink, window=a.window, tree=t)))
@@ -212,6 +219,9 @@ def make_variants(a, draft_model) -> list[Variant]:
         for g in _ints(a.draft_gamma):
             out.append(Variant(f"{tag} g{g}", jaxspec.Speculation(draft_model, gamma=g,
                                                                   sink=a.sink, window=dw)))
+            if a.adaptive:
+                out.append(Variant(f"{tag} g{g} adaptive", jaxspec.Speculation(
+                    draft_model, gamma=g, sink=a.sink, window=dw, adaptive=True)))
         for t in _trees(a.draft_trees):
             out.append(Variant(f"{tag} tree{','.join(map(str, t))}",
                                jaxspec.Speculation(draft_model, sink=a.sink, window=dw, tree=t)))
@@ -282,17 +292,19 @@ class SpecBench:
         for v in self.variants:
             if v.spec is None:
                 st = prep.fresh_state(self._cache, extra=1, out_width=width, max_steps=1)
-                loop = engine.DecodeLoop(config=model.config, stop_ids=prep.stop_ids, impl=impl)
+                loop = engine.DecodeLoop(config=model.config, stop_ids=prep.stop_ids, impl=impl,
+                                         skip_finished=v.skip_finished)
                 lowered.append(engine._run_loop.lower(self.params, prep.sp, st, loop=loop))
             elif v.spec.draft == "self" and v.spec.gamma != "auto":
                 r = speculative.prepare_speculation(v.spec, model, prep.token_lists, self.max_new)
                 st = prep.fresh_state(self._cache, extra=r.extra_slots, out_width=width,
                                       max_steps=1)
+                adaptive = bool(v.spec.adaptive)
                 loop = r.loop(model, stop_ids=prep.stop_ids, impl=impl, gamma=r.gamma,
-                              greedy=True)
+                              greedy=True, adaptive=adaptive, skip_finished=v.skip_finished)
                 lowered.append(speculative._run_spec.lower(
                     self.params, jnp.zeros(()), prep.sp, st, r.draft_state(model, st, impl),
-                    loop=loop))
+                    np.zeros(8, np.float32) if adaptive else None, loop=loop))
         t = time.perf_counter()
         with ThreadPoolExecutor(self.precompile) as ex:
             list(ex.map(lambda low: low.compile(), lowered))
@@ -367,7 +379,8 @@ class SpecBench:
         model, impl, B = self.model, self.impl, len(prep.token_lists)
         out = {}
         if v.spec is None:
-            loop = engine.DecodeLoop(config=model.config, stop_ids=prep.stop_ids, impl=impl)
+            loop = engine.DecodeLoop(config=model.config, stop_ids=prep.stop_ids, impl=impl,
+                                     skip_finished=v.skip_finished)
 
             def run(cache, budget=None, max_steps=1 << 30):
                 st = prep.fresh_state(cache, budget=budget, extra=1, out_width=width,
@@ -378,6 +391,7 @@ class SpecBench:
         else:
             runner = speculative.prepare_speculation(v.spec, model, prep.token_lists,
                                                      self.max_new)
+            runner.skip_finished = v.skip_finished
 
             def run(cache, budget=None, max_steps=1 << 30):
                 st = prep.fresh_state(cache, budget=budget, extra=runner.extra_slots,
@@ -406,7 +420,7 @@ class SpecBench:
             out["steady_tok_s"] = out["tok_s"]
             return out
         out["identical_rows"] = float(np.mean([a == b for a, b in zip(tokens, ar["tokens"])]))
-        for k in ("acceptance_rate", "tokens_per_step", "gamma", "tree_nodes", "auto_alpha",
+        for k in ("acceptance_rate", "tokens_per_step", "gamma", "tree_nodes", "auto_alpha", "plain_steps",
                   "predicted_speedup", "tokens_per_step_rows"):
             if k in stats:
                 out[k] = stats[k]
@@ -541,7 +555,8 @@ def write_spec_results(out: pathlib.Path, a, env, rows):
                 f"{r['speedup']:.2f} | {r['steady_speedup']:.2f} | "
                 f"{'' if ms is None else f'{ms:.2f}'} | {r.get('acceptance_rate', 0):.2f} | "
                 f"{r.get('tokens_per_step', 0):.2f} ({r.get('tokens_per_step_rows', {}).get(0, 0):.2f}) | "
-                f"{str(r.get('tree_nodes', '')) + ' nodes' if 'tree_nodes' in r else r.get('gamma', '')} | "
+                f"{str(r.get('tree_nodes', '')) + ' nodes' if 'tree_nodes' in r else r.get('gamma', '')}"
+                f"{_plain_note(r)} | "
                 f"{r['ms_per_token']:.2f} | {r.get('identical_rows', 0):.2f} | "
                 f"{r['first_call_s']:.0f} |")
     (out / "speculative.md").write_text("\n".join(lines) + "\n")
@@ -549,6 +564,12 @@ def write_spec_results(out: pathlib.Path, a, env, rows):
         plot_speedups(out, slim)
     except Exception as e:  # noqa: BLE001 - plotting must not lose the numbers
         print("plot failed:", e)
+
+
+def _plain_note(r) -> str:
+    """How many of an adaptive run's target forwards were plain steps."""
+    n = r.get("plain_steps") or 0
+    return f" ({n} of {r['rounds']} steps plain)" if n else ""
 
 
 def plot_speedups(out: pathlib.Path, rows):
@@ -597,6 +618,10 @@ def main(argv=None):
                    "e.g. '1x8192,64x8192,32x32000'")
     s.add_argument("--gamma", default="2,4", help="self-speculation chain lengths")
     s.add_argument("--auto", action="store_true", help="add self-speculation with gamma='auto'")
+    s.add_argument("--adaptive", action="store_true",
+                   help="add each fixed gamma with adaptive=True (plain steps for stragglers)")
+    s.add_argument("--noskip", action="store_true",
+                   help="add each self gamma with finished rows still reading their cache")
     s.add_argument("--trees", default="", help="self-speculation trees, e.g. '2,1,1;3,2,1'")
     s.add_argument("--sink", type=int, default=16)
     s.add_argument("--window", type=int, default=496)

@@ -611,7 +611,8 @@ class _Runner:
                                      for q in (0, 10, 50, 90, 100)},
         })
         if acc["proposed"]:
-            alpha = per_token_acceptance(acc["accepted"] / max(acc["row_steps"], 1), gamma)
+            # per speculative row-round (plain steps of an adaptive loop proposed nothing)
+            alpha = per_token_acceptance(acc["accepted"] / max(int(rows_s.sum()), 1), gamma)
             old = _ACCEPTANCE.get(key)
             _ACCEPTANCE[key] = alpha if old is None else 0.5 * old + 0.5 * alpha
         if costs is not None:

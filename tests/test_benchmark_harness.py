@@ -21,7 +21,12 @@ def model():
     return tiny_model(seed=2, scale=3.0)
 
 
-def test_every_variant_from_one_prefill_equals_generate(model):
+def test_every_variant_from_one_prefill_equals_generate(model, monkeypatch):
+    from jaxspec import speculative
+    prefills = []
+    orig = speculative._Runner._draft_prefill
+    monkeypatch.setattr(speculative._Runner, "_draft_prefill",
+                        lambda self, *a, **k: prefills.append(1) or orig(self, *a, **k))
     rng = np.random.default_rng(3)
     stream = rng.integers(0, model.config.vocab_size, size=4000).astype(np.int32)
     prompts = cut_prompts(stream, 3, 40, seed=1)
@@ -29,16 +34,24 @@ def test_every_variant_from_one_prefill_equals_generate(model):
     variants = [Variant("ar"),
                 Variant("self g2", jaxspec.Speculation("self", gamma=2, sink=2, window=6)),
                 Variant("self tree", jaxspec.Speculation("self", sink=2, window=6, tree=(2, 1))),
-                Variant("self auto", jaxspec.Speculation("self", gamma="auto", sink=2, window=6))]
-    bench = SpecBench(model, variants, max_new=12, repeats=1, log=lambda *a: None)
+                Variant("self auto", jaxspec.Speculation("self", gamma="auto", sink=2, window=6)),
+                # the target as its own draft: every draft is accepted in every run only if each
+                # run starts from the draft's own prefill (runs consume their draft state)
+                Variant("draft", jaxspec.Speculation(model, gamma=2, window=None)),
+                Variant("draft ring", jaxspec.Speculation(model, gamma=2, sink=2, window=96))]
+    bench = SpecBench(model, variants, max_new=12, repeats=2, log=lambda *a: None)
     rows = bench.point(3, 40, prompts)
-    assert [r["variant"] for r in rows] == ["ar", "self g2", "self tree", "self auto"]
+    assert [r["variant"] for r in rows] == ["ar", "self g2", "self tree", "self auto", "draft",
+                                            "draft ring"]
     assert not [r for r in rows if "error" in r]
     assert rows[0]["tokens"] == ref  # the plain loop from the rewound cache
     for r in rows[1:]:
         assert r["identical_rows"] == 1.0, r["variant"]  # lossless, from the same cache
         assert r["new_tokens"] == 36 and r["steady_rows_done"] == 0
         assert r["steady_tokens"] >= 3 * r["steady_rounds"]  # every row commits each round
+    for r in rows[4:]:
+        assert r["acceptance_rate"] == 1.0 and r["draft_prefill_s"] > 0, r["variant"]
+    assert len(prefills) == 2  # one draft prefill per draft variant, none inside the timed runs
     g2 = rows[1]
     assert g2["speedup"] > 0 and "model_speedup" in g2 and g2["cost_ms"]["plain"] > 0
 

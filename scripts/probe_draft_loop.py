@@ -128,6 +128,7 @@ def main():
         rows.append(row)
         print(f"{name:24s} {ms:8.3f} ms/round ({steps} rounds, compile {compile_s:.0f} s) {ops}",
               flush=True)
+        del res, inp, final, compiled  # the next loop's caches need the memory
     env = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "command": " ".join(sys.argv), "batch": B, "context": L, "gamma": g,
            "window": a.window, "sink": a.sink, "target_cache": tshape, "draft_cache": dshape}

@@ -136,8 +136,11 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
     k = apply_rope(k.reshape(B, T, K, Dh), cos, sin)
     v = v.reshape(B, T, K, Dh)
 
-    # Write the T new K/V at slots lengths + t (slots past the cache are dropped).
-    slots = plan.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    # Write the T new K/V at slots lengths + (T_new - T) + t: these T tokens are the last T of the
+    # plan's T_new new tokens (T_new == T unless the plan says otherwise: `AttentionPlan`). Slots
+    # past the cache are dropped.
+    first = plan.new_tokens(T) - T
+    slots = plan.lengths[:, None] + (first + jnp.arange(T, dtype=jnp.int32))[None, :]
     b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
     k_cache = write_slots(k_cache, layer, b_idx, slots, k)
     v_cache = write_slots(v_cache, layer, b_idx, slots, v)

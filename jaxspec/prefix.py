@@ -20,6 +20,9 @@ decode and speculative loops run unchanged.
 The StreamingLLM self-draft (``plan.sink`` / ``plan.window``) sees the same sparse view as without
 sharing: positions ``< sink`` (from the prefix) and the last ``window`` positions (from the suffix
 and, where the suffix is shorter than the window, the prefix's tail); it gathers only those slots.
+
+Both paths take the plan's ``T_new >= T`` new tokens (`AttentionPlan.new_tokens`: the T queries are
+the last T of them, e.g. one token-tree level over the earlier levels' K/V) as the decode path does.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, 
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q_BTHD.shape[-1])
     fn = functools.partial(_sparse if plan.sparse else _dense, plan=plan, sm_scale=sm_scale,
-                           batch=B)
+                           batch=B, num_new=plan.new_tokens(q_BTHD.shape[1]))
     mesh = _active_mesh()
     mask = plan.mask
     layer = jnp.asarray(layer, jnp.int32)
@@ -116,7 +119,7 @@ def _use_kernel(impl: str) -> bool:
 
 
 def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
-           batch, sharded):
+           batch, sharded, num_new):
     """Suffix part (decode kernel / jnp, ragged, causal or tree mask) + one `prefix_attention`
     per level, merged by log-sum-exp."""
     from pallas_kernels import merge_attention_states, prefix_attention, prefix_attention_reference
@@ -125,11 +128,11 @@ def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, pl
     kernel = _kernel() if _use_kernel(impl) else None
     if kernel is not None:
         o, lse = kernel(q, k_all, v_all, lengths, mask, layer=layer, sm_scale=sm_scale,
-                        interpret=interpret)
+                        interpret=interpret, num_new=num_new)
     else:
         k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
-        o, lse = attention_xla(q, k, v, lengths, mask, sm_scale=sm_scale)
+        o, lse = attention_xla(q, k, v, lengths, mask, sm_scale=sm_scale, num_new=num_new)
     outs, lses = [o], [lse]
     Bl = q.shape[0]
     for lv in pre.levels:
@@ -154,10 +157,10 @@ def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, pl
 
 
 def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
-            batch, sharded):
+            batch, sharded, num_new):
     """The StreamingLLM view over [prefix levels | suffix]: positions ``< sink`` and the last
     ``window`` context positions, plus the new tokens. Gathers at most ``sink + window`` slots
-    per level and ``sink + window + T`` from the suffix, then one masked softmax."""
+    per level and ``sink + window + T_new`` from the suffix, then one masked softmax."""
     del sharded
     B, T, H, D = q.shape
     sink, window = int(plan.sink or 0), int(plan.window or 0)
@@ -182,14 +185,14 @@ def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, p
     ok_s = (off[:, None] + s_s < sink) & (s_s < lengths[:, None])
     s_w = lengths[:, None] - window + ar_w
     ok_w = (s_w >= 0) & (off[:, None] + s_w >= sink)
-    s_new = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    s_new = lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None]
     idx = jnp.clip(jnp.concatenate([s_s, s_w, s_new], 1), 0, k_all.shape[3] - 1)
     b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
     keys.append(k_all[layer, b_idx, :, idx])  # [B, n, K, D]
     vals.append(v_all[layer, b_idx, :, idx])
     ctx_ok = jnp.concatenate(oks + [ok_s, ok_w], 1)  # [B, n_ctx]
     visible = jnp.concatenate([jnp.broadcast_to(ctx_ok[:, None], (B, T, ctx_ok.shape[1])),
-                               _new_token_mask(mask, B, T)], 2)
+                               _new_token_mask(mask, B, T, num_new)], 2)
     k = jnp.concatenate(keys, 1).transpose(0, 2, 1, 3)  # [B, K, N, D]
     v = jnp.concatenate(vals, 1).transpose(0, 2, 1, 3)
     return _softmax_attend(q, k, v, visible, sm_scale)[0]

@@ -351,9 +351,19 @@ class SpecLoop:
         kids = sampling.sample_children(rng, q, k, replacement=self.tree_mode == "iid")
         return kids.astype(jnp.int32), q
 
-    def _draft_tree(self, params, dparams, sp, state, dstate, rng):
-        """Drafts the whole tree: one draft forward per level over the nodes drafted so far
-        (tree mask among them), giving the child distributions of that level's nodes."""
+    def _draft_tree(self, params, dparams, sp, state, dstate, rng, *, level_only=True):
+        """Drafts the whole tree: one draft forward per level giving the child distributions of
+        that level's nodes (the deepest level's nodes are never forwarded).
+
+        The forward of level d runs over that level's nodes ``[a, b)`` only: their K/V go to
+        slots ``root_slot + a .. root_slot + b - 1`` and they attend to the context (the sparse
+        sink + window view for self-speculation; the draft's full or ring cache otherwise) plus
+        the earlier levels' K/V, already in the cache at ``root_slot + 0 .. a - 1``, and
+        themselves, under ``anc[a:b, :b]`` (an `AttentionPlan` with ``T_new = b`` new tokens of
+        which the forward computes the last ``b - a``). The root's K/V come from level 0's
+        forward (self) or the catch-up forward (a separate draft). ``level_only=False``: the
+        former forward over all nodes ``[0, b)`` per level, recomputing the earlier levels (the
+        same result up to rounding; a reference for tests)."""
         tree = self.tree
         N, D = tree.num_nodes, tree.max_depth
         par, depths, rank = tree.parents, tree.depths, tree.sibling_rank
@@ -384,11 +394,13 @@ class SpecLoop:
             if d == 0 and self.draft_config is not None:
                 logits = root_logits
             else:
-                plan = AttentionPlan(lengths=root_slot, mask=anc[:b, :b], sink=sink,
+                lo = a if level_only else 0  # first node this forward computes
+                plan = AttentionPlan(lengths=root_slot, mask=anc[lo:b, :b], sink=sink,
                                      window=window, impl=self.impl, active=self._active(state))
-                idx = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (B, b - a))
-                logits, cache = forward(cfg, prm, node_tok[:, :b], L[:, None] + depths_j[None, :b],
-                                        cache, plan, logits_at=idx)
+                idx = jnp.broadcast_to(jnp.arange(a - lo, b - lo, dtype=jnp.int32), (B, b - a))
+                logits, cache = forward(cfg, prm, node_tok[:, lo:b],
+                                        L[:, None] + depths_j[None, lo:b], cache, plan,
+                                        logits_at=idx)
             k = int(max(len(tree.children[i]) for i in range(a, b)))
             kids, q = self._children(sub, logits, sp, k)  # [B, b-a, k]
             if q is not None:

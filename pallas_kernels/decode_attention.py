@@ -1,20 +1,31 @@
 """Decode / verify attention over ragged KV caches: Pallas kernel + jnp reference.
 
 One kernel serves plain decode (T = 1), chain verification (T = gamma + 1), tree
-verification (T = tree nodes, ancestor mask), the StreamingLLM sparse draft (sink
-+ window context) and chunked prefill (large T, causal).
+verification (T = tree nodes, ancestor mask), token-tree drafting one level at a
+time (T = the level's nodes, T_new = the nodes up to that level), the
+StreamingLLM sparse draft (sink + window context) and chunked prefill (large T,
+causal).
 
 Layout (per layer): ``q[B, T, H, D]``, ``k_cache, v_cache[B, K, S, D]`` with
 ``H = G * K`` (query head ``h`` uses KV head ``h // G``); optionally layers are
 stacked, ``[L, B, K, S, D]``, and ``layer`` picks one *inside* the kernel (no copy
 of the layer's cache is made; the index is read from a 1-element int32 array).
 
+New tokens: a step appends ``T_new >= T`` new tokens per sequence, whose K/V are
+in the cache at slots ``lengths[b] + j`` (``j < T_new``); the ``T = q.shape[1]``
+queries are the LAST T of them: query ``t`` is new token ``T_new - T + t``.
+``T_new`` is ``tree_mask.shape[-1]`` (``tree_mask`` ``[T, T_new]`` or
+``[B, T, T_new]``: rows are queries, columns new tokens), else ``num_new``
+(default T). ``T_new == T`` is plain decode / verify; ``T_new > T`` lets a
+caller compute only some new tokens (e.g. one token-tree level) while the
+earlier ones' K/V are already in the cache.
+
 Keys seen by query ``t`` of sequence ``b``:
   * context slots ``[0, lengths[b])`` (sparse: only ``s < sink`` or
     ``s >= lengths[b] - window``),
-  * new-token slot ``lengths[b] + j`` (j < T) iff ``tree_mask[t, j]``
-    (``tree_mask=None``: causal, ``j <= t``).
-Slots past ``lengths[b] + T`` are never read unmasked, so garbage there (NaN
+  * new-token slot ``lengths[b] + j`` (j < T_new) iff ``tree_mask[t, j]``
+    (``tree_mask=None``: causal, ``j <= t + T_new - T``).
+Slots past ``lengths[b] + T_new`` are never read unmasked, so garbage there (NaN
 included) cannot leak into results.
 
 Kernel structure (Triton-lowered ``pallas_call``; interpret mode on CPU):
@@ -24,8 +35,8 @@ Kernel structure (Triton-lowered ``pallas_call``; interpret mode on CPU):
   row block), and one split of the (virtual, i.e. sink+window-compacted) context
   (flash-decoding). It streams K/V in ``block_k`` slot blocks with an online
   softmax in base 2; interior blocks run unmasked, only the tail block of a range
-  is masked. The last split also attends to the T new tokens under the
-  causal/tree mask. Splits are merged by log-sum-exp (``merge.merge_stacked``).
+  is masked. The last split also attends to the T_new new tokens under the
+  causal/tree mask (``block_k_new`` keys per step; mask rows are query rows). Splits are merged by log-sum-exp (``merge.merge_stacked``).
 """
 from __future__ import annotations
 
@@ -69,7 +80,7 @@ class DecodeAttentionBlockSizes:
   block_q: query rows ((t, g) pairs of one KV head) per program (power of 2,
     >= 16); None: next power of 2 of G*T, clamped to [16, max_block_q].
   max_block_q: cap for the automatic block_q (query-row blocking for large T).
-  block_k_new: new-token keys per inner step; None: next power of 2 of T in
+  block_k_new: new-token keys per inner step; None: next power of 2 of T_new in
     [16, block_k].
   split_size: context slots per program (flash-decoding split); None: enough
     splits to give about ``target_programs`` programs, each at least
@@ -101,7 +112,8 @@ _SMEM_BYTES = 220 * 1024  # H100/H200 allow 227 KiB per block; keep a margin.
 @dataclasses.dataclass(frozen=True)
 class _Static:
   """Everything the kernel body needs to know statically."""
-  T: int
+  T: int          # queries (the last T of the T_new new tokens)
+  T_new: int      # new tokens (keys at slots length + [0, T_new))
   G: int
   S: int
   block_q: int
@@ -212,23 +224,25 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
     carry = context_range(carry, jnp.maximum(v0, a_end) + shift,
                           jnp.maximum(v1, a_end) + shift)
 
-  # New tokens (slots length + j, j < T): attended by the last split only.
+  # New tokens (slots length + j, j < T_new): attended by the last split only.
+  # Query row r is query t = r // G, i.e. new token t + (T_new - T).
+  off = c.T_new - c.T
   r0 = qi * bq
   t_row = lax.div(r0 + jnp.arange(bq, dtype=jnp.int32), c.G)      # [bq]
   is_last = (si == c.num_splits - 1).astype(jnp.int32)
   if c.causal:
-    j_max = jnp.minimum(lax.div(r0 + bq - 1, c.G) + 1, c.T)
+    j_max = jnp.minimum(lax.div(r0 + bq - 1, c.G) + 1 + off, c.T_new)
     n_new = is_last * lax.div(j_max + bkn - 1, bkn)
   else:
-    n_new = is_last * _cdiv(c.T, bkn)
+    n_new = is_last * _cdiv(c.T_new, bkn)
   bm = b if c.mask_per_batch else 0
 
   def new_body(i, cr):
     j0 = i * bkn
     j = j0 + jnp.arange(bkn, dtype=jnp.int32)
-    ok = (j < c.T) & (length + j < c.S)
+    ok = (j < c.T_new) & (length + j < c.S)
     if c.causal:
-      vis = j[None, :] <= t_row[:, None]
+      vis = j[None, :] <= t_row[:, None] + off
     else:
       vis = mask_ref[bm, pl.ds(r0, bq), pl.ds(j0, bkn)] != 0
     return step(cr, length + j0, bkn, ok, vis & ok[None, :])
@@ -256,8 +270,9 @@ def _num_sms() -> int:
 
 
 def _plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_gpu: bool,
-          itemsize: int = 2):
-  """Resolves automatic block sizes into concrete static numbers."""
+          itemsize: int = 2, T_new: int | None = None):
+  """Resolves automatic block sizes into concrete static numbers (T: queries, T_new: new keys)."""
+  T_new = T if T_new is None else T_new
   rows = T * G
   sparse = bool(sink) or bool(window)
   v_max = min(S, (sink or 0) + (window or 0)) if sparse else S
@@ -267,7 +282,7 @@ def _plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_g
   if on_gpu:  # K and V tiles for every pipeline stage, plus the q tile, in shared memory
     while block_k > 16 and (2 * block_k * bs.num_stages + block_q) * D * itemsize > _SMEM_BYTES:
       block_k //= 2
-  block_k_new = bs.block_k_new or min(max(16, _next_pow2(T)), max(16, block_k))
+  block_k_new = bs.block_k_new or min(max(16, _next_pow2(T_new)), max(16, block_k))
   for name, val in (("block_k", block_k), ("block_q", block_q), ("block_k_new", block_k_new)):
     if val < 16 or val != _next_pow2(val):
       raise ValueError(f"{name}={val} must be a power of 2 >= 16")
@@ -287,17 +302,20 @@ def _plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_g
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sink", "window", "sm_scale", "interpret", "block_sizes", "on_gpu"))
+    static_argnames=("sink", "window", "sm_scale", "interpret", "block_sizes", "on_gpu",
+                     "num_new"))
 def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
-                             sink, window, sm_scale, interpret, block_sizes, on_gpu):
+                             sink, window, sm_scale, interpret, block_sizes, on_gpu,
+                             num_new=None):
   B, T, H, D = q.shape
+  T_new = _resolve_num_new(T, tree_mask, num_new)
   has_layer = layer is not None
   K, S = k_cache.shape[-3], k_cache.shape[-2]
   G = H // K
   rows = T * G
   block_q, block_k, block_k_new, split, num_splits, nq = _plan(
       B, K, T, G, S, D, sink=sink, window=window, bs=block_sizes, on_gpu=on_gpu,
-      itemsize=jnp.dtype(k_cache.dtype).itemsize)
+      itemsize=jnp.dtype(k_cache.dtype).itemsize, T_new=T_new)
   rows_pad = nq * block_q
 
   # Rows of one KV head: r = t * G + g.
@@ -318,9 +336,9 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
     if tm.ndim == 2:
       tm = tm[None]
     mask_per_batch = tm.shape[0] != 1
-    tm_rows = jnp.repeat(tm.astype(jnp.int8), G, axis=1)           # [Bm, T*G, T]
-    cols_pad = _cdiv(T, block_k_new) * block_k_new
-    tm_rows = jnp.pad(tm_rows, ((0, 0), (0, rows_pad - rows), (0, cols_pad - T)))
+    tm_rows = jnp.repeat(tm.astype(jnp.int8), G, axis=1)           # [Bm, T*G, T_new]
+    cols_pad = _cdiv(T_new, block_k_new) * block_k_new
+    tm_rows = jnp.pad(tm_rows, ((0, 0), (0, rows_pad - rows), (0, cols_pad - T_new)))
     inputs.append(tm_rows)
     in_specs.append(full(tm_rows.shape))
 
@@ -337,7 +355,7 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
         pl.BlockSpec((None, None, None, block_q), lambda qi, si, b, h: (b, h, si, qi))]
 
   static = _Static(
-      T=T, G=G, S=S, block_q=block_q, block_k=block_k, block_k_new=block_k_new,
+      T=T, T_new=T_new, G=G, S=S, block_q=block_q, block_k=block_k, block_k_new=block_k_new,
       split_size=split, num_splits=num_splits, sink=int(sink or 0),
       window=int(window or 0), sparse=bool(sink) or bool(window), causal=causal,
       mask_per_batch=mask_per_batch, has_layer=has_layer,
@@ -366,7 +384,22 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
   return o, lse
 
 
-def _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer):
+def _resolve_num_new(T, tree_mask, num_new):
+  """T_new: the mask's last dim, else ``num_new``, else T (checked >= T)."""
+  if tree_mask is not None:
+    T_new = int(tree_mask.shape[-1])
+    if num_new is not None and int(num_new) != T_new:
+      raise ValueError(f"num_new={num_new} differs from tree_mask's {T_new} columns")
+  else:
+    T_new = T if num_new is None else int(num_new)
+  if T_new < T:
+    raise ValueError(f"{T} queries but only {T_new} new tokens (num_new / tree_mask columns "
+                     "must be >= T: the queries are the last T new tokens)")
+  return T_new
+
+
+def _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer, num_new=None):
+  """Validates the shapes; returns T_new (see the module docstring)."""
   if q.ndim != 4:
     raise ValueError(f"q must be [B, T, H, D], got {q.shape}")
   B, T, H, D = q.shape
@@ -379,23 +412,31 @@ def _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer):
     raise ValueError(f"shape mismatch: q {q.shape}, cache {k_cache.shape}")
   if lengths.shape != (B,):
     raise ValueError(f"lengths must be [B]={B}, got {lengths.shape}")
-  if tree_mask is not None and tree_mask.shape not in ((T, T), (B, T, T), (1, T, T)):
-    raise ValueError(f"tree_mask must be [T, T] or [B, T, T], got {tree_mask.shape}")
+  T_new = _resolve_num_new(T, tree_mask, num_new)
+  if tree_mask is not None and tree_mask.shape not in ((T, T_new), (B, T, T_new),
+                                                       (1, T, T_new)):
+    raise ValueError(f"tree_mask must be [T, T_new] or [B, T, T_new] with T = {T} queries, "
+                     f"got {tree_mask.shape}")
+  return T_new
 
 
 def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
                      sink=None, window=None, sm_scale=None, interpret=None,
-                     block_sizes=None):
-  """Decode / verify attention of T new tokens over a ragged KV cache.
+                     block_sizes=None, num_new=None):
+  """Decode / verify attention of the last T of T_new new tokens over a ragged KV cache.
 
   Args:
-    q: ``[B, T, H, D]`` queries of the T new tokens.
+    q: ``[B, T, H, D]`` queries of the last T of the T_new new tokens (query t
+      is new token ``T_new - T + t``).
     k_cache, v_cache: ``[B, K, S, D]`` (or ``[L, B, K, S, D]`` with ``layer``);
-      the new tokens' K/V already written at slots ``lengths[b] + [0, T)``.
-      Requires ``lengths[b] + T <= S``.
+      the new tokens' K/V already written at slots ``lengths[b] + [0, T_new)``.
+      Requires ``lengths[b] + T_new <= S``.
     lengths: ``[B]`` int32 context lengths (>= 0).
-    tree_mask: None (causal among new tokens), ``[T, T]`` or ``[B, T, T]`` bool:
-      query t sees new token j iff ``tree_mask[t, j]``.
+    tree_mask: None (causal among new tokens: query t sees new token j iff
+      ``j <= t + T_new - T``), ``[T, T_new]`` or ``[B, T, T_new]`` bool: query t
+      sees new token j iff ``tree_mask[t, j]``; T_new = its last dim.
+    num_new: static int T_new (>= T) for the causal case; None: T (or, with a
+      ``tree_mask``, its last dim, which it must then equal).
     layer: None, or a scalar int (may be traced) selecting the layer of stacked
       caches; the cache is not sliced outside the kernel.
     sink, window: static ints; if either is set, only context slots
@@ -411,7 +452,7 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
     ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; a query that saw
     no key gets ``out = 0`` and ``lse = -inf``.
   """
-  _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer)
+  T_new = _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer, num_new)
   sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
   from . import tpu as _tpu
   backend = _tpu.dispatch_platform()   # the default backend, or tpu.target_platform's
@@ -422,26 +463,29 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
   if backend == "tpu" and not interpret:
     return _tpu.tpu_decode_attention(
         q, k_cache, v_cache, lengths, tree_mask, layer=layer, sink=sink, window=window,
-        sm_scale=sm_scale,
+        sm_scale=sm_scale, num_new=T_new,
         block_sizes=block_sizes if isinstance(block_sizes, _tpu.TPUDecodeBlockSizes) else None)
   use_kernel = bool(interpret) or (on_gpu and plgpu is not None)
   if not use_kernel:
     return decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask, layer=layer,
-                                      sink=sink, window=window, sm_scale=sm_scale)
+                                      sink=sink, window=window, sm_scale=sm_scale,
+                                      num_new=T_new)
   if block_sizes is None:
     block_sizes = _GPU_DEFAULTS
   return _decode_attention_kernel(
       q, k_cache, v_cache, lengths, tree_mask, layer, sink=int(sink or 0),
       window=int(window or 0), sm_scale=sm_scale, interpret=bool(interpret),
-      block_sizes=block_sizes, on_gpu=on_gpu and not interpret)
+      block_sizes=block_sizes, on_gpu=on_gpu and not interpret, num_new=T_new)
 
 
-@functools.partial(jax.jit, static_argnames=("sink", "window", "sm_scale"))
-def _reference(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window, sm_scale):
+@functools.partial(jax.jit, static_argnames=("sink", "window", "sm_scale", "num_new"))
+def _reference(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window, sm_scale,
+               num_new):
   if layer is not None:
     k_cache = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
     v_cache = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
   B, T, H, D = q.shape
+  T_new = num_new                                                    # keys; T: queries
   K, S = k_cache.shape[1], k_cache.shape[2]
   G = H // K
   hi = lax.Precision.HIGHEST
@@ -454,13 +498,14 @@ def _reference(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window, 
   if sink or window:
     ctx &= (slot < (sink or 0)) | (slot >= L - (window or 0))
   j = slot - L                                                       # new-token index
-  is_new = (j >= 0) & (j < T)
-  t = jnp.arange(T, dtype=jnp.int32)[None, :, None]
+  is_new = (j >= 0) & (j < T_new)
+  t = jnp.arange(T, dtype=jnp.int32)[None, :, None]                  # query t = new T_new-T+t
   if tree_mask is None:
-    new_vis = j[:, None, :] <= t                                     # [B, T, S]
+    new_vis = j[:, None, :] <= t + (T_new - T)                       # [B, T, S]
   else:
-    tm = jnp.broadcast_to(jnp.asarray(tree_mask, bool).reshape((-1, T, T)), (B, T, T))
-    new_vis = jnp.take_along_axis(tm, jnp.broadcast_to(jnp.clip(j, 0, T - 1)[:, None, :],
+    tm = jnp.broadcast_to(jnp.asarray(tree_mask, bool).reshape((-1, T, T_new)),
+                          (B, T, T_new))
+    new_vis = jnp.take_along_axis(tm, jnp.broadcast_to(jnp.clip(j, 0, T_new - 1)[:, None, :],
                                                        (B, T, S)), axis=2)
   vis = ctx[:, None, :] | (is_new[:, None, :] & new_vis)             # [B, T, S]
   vis = vis[:, None, None]                                           # [B, 1, 1, T, S]
@@ -469,7 +514,7 @@ def _reference(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window, 
   m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
   p = jnp.exp(s - m_safe)
   l = jnp.sum(p, axis=-1)
-  # Zero V rows no query may see (past length + T, or in the sparse gap), which may
+  # Zero V rows no query may see (past length + T_new, or in the sparse gap), which may
   # hold garbage: 0 * NaN would be NaN. Scores were masked by select, not multiply.
   seen_slot = (ctx | is_new)[:, None, :, None]                       # [B, 1, S, 1]
   v = jnp.where(seen_slot, v_cache.astype(jnp.float32), 0.0)
@@ -483,7 +528,7 @@ def _reference(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window, 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
                                sink=None, window=None, sm_scale=None, interpret=None,
-                               block_sizes=None):
+                               block_sizes=None, num_new=None):
   """Plain-jnp decode attention; same contract as ``decode_attention``.
 
   Computes dense ``[B, K, G, T, S]`` float32 logits (memory heavy for long S and
@@ -491,7 +536,8 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask=None, *, 
   ``block_sizes`` are accepted for signature compatibility and ignored.
   """
   del interpret, block_sizes
-  _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer)
+  T_new = _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer, num_new)
   sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
   return _reference(q, k_cache, v_cache, lengths, tree_mask, layer,
-                    sink=int(sink or 0), window=int(window or 0), sm_scale=sm_scale)
+                    sink=int(sink or 0), window=int(window or 0), sm_scale=sm_scale,
+                    num_new=T_new)

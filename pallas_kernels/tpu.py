@@ -29,11 +29,13 @@ is its own ``pallas_call`` written for Mosaic:
   lives in **VMEM scratch** across the kv steps; the output block is written
   at the last step. Only boundary blocks are masked (select, never multiply:
   slots outside the valid range may hold NaN; their V rows are zeroed).
-* **New tokens** (slots ``lengths[b] + [0, T)``, not block aligned): gathered by
-  XLA into a small ``[B, K, Tn, D]`` array (``Tn`` = T rounded up to
-  ``new_align``; one gather of T slots per sequence and head, ~1.6% of the
+* **New tokens** (slots ``lengths[b] + [0, T_new)``, not block aligned; the T
+  queries are the last T of them, see ``decode_attention``): gathered by XLA
+  into a small ``[B, K, Tn, D]`` array (``Tn`` = T_new rounded up to
+  ``new_align``; one gather of T_new slots per sequence and head, ~1.6% of the
   bytes at T=1, S=8k) and attended at the last kv step under the causal or
-  tree mask, passed as an int32 ``[rows, Tn]`` array per (batch of the) mask.
+  tree mask, passed as an int32 ``[rows, Tn]`` array per (batch of the) mask
+  (rows: the T queries' ``(t, g)`` pairs).
 
 TPU block-shape rule: the last two dims of every block are multiples of
 (8, 128) or equal the array's dims; ``_plan`` keeps to it (K/V blocks are
@@ -146,7 +148,7 @@ class TPUDecodeBlockSizes:
     16, capped at ``max_block_q``.
   max_block_q: cap of the automatic block_q (more rows: several row blocks,
     each re-reading K/V).
-  new_align: the T new tokens are padded to a multiple of this (the lane dim
+  new_align: the T_new new tokens are padded to a multiple of this (the lane dim
     of their scores and mask); 128 keeps those tiles lane-dense.
   heads_per_block: KV heads one program streams together (a divisor of K);
     None: ``_heads_per_block`` (as many as keep the double-buffered K/V blocks
@@ -459,10 +461,11 @@ def _gather_new(cache, layer, lengths, T):
 
 
 @functools.partial(jax.jit, static_argnames=("sink", "window", "sm_scale", "interpret",
-                                             "block_sizes"))
+                                             "block_sizes", "num_new"))
 def _tpu_decode(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window, sm_scale,
-                interpret, block_sizes):
+                interpret, block_sizes, num_new):
   B, T, H, D = q.shape
+  T_new = num_new                     # new tokens (keys); the T queries are the last T
   K, S = k_cache.shape[-3], k_cache.shape[-2]
   G = H // K
   rows = T * G
@@ -478,17 +481,17 @@ def _tpu_decode(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window,
   q_BKRD = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, D)
   q_BKRD = jnp.pad(q_BKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
 
-  tn = _round_up(T, block_sizes.new_align)
-  pad_new = ((0, 0), (0, 0), (0, tn - T), (0, 0))
-  kn = jnp.pad(_gather_new(k_cache, layer, lengths, T), pad_new)
-  vn = jnp.pad(_gather_new(v_cache, layer, lengths, T), pad_new)
-  if tree_mask is None:
-    tm = jnp.tril(jnp.ones((T, T), jnp.int32))[None]
+  tn = _round_up(T_new, block_sizes.new_align)
+  pad_new = ((0, 0), (0, 0), (0, tn - T_new), (0, 0))
+  kn = jnp.pad(_gather_new(k_cache, layer, lengths, T_new), pad_new)
+  vn = jnp.pad(_gather_new(v_cache, layer, lengths, T_new), pad_new)
+  if tree_mask is None:  # query t is new token t + T_new - T
+    tm = jnp.tri(T, T_new, T_new - T, dtype=jnp.int32)[None]
   else:
-    tm = jnp.asarray(tree_mask).reshape(-1, T, T).astype(jnp.int32)
+    tm = jnp.asarray(tree_mask).reshape(-1, T, T_new).astype(jnp.int32)
   mask_per_batch = tm.shape[0] != 1
-  tm = jnp.repeat(tm, G, axis=1)                                             # [Bm, T*G, T]
-  tm = jnp.pad(tm, ((0, 0), (0, rows_pad - rows), (0, tn - T)))
+  tm = jnp.repeat(tm, G, axis=1)                                             # [Bm, T*G, T_new]
+  tm = jnp.pad(tm, ((0, 0), (0, rows_pad - rows), (0, tn - T_new)))
 
   c = _Static(S=S, heads=heads, block_q=block_q, block_k=block_k, num_steps=num_steps, sink=int(sink),
               window=int(window), sparse=bool(sink) or bool(window), sink_steps=sink_steps,
@@ -504,8 +507,9 @@ def _tpu_decode(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window,
 
 def tpu_decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
                          sink=None, window=None, sm_scale=None, interpret=None,
-                         block_sizes=None):
-  """Mosaic TPU decode / verify attention; the contract of ``decode_attention``.
+                         block_sizes=None, num_new=None):
+  """Mosaic TPU decode / verify attention; the contract of ``decode_attention``
+  (including T_new > T: ``tree_mask`` ``[T, T_new]`` / ``[B, T, T_new]`` or ``num_new``).
 
   ``interpret``: None/False compile through Mosaic (a TPU backend, or lowering
   for one); True (or a ``pltpu.InterpretParams``) runs Pallas's TPU interpret
@@ -513,14 +517,14 @@ def tpu_decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=
   defaults). Returns ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``.
   """
   from .decode_attention import _check_shapes
-  _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer)
+  T_new = _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer, num_new)
   sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
   if interpret is True and _InterpretParams is not None:
     interpret = _InterpretParams()
   return _tpu_decode(q, k_cache, v_cache, lengths, tree_mask, layer, sink=int(sink or 0),
                      window=int(window or 0), sm_scale=sm_scale,
                      interpret=interpret if interpret else False,
-                     block_sizes=block_sizes or TPUDecodeBlockSizes())
+                     block_sizes=block_sizes or TPUDecodeBlockSizes(), num_new=T_new)
 
 
 # --- shared prefix (Hydragen) ------------------------------------------------------

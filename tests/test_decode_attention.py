@@ -2,7 +2,9 @@
 
 The reference is itself checked against an independent float64 numpy computation
 with dense, per-key visibility written out in Python, so it cannot be silently
-wrong; the kernel is checked against the reference on many shapes.
+wrong; the kernel is checked against the reference on many shapes, including
+T queries that are the last T of T_new > T new tokens (``Case.T_new``), which
+are also checked against the matching rows of a call with all T_new queries.
 """
 from __future__ import annotations
 
@@ -39,9 +41,21 @@ class Case:
   window: int = 0
   layers: int = 0               # 0: [B,K,S,D]; n: [n,B,K,S,D], layer n-1 used
   bs: DecodeAttentionBlockSizes = SMALL
+  T_new: int = 0                # 0: T; else the T queries are the last T of T_new new tokens
+
+  @property
+  def n_new(self) -> int:
+    return self.T_new or self.T
+
+  @property
+  def num_new(self):
+    """The ``num_new`` argument (None: T_new == T)."""
+    return self.T_new or None
 
   def __str__(self):
     s = f"B{self.B}T{self.T}G{self.G}K{self.K}D{self.D}S{self.S}-{self.dtype}-{self.mask}"
+    if self.T_new:
+      s += f"-Tnew{self.T_new}"
     if self.sink or self.window:
       s += f"-sink{self.sink}win{self.window}"
     if self.layers:
@@ -55,7 +69,8 @@ def make_inputs(c: Case, seed: int):
   rng = np.random.default_rng(seed)
   H = c.G * c.K
   lengths = np.asarray(c.lengths, np.int32)
-  assert lengths.shape == (c.B,) and (lengths + c.T <= c.S).all()
+  Tn = c.n_new
+  assert lengths.shape == (c.B,) and (lengths + Tn <= c.S).all() and Tn >= c.T
   q = rng.standard_normal((c.B, c.T, H, c.D), dtype=np.float32)
   shape = (c.B, c.K, c.S, c.D)
   if c.layers:
@@ -69,7 +84,7 @@ def make_inputs(c: Case, seed: int):
       if gap_end > c.sink:
         k[..., b, :, c.sink:gap_end, :] = np.nan
         v[..., b, :, c.sink:gap_end, :] = np.nan
-    end = lengths[b] + c.T
+    end = lengths[b] + Tn
     k[..., b, :, end:, :] = np.nan
     v[..., b, :, end:, :] = np.nan
     if end + 1 < c.S:
@@ -78,10 +93,10 @@ def make_inputs(c: Case, seed: int):
   if c.mask == "causal":
     tm = None
   elif c.mask == "tree":
-    tm = rng.random((c.T, c.T)) < 0.5
+    tm = rng.random((c.T, Tn)) < 0.5
     tm[:, 0] = True  # mostly tree-like: root visible, random rest
   elif c.mask == "tree_b":
-    tm = rng.random((c.B, c.T, c.T)) < 0.4
+    tm = rng.random((c.B, c.T, Tn)) < 0.4
   else:
     raise ValueError(c.mask)
   dt = jnp.dtype(c.dtype)
@@ -89,7 +104,8 @@ def make_inputs(c: Case, seed: int):
           None if tm is None else jnp.asarray(tm))
 
 
-def numpy_attention(q, k, v, lengths, tree_mask, *, sink=0, window=0, layer=None, sm_scale=None):
+def numpy_attention(q, k, v, lengths, tree_mask, *, sink=0, window=0, layer=None, sm_scale=None,
+                    num_new=None):
   """Independent float64 attention with the visibility rule spelled out per key."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   if layer is not None:
@@ -101,6 +117,7 @@ def numpy_attention(q, k, v, lengths, tree_mask, *, sink=0, window=0, layer=None
   out = np.zeros((B, T, H, D))
   lse = np.full((B, T, H), -np.inf)
   tm = None if tree_mask is None else np.asarray(tree_mask, bool)
+  T_new = tm.shape[-1] if tm is not None else (num_new or T)
   for b in range(B):
     L = int(lengths[b])
     for t in range(T):
@@ -109,9 +126,9 @@ def numpy_attention(q, k, v, lengths, tree_mask, *, sink=0, window=0, layer=None
         if (sink or window) and not (s < sink or s >= L - window):
           continue
         keys.append(s)
-      for j in range(T):
+      for j in range(T_new):   # query t is new token T_new - T + t
         if tm is None:
-          ok = j <= t
+          ok = j <= T_new - T + t
         else:
           ok = tm[t, j] if tm.ndim == 2 else tm[b, t, j]
         if ok:
@@ -156,6 +173,12 @@ REF_CASES = [
     Case(3, 2, 2, 2, 64, 80, (5, 20, 70), sink=0, window=11, mask="tree"),
     Case(2, 2, 1, 2, 64, 80, (3, 60), sink=6, window=0),
     Case(2, 3, 2, 2, 64, 40, (7, 30), layers=3),
+    # the last T of T_new new tokens
+    Case(3, 3, 2, 2, 64, 64, (0, 17, 50), mask="tree", T_new=7),
+    Case(2, 2, 2, 2, 64, 48, (9, 30), mask="tree_b", T_new=5),
+    Case(3, 2, 2, 1, 64, 48, (0, 11, 38), T_new=6),
+    Case(3, 3, 2, 1, 64, 80, (2, 20, 60), sink=4, window=8, mask="tree", T_new=9),
+    Case(2, 1, 2, 2, 64, 40, (0, 21), layers=2, T_new=4),
 ]
 
 
@@ -164,9 +187,9 @@ def test_reference_matches_numpy(c):
   q, k, v, lengths, tm = make_inputs(c, seed=1)
   layer = c.layers - 1 if c.layers else None
   ref = decode_attention_reference(q, k, v, lengths, tm, layer=layer, sink=c.sink,
-                                   window=c.window)
+                                   window=c.window, num_new=c.num_new)
   want = numpy_attention(q, k, v, np.asarray(lengths), tm, sink=c.sink, window=c.window,
-                         layer=layer)
+                         layer=layer, num_new=c.num_new)
   assert_close(*ref, *want, tol=1e-5)
 
 
@@ -202,6 +225,25 @@ KERNEL_CASES = [
     Case(2, 1, 4, 2, 64, 520, (515, 130), bs=DecodeAttentionBlockSizes()),
     Case(2, 5, 4, 1, 64, 600, (300, 590), mask="tree",
          bs=DecodeAttentionBlockSizes(target_programs=64, min_split_size=64)),
+] + [
+    # the last T of T_new new tokens (one token-tree level over the earlier levels' K/V)
+    Case(3, 3, 2, 2, 64, 100, (0, 37, 90), mask="tree", T_new=7),
+    Case(2, 4, 4, 1, 64, 150, (20, 130), dtype="bfloat16", mask="tree_b", T_new=15),
+    Case(3, 2, 2, 2, 64, 120, (0, 50, 100), T_new=9),                   # causal, num_new
+    Case(2, 1, 4, 2, 64, 200, (0, 150), T_new=33),                      # one query, 3 key blocks
+    Case(2, 1, 4, 2, 64, 200, (0, 150), mask="tree_b", T_new=33),
+    Case(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree", T_new=21),
+    Case(2, 8, 2, 1, 64, 300, (5, 200), dtype="bfloat16", sink=4, window=24, mask="tree_b",
+         T_new=40),
+    Case(3, 3, 2, 1, 64, 200, (0, 20, 150), sink=0, window=33, T_new=12),
+    Case(1, 40, 2, 1, 64, 300, (100,), mask="tree", T_new=70),          # 5 query-row blocks
+    Case(1, 40, 2, 1, 64, 300, (100,), T_new=70,
+         bs=DecodeAttentionBlockSizes(block_k=32, block_q=32, split_size=64)),
+    Case(2, 3, 2, 2, 64, 100, (0, 70), layers=2, mask="tree", T_new=6),
+    Case(2, 5, 4, 1, 64, 600, (300, 580), mask="tree", T_new=20,
+         bs=DecodeAttentionBlockSizes(target_programs=64, min_split_size=64)),
+    Case(2, 2, 4, 2, 64, 520, (500, 130), dtype="bfloat16", T_new=16,
+         bs=DecodeAttentionBlockSizes()),
 ]
 
 
@@ -210,13 +252,60 @@ def test_kernel_matches_reference(c):
   q, k, v, lengths, tm = make_inputs(c, seed=zlib.crc32(str(c).encode()))
   layer = c.layers - 1 if c.layers else None
   out = decode_attention(q, k, v, lengths, tm, layer=layer, sink=c.sink, window=c.window,
-                         interpret=True, block_sizes=c.bs)
+                         interpret=True, block_sizes=c.bs, num_new=c.num_new)
   ref = decode_attention_reference(q, k, v, lengths, tm, layer=layer, sink=c.sink,
-                                   window=c.window)
+                                   window=c.window, num_new=c.num_new)
   assert out[0].dtype == q.dtype and out[0].shape == q.shape
   assert out[1].dtype == jnp.float32 and out[1].shape == q.shape[:3]
   tol = 1e-5 if c.dtype == "float32" else 2e-2
   assert_close(*out, *ref, tol=tol)
+
+
+LAST_ROWS_CASES = [
+    Case(3, 3, 2, 2, 64, 100, (0, 37, 90), mask="tree", T_new=7),
+    Case(2, 4, 4, 1, 64, 150, (20, 130), dtype="bfloat16", mask="tree_b", T_new=15),
+    Case(3, 2, 2, 2, 64, 120, (0, 50, 100), T_new=9),
+    Case(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree_b", T_new=21),
+    Case(2, 1, 4, 2, 64, 200, (0, 150), sink=4, window=24, T_new=33),
+]
+
+
+@pytest.mark.parametrize("c", LAST_ROWS_CASES, ids=str)
+def test_last_queries_equal_rows_of_full_call(c):
+  """T queries over T_new new tokens == the last T rows of the call with all T_new queries
+  (the full call's mask: random rows first, then the T rows of the partial call's mask)."""
+  full = dataclasses.replace(c, T=c.T_new, T_new=0)
+  q_full, k, v, lengths, tm_full = make_inputs(full, seed=zlib.crc32(str(c).encode()))
+  first = c.T_new - c.T
+  q = q_full[:, first:]
+  tm = None if tm_full is None else tm_full[..., first:, :]
+  for fn, kw in ((decode_attention, dict(interpret=True, block_sizes=c.bs)),
+                 (decode_attention_reference, {})):
+    part = fn(q, k, v, lengths, tm, sink=c.sink, window=c.window, num_new=c.num_new, **kw)
+    whole = fn(q_full, k, v, lengths, tm_full, sink=c.sink, window=c.window, **kw)
+    assert part[0].shape == q.shape and part[1].shape == q.shape[:3]
+    assert_close(*part, whole[0][:, first:], whole[1][:, first:],
+                 tol=1e-5 if c.dtype == "float32" else 2e-2)
+  # and the partial call is not just the first T rows (the query offset matters)
+  ref = decode_attention_reference(q, k, v, lengths, tm, sink=c.sink, window=c.window,
+                                   num_new=c.num_new)
+  head = decode_attention_reference(q_full, k, v, lengths, tm_full, sink=c.sink,
+                                    window=c.window)
+  assert np.abs(np.asarray(ref[1]) - np.asarray(head[1][:, :c.T])).max() > 1e-3
+
+
+def test_num_new_errors():
+  c = Case(2, 3, 2, 1, 64, 40, (0, 9), mask="tree", T_new=5)
+  q, k, v, lengths, tm = make_inputs(c, seed=8)
+  for fn in (decode_attention, decode_attention_reference):
+    with pytest.raises(ValueError, match="differs"):
+      fn(q, k, v, lengths, tm, num_new=6)
+    with pytest.raises(ValueError, match="new tokens"):
+      fn(q, k, v, lengths, num_new=2)             # fewer new tokens than queries
+    with pytest.raises(ValueError, match="new tokens"):
+      fn(q, k, v, lengths, tm[:, :2])
+    with pytest.raises(ValueError, match="tree_mask must be"):
+      fn(q, k, v, lengths, jnp.ones((4, 5), bool))  # rows != queries
 
 
 def test_kernel_detects_wrong_window():
@@ -345,9 +434,9 @@ def test_kernel_compiled_gpu(c):
   q, k, v, lengths, tm = make_inputs(c, seed=zlib.crc32(str(c).encode()))
   layer = c.layers - 1 if c.layers else None
   out = decode_attention(q, k, v, lengths, tm, layer=layer, sink=c.sink, window=c.window,
-                         interpret=False, block_sizes=c.bs)
+                         interpret=False, block_sizes=c.bs, num_new=c.num_new)
   ref = decode_attention_reference(q, k, v, lengths, tm, layer=layer, sink=c.sink,
-                                   window=c.window)
+                                   window=c.window, num_new=c.num_new)
   assert_close(*out, *ref, tol=1e-5 if c.dtype == "float32" else 2e-2)
 
 
@@ -361,6 +450,12 @@ GPU_DEFAULT_CASES = [
          sink=16, window=496),
     Case(4, 5, 8, 2, 128, 2048, (2000, 17, 1000, 600), sink=4, window=100),
     Case(2, 512, 4, 2, 128, 2048, (1000, 0), dtype="bfloat16"),
+    # token-tree levels: the last T of T_new new tokens
+    Case(8, 4, 6, 2, 128, 4096, (4000, 17, 2049, 0, 4000, 1000, 3333, 64), dtype="bfloat16",
+         mask="tree_b", T_new=7),
+    Case(8, 8, 6, 2, 128, 4096, (4000, 17, 2049, 0, 4000, 1000, 3333, 600), dtype="bfloat16",
+         sink=16, window=496, mask="tree", T_new=15),
+    Case(4, 16, 4, 2, 128, 2048, (1900, 17, 1000, 0), dtype="bfloat16", T_new=100),
 ]
 
 
@@ -369,8 +464,9 @@ GPU_DEFAULT_CASES = [
 def test_kernel_compiled_gpu_default_blocks(c):
   _need_gpu()
   q, k, v, lengths, tm = make_inputs(c, seed=zlib.crc32(str(c).encode()))
-  out = decode_attention(q, k, v, lengths, tm, sink=c.sink, window=c.window)
-  ref = decode_attention_reference(q, k, v, lengths, tm, sink=c.sink, window=c.window)
+  out = decode_attention(q, k, v, lengths, tm, sink=c.sink, window=c.window, num_new=c.num_new)
+  ref = decode_attention_reference(q, k, v, lengths, tm, sink=c.sink, window=c.window,
+                                   num_new=c.num_new)
   assert_close(*out, *ref, tol=1e-5 if c.dtype == "float32" else 2e-2)
 
 
@@ -401,6 +497,9 @@ LOWERING_CASES = [
     Case(2, 5, 2, 2, 64, 300, (18, 250), sink=16, window=40, mask="tree", layers=2),
     Case(2, 64, 4, 1, 128, 4096, (100, 2500), dtype="bfloat16", bs=DecodeAttentionBlockSizes()),
     Case(2, 5, 8, 2, 128, 2048, (2000, 17), sink=4, window=100, bs=DecodeAttentionBlockSizes()),
+    Case(2, 4, 6, 2, 128, 2048, (2000, 17), dtype="bfloat16", sink=16, window=496, mask="tree_b",
+         T_new=11, bs=DecodeAttentionBlockSizes()),
+    Case(2, 3, 4, 2, 64, 300, (5, 250), T_new=40),
 ]
 
 
@@ -432,7 +531,7 @@ def test_kernel_lowers_to_valid_triton_ir(c, monkeypatch):
   def f(q, k, v, lengths, tm, layer):
     return da._decode_attention_kernel(q, k, v, lengths, tm, layer, sink=c.sink,
                                        window=c.window, sm_scale=0.125, interpret=False,
-                                       block_sizes=c.bs, on_gpu=True)
+                                       block_sizes=c.bs, on_gpu=True, num_new=c.num_new)
   try:
     lowered = jax.jit(f).trace(q, k, v, lengths, tm, layer).lower(lowering_platforms=("cuda",))
   except RuntimeError as e:

@@ -5,7 +5,9 @@ test_decode_attention.py / test_prefix_attention.py) on the kinds of shapes the
 GPU tests cover: ragged lengths incl. 0, T in {1, 5, 17, 64}, G in {1, 4, 7},
 D in {64, 128}, causal / tree / per-batch tree masks, sink and window crossing
 each other and both ends, float32 (tight) and bf16, NaN garbage past the valid
-slots and in the sparse gap, stacked layers; prefix: groups, ragged prefix
+slots and in the sparse gap, stacked layers, T queries that are the last T of
+T_new > T new tokens (tree mask [T, T_new] / [B, T, T_new], causal with num_new,
+also against the matching rows of a full T_new-query call); prefix: groups, ragged prefix
 lengths incl. 0. Also: which cache blocks the index maps stream, and that the
 dispatch picks the TPU kernels for a TPU backend.
 """
@@ -71,6 +73,15 @@ DECODE_CASES = [
     (C(2, 5, 4, 1, 64, 600, (300, 590), mask="tree"), DEFAULT),
     (C(3, 1, 4, 2, 128, 1000, (900, 5, 300), dtype="bfloat16", sink=16, window=200), DEFAULT),
     (C(2, 16, 7, 2, 128, 700, (650, 0), dtype="bfloat16", mask="tree_b", layers=2), DEFAULT),
+    # the last T of T_new new tokens (one token-tree level over the earlier levels' K/V)
+    (C(3, 3, 2, 2, 64, 100, (0, 37, 90), mask="tree", T_new=7), SMALL),
+    (C(2, 4, 4, 1, 64, 150, (20, 130), dtype="bfloat16", mask="tree_b", T_new=15), SMALL),
+    (C(3, 2, 2, 2, 64, 120, (0, 50, 100), T_new=9), SMALL),
+    (C(2, 1, 4, 2, 64, 200, (0, 150), T_new=33), SMALL),                 # > new_align keys
+    (C(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree", T_new=21), SMALL),
+    (C(2, 3, 2, 2, 64, 100, (0, 70), layers=2, mask="tree_b", T_new=6), SMALL),
+    (C(2, 4, 4, 2, 128, 1100, (1085, 130), dtype="bfloat16", sink=16, window=200,
+       mask="tree_b", T_new=11), DEFAULT),
 ]
 
 
@@ -89,12 +100,29 @@ def test_tpu_decode_matches_reference(case_bs):
   q, k, v, lengths, tm = _decode_inputs(c)
   layer = c.layers - 1 if c.layers else None
   out = tpu_decode_attention(q, k, v, lengths, tm, layer=layer, sink=c.sink, window=c.window,
-                             interpret=True, block_sizes=bs)
+                             interpret=True, block_sizes=bs, num_new=c.num_new)
   ref = decode_attention_reference(q, k, v, lengths, tm, layer=layer, sink=c.sink,
-                                   window=c.window)
+                                   window=c.window, num_new=c.num_new)
   assert out[0].dtype == q.dtype and out[0].shape == q.shape
   assert out[1].dtype == jnp.float32 and out[1].shape == q.shape[:3]
   dec.assert_close(*out, *ref, tol=1e-5 if c.dtype == "float32" else 2e-2)
+
+
+@pytest.mark.parametrize("c", dec.LAST_ROWS_CASES, ids=str)
+def test_tpu_last_queries_equal_rows_of_full_call(c):
+  """T queries over T_new new tokens == the last T rows of the TPU call with all T_new queries."""
+  import dataclasses
+  full = dataclasses.replace(c, T=c.T_new, T_new=0)
+  q_full, k, v, lengths, tm_full = dec.make_inputs(full, seed=zlib.crc32(str(c).encode()))
+  first = c.T_new - c.T
+  tm = None if tm_full is None else tm_full[..., first:, :]
+  part = tpu_decode_attention(q_full[:, first:], k, v, lengths, tm, sink=c.sink,
+                              window=c.window, num_new=c.num_new, interpret=True,
+                              block_sizes=SMALL)
+  whole = tpu_decode_attention(q_full, k, v, lengths, tm_full, sink=c.sink, window=c.window,
+                               interpret=True, block_sizes=SMALL)
+  dec.assert_close(*part, whole[0][:, first:], whole[1][:, first:],
+                   tol=1e-5 if c.dtype == "float32" else 2e-2)
 
 
 def test_tpu_decode_detects_wrong_window():
@@ -260,6 +288,17 @@ def test_dispatch_lowers_mosaic_for_tpu():
         q, k, v, lengths, tm).lower(lowering_platforms=("tpu",))
   text = lowered.as_text()
   assert "tpu_custom_call" in text and "jaxspec_tpu_decode_attention" in text
+
+
+def test_dispatch_lowers_mosaic_for_tpu_last_queries():
+  """The same with T queries over T_new > T new tokens (tree mask [B, T, T_new], causal)."""
+  c = C(2, 4, 4, 2, 128, 512, (7, 300), dtype="bfloat16", mask="tree_b", T_new=11)
+  q, k, v, lengths, tm = dec.make_inputs(c, seed=8)
+  with target_platform("tpu"):
+    for mask, kw in ((tm, {}), (None, dict(num_new=11))):
+      fn = lambda *a: pallas_kernels.decode_attention(*a, sink=4, window=64, **kw)
+      lowered = jax.jit(fn).trace(q, k, v, lengths, mask).lower(lowering_platforms=("tpu",))
+      assert "jaxspec_tpu_decode_attention" in lowered.as_text()
 
 
 def test_block_rules_rejected():

@@ -97,10 +97,10 @@ class _Spy:
             self.cache = state.cache.k.sharding
             return run_loop(params, sp, state, **kw)
 
-        def spy_spec(params, dparams, sp, state, dstate, **kw):
+        def spy_spec(params, dparams, sp, state, dstate, *args, **kw):
             self.cache = state.cache.k.sharding
             self.draft_cache = dstate.cache.k.sharding
-            return run_spec(params, dparams, sp, state, dstate, **kw)
+            return run_spec(params, dparams, sp, state, dstate, *args, **kw)
 
         def spy_attn(fn, *args):
             self.active.append(shd._active_mesh() is not None)

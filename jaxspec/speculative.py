@@ -37,7 +37,7 @@ from flax import struct
 
 from jaxspec import sampling
 from jaxspec.attention import AttentionPlan
-from jaxspec.cache import KVCache, kv_bytes_per_token, round_up, set_bits
+from jaxspec.cache import SLOT_ALIGN, KVCache, kv_bytes_per_token, round_up, set_bits
 from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
 from jaxspec.engine import DecodeState, commit_tokens, prefill
@@ -675,7 +675,8 @@ class _Runner:
 
 
 def ring_cache_len(sink: int, window: int, scratch: int, chunk: int) -> int:
-    return round_up(sink + window + max(scratch, chunk), 8)
+    # a multiple of SLOT_ALIGN like every cache: the attention kernel's key blocks divide it
+    return round_up(sink + window + max(scratch, chunk), SLOT_ALIGN)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sink", "window", "impl"),

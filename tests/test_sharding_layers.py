@@ -115,10 +115,10 @@ class _Spy:
             self.params.append(params)
             return run_loop(params, sp, state, **kw)
 
-        def spy_spec(params, dparams, sp, state, dstate, **kw):
+        def spy_spec(params, dparams, sp, state, dstate, *args, **kw):
             self.params.append(params)
             self.dparams.append(dparams)
-            return run_spec(params, dparams, sp, state, dstate, **kw)
+            return run_spec(params, dparams, sp, state, dstate, *args, **kw)
         monkeypatch.setattr(engine, "_run_loop", spy_loop)
         monkeypatch.setattr(speculative, "_run_spec", spy_spec)
 

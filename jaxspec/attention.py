@@ -64,16 +64,9 @@ class AttentionPlan:
 
 def _num_new(T: int, mask, num_new) -> int:
     """T_new: ``mask.shape[-1]`` with a mask (``num_new`` must then agree), else ``num_new``,
-    else T; at least T."""
-    if mask is not None:
-        n = int(mask.shape[-1])
-        if num_new is not None and int(num_new) != n:
-            raise ValueError(f"num_new={num_new} differs from the mask's {n} columns")
-    else:
-        n = T if num_new is None else int(num_new)
-    if n < T:
-        raise ValueError(f"{T} tokens computed but only {n} new tokens (num_new / mask columns)")
-    return n
+    else T; at least T (the kernels' own rule)."""
+    from pallas_kernels.decode_attention import resolve_num_new
+    return resolve_num_new(T, mask, num_new)
 
 
 def _new_token_mask(mask, B: int, T: int, T_new: int | None = None) -> jax.Array:

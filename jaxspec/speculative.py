@@ -40,7 +40,7 @@ from jaxspec.attention import AttentionPlan
 from jaxspec.cache import SLOT_ALIGN, KVCache, kv_bytes_per_token, round_up, set_bits
 from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
-from jaxspec.engine import DecodeState, commit_tokens, prefill
+from jaxspec.engine import DecodeLoop, DecodeState, commit_tokens, prefill
 from jaxspec.model import forward
 from jaxspec.prefix import positions_of
 from jaxspec.sharding import cache_sharding_like
@@ -283,25 +283,21 @@ class SpecLoop:
         return tokens * plain >= n * spec
 
     def _plain_body(self, params, dparams, sp, carry):
-        """A plain decode step inside the speculative loop (`RoundCosts` chose it): one target
-        token per row, sampled from the target's own distribution. A separate draft model reads
-        the token it has not seen yet, so it never lags by more than one position."""
+        """A plain decode step inside the speculative loop (`speculation_pays` chose it): the
+        plain loop's own step (one target token per row, from the target's distribution). A
+        separate draft model reads the token it has not seen yet, so it never lags by more than
+        one position."""
         state, dstate, acc = carry
-        rng, sub = jax.random.split(state.rng)
-        cache = state.cache
-        plan = AttentionPlan(lengths=cache.lengths, impl=self.impl, active=self._active(state))
-        logits, cache = forward(self.config, params, state.last[:, None],
-                                cache.lengths[:, None], cache, plan)
-        nxt = sampling.sample(sub, logits[:, 0], sp).astype(jnp.int32)
+        st = DecodeLoop(config=self.config, stop_ids=self.stop_ids, impl=self.impl,
+                        skip_finished=self.skip_finished).body(params, sp, state)
         active = ~state.done
-        st = commit_tokens(state.replace(cache=cache, rng=rng, steps=state.steps + 1),
-                           nxt[:, None], jnp.where(active, 1, 0), self.stop_ids)
         if self.draft_config is not None:
             _, dc, start, base, _ = self._catch_up(dparams, state, dstate)
             have = jnp.minimum(positions_of(st.cache), positions_of(state.cache) + 1)
             dc = self._commit_draft(dc, start, base, have, n_kv_max=2)
-            dstate = _next_draft_state(dc, nxt[:, None], jnp.zeros_like(nxt), state, dstate,
-                                       active)
+            # nothing accepted: the token before the new `last` is the old one
+            dstate = _next_draft_state(dc, st.last[:, None], jnp.zeros_like(st.last), state,
+                                       dstate, active)
         acc = dict(acc)
         acc["committed"] = acc["committed"] + jnp.sum(st.n_out - state.n_out)
         acc["row_steps"] = acc["row_steps"] + jnp.sum(active.astype(jnp.int32))
@@ -593,7 +589,7 @@ class _Runner:
             stats["tree_nodes"] = self.tree.num_nodes
             stats["tree_depth"] = self.tree.max_depth
         if gamma == 0:  # speculation would not pay: plain decoding
-            from jaxspec.engine import DecodeLoop, _run_loop
+            from jaxspec.engine import _run_loop
             loop = DecodeLoop(config=cfg, stop_ids=stop_ids, impl=impl,
                               skip_finished=self.skip_finished)
             final = _run_loop(model.decode_params(), sp, state, loop=loop)

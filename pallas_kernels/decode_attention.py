@@ -308,7 +308,7 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
                              sink, window, sm_scale, interpret, block_sizes, on_gpu,
                              num_new=None):
   B, T, H, D = q.shape
-  T_new = _resolve_num_new(T, tree_mask, num_new)
+  T_new = resolve_num_new(T, tree_mask, num_new)
   has_layer = layer is not None
   K, S = k_cache.shape[-3], k_cache.shape[-2]
   G = H // K
@@ -384,8 +384,9 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
   return o, lse
 
 
-def _resolve_num_new(T, tree_mask, num_new):
-  """T_new: the mask's last dim, else ``num_new``, else T (checked >= T)."""
+def resolve_num_new(T, tree_mask, num_new):
+  """T_new: the mask's last dim, else ``num_new``, else T (checked >= T). Shared with the
+  plain-`jnp` paths of `jaxspec.attention`."""
   if tree_mask is not None:
     T_new = int(tree_mask.shape[-1])
     if num_new is not None and int(num_new) != T_new:
@@ -412,7 +413,7 @@ def _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer, num_new=None):
     raise ValueError(f"shape mismatch: q {q.shape}, cache {k_cache.shape}")
   if lengths.shape != (B,):
     raise ValueError(f"lengths must be [B]={B}, got {lengths.shape}")
-  T_new = _resolve_num_new(T, tree_mask, num_new)
+  T_new = resolve_num_new(T, tree_mask, num_new)
   if tree_mask is not None and tree_mask.shape not in ((T, T_new), (B, T, T_new),
                                                        (1, T, T_new)):
     raise ValueError(f"tree_mask must be [T, T_new] or [B, T, T_new] with T = {T} queries, "

@@ -182,3 +182,33 @@ def test_stragglers_are_decoded_plainly():
     done[7] = False
     slow = dict(acc, rows_committed=acc["rows_committed"].at[7].set(14))
     assert not bool(loop.speculation_pays((St(done, lengths), None, slow)))
+
+
+@pytest.mark.parametrize("draft", ["self", "model"])
+def test_measure_costs_keeps_the_caches(target, prompts, draft):
+    """`measure_costs` runs device loops of forwards on the live caches: every committed slot
+    and the lengths must come back bit for bit (only slots past the lengths are written), and
+    every cost must be a positive finite time."""
+    d = "self" if draft == "self" else tiny_model(seed=7, layers=1)
+    spec = Speculation(draft=d, gamma=2, sink=4, window=12)
+    prep = jaxspec.engine.prepare(target, prompts, max_new_tokens=8, speculation=spec)
+    runner = prep.spec
+    state = prep.fresh_state(jax.tree.map(jnp.copy, prep.state.cache))
+    dstate = runner.draft_state(target, state, "auto")
+    before = (np.asarray(state.cache.k), np.asarray(state.cache.v),
+              np.asarray(state.cache.lengths))
+    dbefore = (np.asarray(dstate.cache.k), np.asarray(dstate.cache.lengths))
+    S._COSTS.clear()
+    costs, st2, ds2 = S.measure_costs(target, spec, runner.draft, state, dstate, "auto", (1, 2, 3))
+    L = before[2]
+    k2, v2 = np.asarray(st2.cache.k), np.asarray(st2.cache.v)
+    for b, n in enumerate(L):
+        np.testing.assert_array_equal(k2[:, b, :, :n], before[0][:, b, :, :n])
+        np.testing.assert_array_equal(v2[:, b, :, :n], before[1][:, b, :, :n])
+    np.testing.assert_array_equal(np.asarray(st2.cache.lengths), L)
+    dk2 = np.asarray(ds2.cache.k)
+    for b, n in enumerate(dbefore[1]):
+        np.testing.assert_array_equal(dk2[:, b, :, :n], dbefore[0][:, b, :, :n])
+    flat = [costs["plain"], costs["draft"], *costs["verify"].values()]
+    assert set(costs["verify"]) == {1, 2, 3}
+    assert all(np.isfinite(t) and t > 0 for t in flat)

@@ -84,7 +84,10 @@ class PrefixAttentionBlockSizes:
     buffers would not fit in shared memory.
   split_size: prefix slots per program (a multiple of block_k); None: on GPU
     the number of splits that best fills whole waves of programs over the SMs
-    (each split at least ``min_split_size`` slots); one split elsewhere.
+    (each split at least ``min_split_size`` of the L slots); one split
+    elsewhere. With None the splits divide each group's *valid* length
+    (``prefix_lengths[p]``) evenly at run time, so a prefix cache padded past
+    its prefix costs what its valid tokens cost.
   target_programs: None, or the number of programs that run at once (instead
     of the SM-count estimate) for the automatic split choice.
   num_warps / num_stages: Triton compiler parameters (ignored in interpret
@@ -111,8 +114,28 @@ class _Static:
   block_q: int
   block_k: int
   split_size: int
+  num_splits: int
+  dynamic_split: bool  # splits share each group's valid length (else: static split_size slots)
   scale_log2: float
   fast_exp: bool
+
+
+def split_range(si, length, c: _Static):
+  """Prefix slots ``[lo, hi)`` of split ``si`` for a group with ``length`` valid slots.
+
+  The grid's splits are sized for all L slots, but a group may use fewer (a prefix
+  cache padded to a bucket). With ``dynamic_split`` the valid length is shared
+  evenly (in whole ``block_k`` blocks), so the time scales with it; otherwise
+  split ``si`` owns the static slots ``[si * split_size, (si + 1) * split_size)``.
+  """
+  if c.dynamic_split:
+    bk = c.block_k
+    split = lax.div(lax.div(length + (c.num_splits - 1), c.num_splits) + (bk - 1), bk) * bk
+  else:
+    split = c.split_size
+  lo = jnp.minimum(si * split, length)
+  hi = jnp.minimum(lo + split, length)
+  return lo, hi
 
 
 def _prefix_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Static):
@@ -165,8 +188,7 @@ def _prefix_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Stat
     return acc, m_new, l
 
   length = jnp.clip(lengths_ref[p], 0, c.L)
-  lo = jnp.minimum(si * c.split_size, length)
-  hi = jnp.minimum(lo + c.split_size, length)
+  lo, hi = split_range(si, length, c)
   n = hi - lo
   n_full = lax.div(n, bk)
   carry = (jnp.zeros((bq, head_dim), jnp.float32),
@@ -270,6 +292,7 @@ def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, *, sm_scale,
         pl.BlockSpec((None, None, None, block_q), lambda qi, si, p, h: (p, h, si, qi))]
 
   static = _Static(L=L, block_q=block_q, block_k=block_k, split_size=split,
+                   num_splits=num_splits, dynamic_split=block_sizes.split_size is None,
                    scale_log2=float(sm_scale) * _LOG2E,
                    fast_exp=bool(block_sizes.fast_exp and on_gpu and _is_nvidia()))
   compiler_params = None

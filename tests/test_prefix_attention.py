@@ -442,3 +442,30 @@ def test_kernel_compiled_gpu_default_blocks(c):
   out = prefix_attention(q, k, v, lengths)
   ref = prefix_attention_reference(q, k, v, lengths)
   assert_close(*out, *ref, tol=1e-5 if c.dtype == "float32" else 2e-2)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_splits_share_the_valid_length(dynamic):
+  """With automatic splits the valid prefix is spread over all splits, so a cache padded far
+  past its prefix costs what the valid tokens cost: the ranges partition [0, length) and none
+  is longer than an even share (in whole blocks). Static splits (an explicit split_size) keep
+  their fixed slots, and the evenness check fails for them."""
+  from pallas_kernels.prefix_attention import _Static, split_range
+  rng = np.random.default_rng(3)
+  for _ in range(200):
+    n, bk = int(rng.integers(1, 9)), int(2 ** rng.integers(4, 7))
+    split = int(rng.integers(1, 40)) * bk
+    L = n * split
+    c = _Static(L=L, block_q=16, block_k=bk, split_size=split, num_splits=n,
+                dynamic_split=dynamic, scale_log2=1.0, fast_exp=False)
+    length = int(rng.integers(0, L + 1))
+    ranges = [tuple(int(x) for x in split_range(jnp.int32(si), jnp.int32(length), c))
+              for si in range(n)]
+    covered = [i for lo, hi in ranges for i in range(lo, hi)]
+    assert covered == list(range(length))   # a partition, in order
+    share = -(-(-(-length // n)) // bk) * bk
+    even = max(hi - lo for lo, hi in ranges) <= share
+    if dynamic:
+      assert even
+    elif length < split and n > 1 and length > bk:
+      assert not even    # one split does all the work

@@ -212,6 +212,7 @@ def test_draft_vocab_and_dtype_mismatch(target):
 # ------------------------------------------------------------------------- gamma="auto"
 def test_cost_model_choice():
     from jaxspec.speculative import choose_gamma, expected_tokens, per_token_acceptance
+    from jaxspec.speculative import AUTO_MARGIN as S_AUTO_MARGIN
     # KV-bound: verifying 7 tokens costs ~ one step, the draft is cheap -> speculate, deep
     kv_bound = {"plain": 10.0, "draft": 1.0, "verify": {g: 10.0 + 0.2 * g for g in range(1, 7)}}
     g, s = choose_gamma(kv_bound, 0.8)
@@ -229,6 +230,10 @@ def test_cost_model_choice():
     assert choose_gamma(kv_bound, 0.8, previous=near[0])[0] == near[0]
     assert choose_gamma(kv_bound, 0.8, previous=far[0]) == (best, s_best)
     assert choose_gamma(w_bound, 0.9, previous=3) == (0, 1.0)
+    # marginal: gamma 1 predicted ~1.07x (inside the cost measurements' scatter) -> plain
+    marginal = {"plain": 10.0, "draft": 9.0, "verify": {g: 9.7 + 10.0 * (g - 1) for g in range(1, 7)}}
+    s1 = choose_gamma(marginal, 1.0, candidates=(1,), margin=1.0)[1]
+    assert 1.0 < s1 < S_AUTO_MARGIN and choose_gamma(marginal, 1.0) == (0, 1.0)
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert per_token_acceptance(0.5 + 0.25, 2) == pytest.approx(0.5, abs=1e-6)
 

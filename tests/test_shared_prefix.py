@@ -113,6 +113,17 @@ def test_short_suffix_window_reaches_into_prefix(target, prompts, reference):
     assert res.stats["acceptance_rate"] == pytest.approx(base.stats["acceptance_rate"])
 
 
+def test_auto_gamma_with_a_shared_prefix(target, prompts, reference):
+    """gamma="auto" prices its steps on the live (shared-prefix) cache and stays lossless
+    whichever gamma it picks, plain decoding included."""
+    res = jaxspec.generate(target, prompts, max_new_tokens=NEW, shared_prefix="auto",
+                           speculation=Speculation(draft="self", gamma="auto", sink=4, window=20))
+    assert res.tokens == reference
+    assert res.stats["shared_prefix_tokens"] > 0
+    costs = res.stats["step_costs_ms"]
+    assert costs["plain"] > 0 and costs["draft"] > 0 and all(v > 0 for v in costs["verify"].values())
+
+
 def test_n_samples_two_levels(target, prompts):
     rows = [p for p in prompts for _ in range(2)]
     ref = jaxspec.generate(target, rows, max_new_tokens=NEW).tokens

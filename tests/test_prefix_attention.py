@@ -450,6 +450,7 @@ def test_splits_share_the_valid_length(dynamic):
   past its prefix costs what the valid tokens cost: the ranges partition [0, length) and none
   is longer than an even share (in whole blocks). Static splits (an explicit split_size) keep
   their fixed slots, and the evenness check fails for them."""
+  from pallas_kernels.decode_attention import _cdiv
   from pallas_kernels.prefix_attention import _Static, split_range
   rng = np.random.default_rng(3)
   for _ in range(200):
@@ -463,7 +464,7 @@ def test_splits_share_the_valid_length(dynamic):
               for si in range(n)]
     covered = [i for lo, hi in ranges for i in range(lo, hi)]
     assert covered == list(range(length))   # a partition, in order
-    share = -(-(-(-length // n)) // bk) * bk
+    share = _cdiv(_cdiv(length, n), bk) * bk   # an even share, rounded up to whole blocks
     even = max(hi - lo for lo, hi in ranges) <= share
     if dynamic:
       assert even

@@ -566,13 +566,18 @@ class _Runner:
         prefilled here, see `draft_state`)."""
         greedy = bool(np.all(np.asarray(sp.temperature) <= 0))
         cfg = model.config
+        measure = self.spec.gamma == "auto" or profile
+        # A draft model's prefill waits until it is needed: `auto` may decode plainly, and its
+        # step costs are timed on a zero cache of the same shape and lengths.
+        placeholder = dstate is None and measure and self.draft is not None
         if dstate is None:
-            dstate = self.draft_state(model, state, impl)
+            dstate = (self.draft_placeholder(state) if placeholder
+                      else self.draft_state(model, state, impl))
         dparams = jnp.zeros(()) if self.draft is None else self.draft.decode_params()
         stats: dict[str, Any] = {}
         gamma = self.gamma
         costs = None
-        if self.spec.gamma == "auto" or profile:
+        if measure:
             costs, state, dstate = measure_costs(model, self.spec, self.draft, state, dstate,
                                                  impl, GAMMA_CANDIDATES)
             stats["step_costs_ms"] = {k: (round(v * 1e3, 4) if isinstance(v, float) else
@@ -590,11 +595,15 @@ class _Runner:
             stats["tree_depth"] = self.tree.max_depth
         if gamma == 0:  # speculation would not pay: plain decoding
             from jaxspec.engine import _run_loop
+            del dstate
             loop = DecodeLoop(config=cfg, stop_ids=stop_ids, impl=impl,
                               skip_finished=self.skip_finished)
             final = _run_loop(model.decode_params(), sp, state, loop=loop)
             stats.update({"acceptance_rate": 0.0, "tokens_per_step": 1.0})
             return final, stats
+        if placeholder:
+            dstate = None  # release the zero cache before the real one is filled
+            dstate = self.draft_state(model, state, impl)
         adaptive = self.spec.gamma == "auto" if self.spec.adaptive is None else self.spec.adaptive
         rc = None
         if adaptive:
@@ -653,6 +662,22 @@ class _Runner:
                               prev=jnp.array(state.last, copy=True))
         return self._draft_prefill(state, impl)
 
+    def draft_placeholder(self, state: DecodeState) -> DraftState:
+        """A draft state of the real one's shapes and lengths with zero K/V and no prefill: what
+        `measure_costs` times draft steps on (the cost of a step does not depend on the values).
+        Draft models only (self-speculation has no draft cache)."""
+        d = self.draft
+        B = len(self.token_lists)
+        if self.spec.window is None:
+            S = state.cache.max_len
+        else:
+            S = ring_cache_len(self.spec.sink, self.spec.window, self.extra_slots,
+                               ring_chunk(self.spec.window))
+        dc = KVCache.create(d.config, B, S, dtype=d.dtype,
+                            sharding=cache_sharding_like(d.config, d.params, B))
+        lens = jnp.asarray([len(t) - 1 for t in self.token_lists], jnp.int32)
+        return DraftState(cache=dc.replace(lengths=lens), prev=jnp.array(state.last, copy=True))
+
     def _draft_prefill(self, state: DecodeState, impl: str) -> DraftState:
         d = self.draft
         d_params = d.decode_params()
@@ -668,6 +693,11 @@ class _Runner:
                               window=self.spec.window, scratch=self.extra_slots, impl=impl,
                               dtype=d.dtype)
         return DraftState(cache=dc, prev=jnp.array(state.last, copy=True))
+
+
+def ring_chunk(window: int) -> int:
+    """Tokens per chunk of a ring cache's streaming prefill (its scratch area holds one)."""
+    return max(8, min(256, window // 2))
 
 
 def ring_cache_len(sink: int, window: int, scratch: int, chunk: int) -> int:
@@ -698,7 +728,7 @@ def ring_prefill(config, params, prompts, *, sink, window, scratch, impl="auto",
                  dtype=jnp.bfloat16) -> KVCache:
     B = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
-    C = max(8, min(256, window // 2))
+    C = ring_chunk(window)
     S = ring_cache_len(sink, window, scratch, C)
     cache = KVCache.create(config, B, S, dtype=dtype,
                            sharding=cache_sharding_like(config, params, B))

@@ -212,3 +212,42 @@ def test_measure_costs_keeps_the_caches(target, prompts, draft):
     flat = [costs["plain"], costs["draft"], *costs["verify"].values()]
     assert set(costs["verify"]) == {1, 2, 3}
     assert all(np.isfinite(t) and t > 0 for t in flat)
+
+
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("chosen", [0, 2])
+def test_auto_prefills_the_draft_only_when_it_speculates(target, prompts, reference, monkeypatch,
+                                                         window, chosen):
+    """With a draft model, `gamma="auto"` times the draft on a zero cache of the real shape and
+    prefills the draft only if it chose to speculate (a plain run never pays for the draft's
+    prefill); both ways the output is the autoregressive one, and the placeholder has the
+    prefilled cache's shape and lengths (so the timing is of the same step)."""
+    # the draft is the target itself: with a full cache every draft must be accepted, which
+    # fails if the loop ran on the placeholder's zero cache
+    spec = Speculation(draft=target, gamma="auto", sink=2, window=window, adaptive=False)
+    calls, shapes = [], []
+    real_prefill, real_measure = S._Runner._draft_prefill, S.measure_costs
+
+    def spy_prefill(self, state, impl):
+        ds = real_prefill(self, state, impl)
+        calls.append((ds.cache.k.shape, np.asarray(ds.cache.lengths)))
+        return ds
+
+    def spy_measure(model, spec_, d, state, dstate, *a):
+        shapes.append((dstate.cache.k.shape, np.asarray(dstate.cache.lengths)))
+        return real_measure(model, spec_, d, state, dstate, *a)
+
+    monkeypatch.setattr(S._Runner, "_draft_prefill", spy_prefill)
+    monkeypatch.setattr(S, "measure_costs", spy_measure)
+    monkeypatch.setattr(S, "choose_gamma", lambda *a, **k: (chosen, 1.5 if chosen else 1.0))
+    S._COSTS.clear()
+    res = jaxspec.generate(target, prompts, max_new_tokens=36, speculation=spec)
+    assert res.tokens == reference
+    assert res.stats["gamma"] == chosen
+    assert len(shapes) == 1
+    assert len(calls) == (1 if chosen else 0)
+    if chosen:
+        assert calls[0][0] == shapes[0][0]
+        np.testing.assert_array_equal(calls[0][1], shapes[0][1])
+        if window is None:
+            assert res.stats["acceptance_rate"] == 1.0

@@ -894,6 +894,14 @@ def _cost_steps(params, cache, *, config, T, sink, window, impl, n=COST_STEPS):
     return jax.lax.fori_loop(0, n, body, (cache, jnp.zeros((), jnp.float32)))
 
 
+def _compile_concurrently(lowered) -> None:
+    """Compiles lowered computations on threads; the jitted functions then find the executables
+    in jax's compilation cache."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max(1, min(len(lowered), 8))) as ex:
+        list(ex.map(lambda low: low.compile(), lowered))
+
+
 def measure_costs(model, spec, draft, state, dstate, impl, gammas):
     """Median wall time of a plain decode step, a draft step and verify forwards of g+1 tokens,
     at the actual batch, cache and context lengths (measured once per shape, then cached).
@@ -923,6 +931,12 @@ def measure_costs(model, spec, draft, state, dstate, impl, gammas):
     else:
         kinds.append(("draft", draft.decode_params(), draft.config, 1, None, None, True))
     caches = {False: cache, True: None if draft is None else dstate.cache}
+    # Compile every kind at once (XLA compiles outside the GIL): the first `auto` call of a
+    # shape otherwise waits for one compile after another.
+    _compile_concurrently([
+        _cost_steps.lower(params, caches[on_draft], config=cfg_, T=T, sink=sink, window=window,
+                          impl=impl)
+        for _, params, cfg_, T, sink, window, on_draft in kinds])
     times: dict = {k[0]: [] for k in kinds}
     for rep in range(COST_REPEATS + 1):  # repetition 0: compile and warm up
         for name, params, cfg_, T, sink, window, on_draft in kinds:

@@ -938,7 +938,7 @@ def measure_costs(model, spec, draft, state, dstate, impl, gammas):
                           impl=impl)
         for _, params, cfg_, T, sink, window, on_draft in kinds])
     times: dict = {k[0]: [] for k in kinds}
-    for rep in range(COST_REPEATS + 1):  # repetition 0: compile and warm up
+    for rep in range(COST_REPEATS + 1):  # repetition 0: warm up (compiled above)
         for name, params, cfg_, T, sink, window, on_draft in kinds:
             t = time.perf_counter()
             c, acc = _cost_steps(params, caches[on_draft], config=cfg_, T=T, sink=sink,

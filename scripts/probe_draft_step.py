@@ -13,10 +13,11 @@ benchmarks/probe_draft_step_h100.md).
   bf16 weights and with int8 / fp8 weights widened inside the dot (what a quantized copy of the
   weights for drafting would cost).
 """
-import argparse, dataclasses, functools, glob, gzip, json, statistics, sys, time
+import argparse, json, statistics, sys, time
 sys.path.insert(0, "scripts"); sys.path.insert(0, ".")
 import jax, jax.numpy as jnp, numpy as np
-from benchutil import log, timeit
+from benchmark import copy_bandwidth
+from benchutil import forward_loop, kernel_table, log, timeit
 import importlib
 DA = importlib.import_module("pallas_kernels.decode_attention")  # the module, not the function
 
@@ -24,6 +25,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--batch", type=int, default=64)
 ap.add_argument("--ctx", type=int, default=8192)
 ap.add_argument("--parts", default="kernel,step,matmul")
+ap.add_argument("--model", default="random-qwen15", help="for the step part")
 ap.add_argument("--windows", default="1008,496")
 ap.add_argument("--out", default="")
 a = ap.parse_args()
@@ -45,17 +47,7 @@ VARIANTS["split256_st2"] = BS(min_split_size=256, num_stages=2)
 VARIANTS["split256_st4"] = BS(min_split_size=256, num_stages=4)
 
 
-def copy_bw():
-  x = jnp.ones((1 << 30,), jnp.float32)
-  f = jax.jit(lambda x: x * 1.0001)
-  jax.block_until_ready(f(x))
-  ts = []
-  for _ in range(7):
-    t = time.perf_counter(); jax.block_until_ready(f(x)); ts.append(time.perf_counter() - t)
-  return 2 * x.nbytes / statistics.median(ts)
-
-
-bw = copy_bw()
+bw = copy_bandwidth(2 << 30)
 res["copy_bw"] = bw
 log(f"copy bw {bw / 1e12:.2f} TB/s")
 
@@ -96,31 +88,15 @@ if "kernel" in a.parts:
 
 if "step" in a.parts:
   from benchmark import load_model, random_cache
-  from jaxspec.attention import AttentionPlan
-  from jaxspec.model import forward
-  model = load_model("random-qwen15")
+  model = load_model(a.model)
   cfg = model.config
   params = model.decode_params()
   S = ctx + 512
   cache = random_cache(cfg, B, S, np.asarray(lengths))
 
-  def make(T, sink, window, n=20):
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def run(params, cache, tok):
-      def body(i, c):
-        cache, tok = c
-        Lc = cache.lengths
-        pos = Lc[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-        plan = AttentionPlan(lengths=Lc, sink=sink, window=window)
-        toks = jnp.broadcast_to(tok[:, None], (B, T))
-        logits, cache = forward(cfg, params, toks, pos, cache, plan)
-        return cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
-      return jax.lax.fori_loop(0, n, body, (cache, tok))
-    return run
-
   def time_step(T, sink, window, n=20):
     global cache
-    f = make(T, sink, window, n)
+    f = forward_loop(cfg, B, T, sink, window, n)
     tok = jnp.zeros((B,), jnp.int32)
     cache, tok = f(params, cache, tok); jax.block_until_ready(tok)
     ts = []
@@ -135,27 +111,13 @@ if "step" in a.parts:
     tok = jnp.zeros((B,), jnp.int32)
     with jax.profiler.trace(d, create_perfetto_trace=True):
       cache, tok = f(params, cache, tok); jax.block_until_ready(tok)
-    pf = glob.glob(d + "/**/perfetto_trace.json.gz", recursive=True)[0]
-    ev = json.load(gzip.open(pf))
-    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-    pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("name") == "process_name"}
-    gpu = [e for e in ev if e.get("ph") == "X" and "GPU" in pname.get(e.get("pid"), "")]
-    if not gpu:
-      return {}
-    tot = {}
-    for e in gpu:
-      nm = e["name"][:70]
-      c, s = tot.get(nm, (0, 0.0)); tot[nm] = (c + 1, s + e.get("dur", 0))
-    busy = sum(s for c, s in tot.values()) / n
-    span = (max(e["ts"] + e.get("dur", 0) for e in gpu) - min(e["ts"] for e in gpu)) / n
-    table = [{"us": s / n, "per_step": c / n, "name": nm}
-             for nm, (c, s) in sorted(tot.items(), key=lambda kv: -kv[1][1])[:40]]
-    log(f"profile {tag}: {sum(c for c, s in tot.values()) / n:.0f} kernels/step, busy {busy:.0f} "
-        f"us, span {span:.0f} us")
-    for r in table[:25]:
-      log(f"   {r['us']:8.1f} us {r['per_step']:5.1f}x {r['name']}")
-    return {"kernels": sum(c for c, s in tot.values()) / n, "busy_us": busy, "span_us": span,
-            "table": table}
+    kt = kernel_table(d, n)
+    if kt:
+      log(f"profile {tag}: {kt['kernels']:.0f} kernels/step, busy {kt['busy_us']:.0f} us, "
+          f"span {kt['span_us']:.0f} us")
+      for r in kt["table"][:25]:
+        log(f"   {r['us']:8.1f} us {r['per_step']:5.1f}x {r['name']}")
+    return kt
 
   steps = {}
   wbytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))

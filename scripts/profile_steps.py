@@ -4,12 +4,12 @@ layout, and a kernel-level profile (perfetto trace) of chosen steps (GPU; benchm
     python scripts/profile_steps.py [--model random-qwen15 --batch 64 --ctx 8192]
         [--layouts per-layer,fused --steps plain,draft,verify4,verify8 --profile fused:draft]
 """
-import argparse, functools, glob, gzip, json, os, statistics, sys, time
+import argparse, json, statistics, sys, time
 sys.path.insert(0, "scripts"); sys.path.insert(0, ".")
 import jax, jax.numpy as jnp, numpy as np
 from benchmark import load_model, random_cache
-from jaxspec.attention import AttentionPlan
-from jaxspec.model import forward, unstack_layers, fuse_layer_params
+from benchutil import forward_loop, kernel_table
+from jaxspec.model import unstack_layers, fuse_layer_params
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="random-qwen15")
@@ -32,27 +32,13 @@ STEPS = {"plain": (1, None, None), "draft": (1, 16, 496), "verify4": (4, None, N
          "verify8": (8, None, None), "verify16": (16, None, None), "empty": (1, 0, 0)}
 cache = random_cache(cfg, B, S, lengths)
 
-def make(T, sink, window, n):
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def run(params, cache, tok):
-        def body(i, c):
-            cache, tok = c
-            L = cache.lengths
-            pos = L[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-            plan = AttentionPlan(lengths=L, sink=sink, window=window)
-            toks = jnp.broadcast_to(tok[:, None], (B, T))
-            logits, cache = forward(cfg, params, toks, pos, cache, plan)
-            return cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
-        return jax.lax.fori_loop(0, n, body, (cache, tok))
-    return run
-
 res = {}
 tok = jnp.zeros((B,), jnp.int32)
 for lay in a.layouts.split(","):
     params = layouts[lay]
     for st in a.steps.split(","):
         T, sink, window = STEPS[st]
-        f = make(T, sink, window, a.n)
+        f = forward_loop(cfg, B, T, sink, window, a.n)
         t = time.time(); cache, tok = f(params, cache, tok); jax.block_until_ready(tok); comp = time.time() - t
         ts = []
         for _ in range(5):
@@ -64,19 +50,12 @@ for lay in a.layouts.split(","):
             d = f"/tmp/trace_{lay}_{st}"
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 cache, tok = f(params, cache, tok); jax.block_until_ready(tok)
-            pf = glob.glob(d + "/**/perfetto_trace.json.gz", recursive=True)[0]
-            ev = json.load(gzip.open(pf))
-            ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-            pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("name") == "process_name"}
-            gpu = [e for e in ev if e.get("ph") == "X" and "GPU" in pname.get(e.get("pid"), "")]
-            tot = {}
-            for e in gpu:
-                nm = e["name"][:60]
-                c, s = tot.get(nm, (0, 0.0)); tot[nm] = (c + 1, s + e.get("dur", 0))
-            ssum = sum(s for c, s in tot.values()); cnt = sum(c for c, s in tot.values())
-            span = (max(e["ts"] + e.get("dur", 0) for e in gpu) - min(e["ts"] for e in gpu)) if gpu else 0
-            print(f"  profile {lay}:{st}: {cnt / a.n:.0f} GPU events/step, busy {ssum / a.n:.0f} us/step, "
-                  f"span {span / a.n:.0f} us/step; processes {sorted(set(pname.values()))[:6]}")
-            for nm, (c, s) in sorted(tot.items(), key=lambda kv: -kv[1][1])[:22]:
-                print(f"    {s / a.n:8.1f} us/step {c / a.n:6.1f}x  {nm}")
+            kt = kernel_table(d, a.n, top=22, width=60)
+            if not kt:
+                continue
+            print(f"  profile {lay}:{st}: {kt['kernels']:.0f} GPU events/step, busy "
+                  f"{kt['busy_us']:.0f} us/step, span {kt['span_us']:.0f} us/step; "
+                  f"processes {kt['processes']}")
+            for r in kt["table"]:
+                print(f"    {r['us']:8.1f} us/step {r['per_step']:6.1f}x  {r['name']}")
 print(json.dumps(res))

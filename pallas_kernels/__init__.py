@@ -4,6 +4,7 @@ from .decode_attention import (
     decode_attention,
     decode_attention_reference,
 )
+from .hopper import HopperBlockSizes
 from .merge import merge_attention_states, merge_stacked
 from .prefix_attention import (
     PrefixAttentionBlockSizes,
@@ -24,6 +25,7 @@ __all__ = [
     "DecodeAttentionBlockSizes",
     "decode_attention",
     "decode_attention_reference",
+    "HopperBlockSizes",
     "merge_attention_states",
     "merge_stacked",
     "PrefixAttentionBlockSizes",

@@ -63,6 +63,7 @@ except ImportError:  # pragma: no cover - a jax without the Triton backend
   plgpu = None
 
 from .decode_attention import _cdiv, _exp2, _is_nvidia, _next_pow2, _num_sms
+from . import hopper as _hopper
 from .merge import merge_attention_states, merge_stacked
 
 _LOG2E = 1.4426950408889634
@@ -320,6 +321,46 @@ def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, *, sm_scale,
   return o, lse
 
 
+def _hopper_choice(q, k_prefix, block_sizes, *, interpret):
+  """The Hopper kernel's block sizes when the caller asked for it with a
+  ``hopper.HopperBlockSizes``, else None. Not a default anywhere yet: on an H100 it is slower
+  than the Triton kernel at every measured shape (benchmarks/hopper_attention_h100.md)."""
+  if not isinstance(block_sizes, _hopper.HopperBlockSizes):
+    return None
+  D = q.shape[-1]
+  if not _hopper.supports(q.dtype, D) or k_prefix.dtype != q.dtype:
+    raise ValueError(f"the Hopper kernel takes bf16/f16 q and prefix of one dtype with "
+                     f"D % 64 == 0; got {q.dtype}/{k_prefix.dtype}, D={D}")
+  if not (interpret or _hopper.available()):
+    raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
+  return block_sizes
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "hopper_sizes", "interpret"))
+def _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, *, sm_scale, hopper_sizes,
+                             interpret):
+  """``prefix_attention`` through the Hopper kernel: the rows of each (group, KV head) against
+  its prefix in whole key blocks, key splits and the last partial block (plain jnp) merged
+  by log-sum-exp (``hopper.attention_with_tail``)."""
+  B, T, H, D = q.shape
+  P, L, K, _ = k_prefix.shape
+  G, Bg = H // K, B // P
+  rows = Bg * T * G
+  tile = _hopper.CONSUMERS * _hopper.ROWS_PER_WG
+  rows_pad = _cdiv(rows, tile) * tile
+  lengths = jnp.clip(lengths, 0, L)
+  q_PKRD = (q.reshape(P, Bg, T, K, G, D).transpose(0, 3, 1, 2, 4, 5).reshape(P, K, rows, D))
+  if rows_pad != rows:
+    q_PKRD = jnp.pad(q_PKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+  o, lse = _hopper.attention_with_tail(q_PKRD, k_prefix, v_prefix, lengths, kv_layout="PLKD",
+                                       sm_scale=sm_scale, block_sizes=hopper_sizes,
+                                       interpret=interpret)
+  o = (o[:, :, :rows].reshape(P, K, Bg, T, G, D).transpose(0, 2, 3, 1, 4, 5)
+       .reshape(B, T, H, D))
+  lse = (lse[:, :, :rows].reshape(P, K, Bg, T, G).transpose(0, 2, 3, 1, 4).reshape(B, T, H))
+  return o, lse
+
+
 def _check_shapes(q, k_prefix, v_prefix, prefix_lengths):
   if q.ndim != 4:
     raise ValueError(f"q must be [B, T, H, D], got {q.shape}")
@@ -360,7 +401,10 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
       reference on CPU; True: the portable kernel in Pallas interpret mode (any
       backend); False: as None.
     block_sizes: ``PrefixAttentionBlockSizes`` (None: defaults), or on TPU a
-      ``TPUPrefixBlockSizes``.
+      ``TPUPrefixBlockSizes``, or a ``hopper.HopperBlockSizes`` to ask for the experimental
+      Hopper (Mosaic GPU, wgmma) kernel (bf16/f16, D % 64 == 0; with ``interpret=True`` it
+      runs in the Mosaic GPU interpreter). It is opt-in only: still slower than the
+      Triton-lowered kernel on an H100.
 
   Returns:
     ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; queries of a group
@@ -381,7 +425,11 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
   lengths = _lengths(prefix_lengths, k_prefix.shape[0], k_prefix.shape[1])
   if not use_kernel:
     return _reference(q, k_prefix, v_prefix, lengths, sm_scale=sm_scale)
-  if block_sizes is None:
+  hop = _hopper_choice(q, k_prefix, block_sizes, interpret=bool(interpret))
+  if hop is not None:
+    return _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, sm_scale=sm_scale,
+                                    hopper_sizes=hop, interpret=bool(interpret))
+  if block_sizes is None or isinstance(block_sizes, _hopper.HopperBlockSizes):
     block_sizes = _GPU_DEFAULTS
   return _prefix_attention_kernel(
       q, k_prefix, v_prefix, lengths, sm_scale=sm_scale, interpret=bool(interpret),

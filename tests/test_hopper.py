@@ -1,0 +1,110 @@
+"""The Hopper (Mosaic GPU) attention kernel, in the Mosaic GPU interpreter on CPU.
+
+The interpreter simulates the kernel's warpgroups, barriers and TMA copies (the two matrix
+products run as jnp dots there), so these tests check the pipeline logic: the ring of K/V
+stages, splits of the key range, whole blocks plus the jnp tail, ragged lengths incl. 0
+and below one block, NaN garbage past the lengths. Compared with plain-jnp float32
+attention. Interpretation is slow (about 2 s per program), so shapes are small.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import hopper, prefix_attention, prefix_attention_reference
+
+pytestmark = pytest.mark.skipif(hopper.plgpu is None, reason="jax without Mosaic GPU")
+
+
+def _reference(q, k, v, lengths, layout, scale):
+  kk = jnp.swapaxes(k, 1, 2) if layout == "PLKD" else k
+  vv = jnp.swapaxes(v, 1, 2) if layout == "PLKD" else v
+  s = jnp.einsum("abrd,absd->abrs", q.astype(jnp.float32), kk.astype(jnp.float32),
+                 precision="highest") * scale
+  valid = jnp.arange(kk.shape[2])[None, None, None, :] < lengths[:, None, None, None]
+  s = jnp.where(valid, s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, -1)
+  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+  return jnp.einsum("abrs,absd->abrd", p, vv.astype(jnp.float32), precision="highest"), lse
+
+
+@pytest.mark.parametrize("layout,lengths,splits,stages", [
+    ("PLKD", [200, 50, 0], 2, 2),     # ragged: blocks + tail, tail only, empty
+    ("BKSD", [320, 64, 130], None, 3),  # whole blocks only, exactly one block, deeper ring
+])
+def test_rows_attention_matches_reference(layout, lengths, splits, stages):
+  rng = np.random.default_rng(len(lengths) + (splits or 0))
+  N1, N2, R, D, L = len(lengths), 2, 128, 64, 320
+  lengths = jnp.asarray(lengths, jnp.int32)
+  shape = (N1, L, N2, D) if layout == "PLKD" else (N1, N2, L, D)
+  q = jnp.asarray(rng.standard_normal((N1, N2, R, D)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  pos = (jnp.arange(L)[None, :, None, None] if layout == "PLKD"
+         else jnp.arange(L)[None, None, :, None])
+  bad = pos >= lengths[:, None, None, None]
+  kg = jnp.where(bad, jnp.nan, k).astype(jnp.bfloat16)
+  vg = jnp.where(bad, jnp.nan, v).astype(jnp.bfloat16)
+  scale = 1 / math.sqrt(D)
+  o, lse = hopper.attention_with_tail(
+      q, kg, vg, lengths, kv_layout=layout, sm_scale=scale,
+      block_sizes=hopper.HopperBlockSizes(block_kv=64, stages=stages, splits=splits),
+      interpret=True, out_dtype=jnp.float32)
+  ro, rl = _reference(q, k, v, lengths, layout, scale)
+  assert not bool(jnp.any(jnp.isnan(o)))
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rl))
+  fin = np.isfinite(rl)
+  # bf16 inputs, f32 accumulation; each split's output is stored in bf16 before the merge.
+  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rl)[fin], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(o, ro, atol=1e-2, rtol=1e-2)
+  empty = np.asarray(lengths) == 0
+  assert not empty.any() or float(jnp.max(jnp.abs(o[empty]))) == 0.0
+
+
+def test_prefix_attention_through_hopper_kernel():
+  rng = np.random.default_rng(7)
+  B, T, K, G, D, P, L = 16, 2, 2, 4, 64, 2, 152
+  q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.bfloat16)
+  kp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
+  vp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
+  lengths = jnp.asarray([151, 70], jnp.int32)
+  bad = jnp.arange(L)[None, :, None, None] >= lengths[:, None, None, None]
+  kg = jnp.where(bad, jnp.nan, kp).astype(jnp.bfloat16)
+  vg = jnp.where(bad, jnp.nan, vp).astype(jnp.bfloat16)
+  o, lse = prefix_attention(q, kg, vg, lengths, interpret=True,
+                            block_sizes=hopper.HopperBlockSizes(block_kv=64, splits=1))
+  ro, rl = prefix_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
+                                      vp.astype(jnp.float32), lengths)
+  np.testing.assert_allclose(lse, rl, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(o.astype(jnp.float32), ro, atol=2e-2, rtol=2e-2)
+
+
+def test_hopper_block_sizes_and_inputs_are_checked():
+  with pytest.raises(ValueError, match="multiple of 64"):
+    hopper.HopperBlockSizes(block_kv=96)
+  with pytest.raises(ValueError, match="stages"):
+    hopper.HopperBlockSizes(stages=1)
+  q = jnp.zeros((1, 1, 128, 64), jnp.float32)
+  with pytest.raises(ValueError, match="bf16/f16"):
+    hopper.rows_attention(q, jnp.zeros((1, 1, 128, 64)), jnp.zeros((1, 1, 128, 64)),
+                          jnp.ones((1,), jnp.int32), kv_layout="BKSD", sm_scale=1.0)
+  qb = jnp.zeros((1, 1, 100, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    hopper.rows_attention(qb, qb, qb, jnp.ones((1,), jnp.int32), kv_layout="BKSD",
+                          sm_scale=1.0)
+  qb = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
+  kb = jnp.zeros((1, 1, 100, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiple of 8"):
+    hopper.rows_attention(qb, kb, kb, jnp.ones((1,), jnp.int32), kv_layout="BKSD",
+                          sm_scale=1.0)
+  qb = jnp.zeros((1, 1, 128, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="shared memory"):
+    hopper.rows_attention(qb, qb, qb, jnp.ones((1,), jnp.int32), kv_layout="BKSD",
+                          sm_scale=1.0, block_sizes=hopper.HopperBlockSizes(block_kv=256,
+                                                                            stages=4))
+  with pytest.raises(ValueError, match="bf16/f16"):
+    prefix_attention(jnp.zeros((2, 1, 4, 64)), jnp.zeros((1, 8, 2, 64)),
+                     jnp.zeros((1, 8, 2, 64)), interpret=True,
+                     block_sizes=hopper.HopperBlockSizes())

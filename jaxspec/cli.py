@@ -16,6 +16,26 @@ def _parse_tree(s: str | None):
         return s  # a named tree from the optimizer
 
 
+def _parse_gamma(s: str):
+    """``--gamma``: an int >= 1 or 'auto'."""
+    if s == "auto":
+        return s
+    try:
+        return int(s)
+    except ValueError:
+        raise ValueError(f"--gamma must be an int >= 1 or 'auto', got {s!r}") from None
+
+
+def _window_arg(s: str):
+    """``--window``: an int, or 'none' (a draft model with a full cache instead of a ring)."""
+    if s.lower() == "none":
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int or 'none', got {s!r}") from None
+
+
 def _cmd_convert(a):
     from jaxspec.checkpoint import convert
     out = convert(a.src, a.dst, dtype=a.dtype, overwrite=a.overwrite)
@@ -37,7 +57,7 @@ def _mesh_from_args(a):
     tp, dp = a.tp, a.dp
     if tp is None and dp is None:
         return None
-    if (tp or 1) < 1 or (dp or 1) < 1:
+    if (tp is not None and tp < 1) or (dp is not None and dp < 1):
         raise ValueError(f"--tp and --dp must be >= 1, got --tp {tp} --dp {dp}")
     if (tp or 1) * (dp or 1) == 1:
         return None
@@ -54,8 +74,8 @@ def _cmd_generate(a):
     spec = None
     if a.draft is not None:
         draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype, mesh=mesh)
-        gamma = a.gamma if a.gamma == "auto" else int(a.gamma)
-        spec = jaxspec.Speculation(draft=draft, gamma=gamma, sink=a.sink, window=a.window,
+        spec = jaxspec.Speculation(draft=draft, gamma=_parse_gamma(a.gamma), sink=a.sink,
+                                   window=a.window,
                                    tree=_parse_tree(a.tree))
     res = jaxspec.generate(model, a.prompt, max_new_tokens=a.max_new_tokens,
                            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
@@ -134,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default=None, help="'self' or a draft checkpoint path")
     g.add_argument("--gamma", default="4")
     g.add_argument("--sink", type=int, default=16)
-    g.add_argument("--window", type=int, default=496)
+    g.add_argument("--window", type=_window_arg, default=496,
+                   help="draft window (StreamingLLM); 'none': a draft model with a full cache")
     g.add_argument("--tree", default=None, help="expansion config, e.g. 1,1,3,1")
     g.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel devices (model axis; default: all the --dp leaves)")

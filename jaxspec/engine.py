@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import time
 from typing import Any, Sequence
 
@@ -68,7 +69,7 @@ def _as_token_lists(model: Model, prompts, chat: bool) -> list[list[int]]:
             ids = [int(t) for t in ids]
         else:
             try:
-                ids = [int(t) for t in p]
+                ids = [_token_id(t) for t in p]
             except (TypeError, ValueError):
                 raise TypeError(f"prompt {i} is neither a string nor a list of token ids") from None
         if not ids:
@@ -81,17 +82,36 @@ def _as_token_lists(model: Model, prompts, chat: bool) -> list[list[int]]:
     return out
 
 
-def _check_sampling_args(max_new_tokens, temperature, top_k, top_p):
+def _token_id(t) -> int:
+    """A token id from an int-like value (a float such as 1.5 is an error, not truncated)."""
+    if isinstance(t, (int, np.integer)):
+        return int(t)
+    if isinstance(t, (float, np.floating)) and float(t).is_integer():
+        return int(t)
+    raise TypeError(f"not a token id: {t!r}")
+
+
+def _is_real(x) -> bool:
+    """A real number, numpy scalars included (np.float32 is not a Python float)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed=0, prefill_chunk=1):
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool):
         raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not (_is_real(temperature) and math.isfinite(temperature)) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k}")
-    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if not _is_real(top_p) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if (not isinstance(prefill_chunk, (int, np.integer)) or isinstance(prefill_chunk, bool)
+            or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
 
 
 def stop_token_ids(model: Model, stop_tokens) -> tuple[int, ...]:
@@ -99,7 +119,13 @@ def stop_token_ids(model: Model, stop_tokens) -> tuple[int, ...]:
     tok = model.tokenizer
     if tok is not None and getattr(tok, "eos_token_id", None) is not None:
         ids.add(int(tok.eos_token_id))
-    for s in stop_tokens or ():
+    if stop_tokens is None:
+        stop_tokens = ()
+    elif isinstance(stop_tokens, (str, bytes, int, np.integer)):  # one stop token
+        stop_tokens = [stop_tokens]
+    elif isinstance(stop_tokens, np.ndarray):
+        stop_tokens = stop_tokens.reshape(-1).tolist()
+    for s in stop_tokens:
         if isinstance(s, str):
             if tok is None:
                 raise ValueError("string stop tokens need a tokenizer")
@@ -111,8 +137,32 @@ def stop_token_ids(model: Model, stop_tokens) -> tuple[int, ...]:
                 t = enc[0]
             ids.add(int(t))
         else:
-            ids.add(int(s))
+            try:
+                ids.add(_token_id(s))
+            except TypeError:
+                raise TypeError(f"stop tokens must be token ids or single-token strings, "
+                                f"got {s!r}") from None
     return tuple(sorted(ids))
+
+
+def check_sliding_window(config: ModelConfig, prompt_lens, budgets) -> None:
+    """Refuses sequences that would reach past a sliding attention window (``sliding_window``,
+    e.g. Mistral-7B-v0.1). jaxspec attends to every earlier token; that is the model's own
+    attention only while a sequence has at most ``sliding_window`` tokens fed to the model: a
+    prompt of n tokens and b new tokens feeds n + b - 1 (the last new token is never fed), so
+    n + b <= sliding_window + 1. Past that the tokens would silently differ from the model's."""
+    W = config.sliding_window
+    if W is None:
+        return
+    total = np.asarray(prompt_lens) + np.asarray(budgets)
+    bad = np.nonzero(total > W + 1)[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"this {config.model_type} model uses sliding-window attention (window {W}), which "
+            f"jaxspec does not implement: it is exact only while prompt + new tokens <= {W + 1}, "
+            f"but prompt {i} has {int(prompt_lens[i])} tokens and asks for {int(budgets[i])} new "
+            f"ones; shorten the prompt or lower max_new_tokens")
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -282,7 +332,7 @@ class Prepared:
             last=jnp.asarray([t[-1] for t in self.token_lists], jnp.int32),
             out=jnp.zeros((B, width), jnp.int32), n_out=jnp.zeros((B,), jnp.int32),
             budget=jnp.asarray(b), done=jnp.asarray(b <= 0),
-            rng=jax.random.PRNGKey(self.seed if seed is None else seed),
+            rng=sampling.key_from_seed(self.seed if seed is None else seed),
             steps=jnp.zeros((), jnp.int32),
             max_steps=None if max_steps is None else jnp.asarray(max_steps, jnp.int32))
 
@@ -296,7 +346,7 @@ def prepare(model: Model, prompts, *, max_new_tokens: int, temperature: float = 
     (empty) result when there is nothing to generate."""
     if not isinstance(model, Model):
         raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), got {type(model).__name__}")
-    _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
+    _check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
     token_lists = _as_token_lists(model, prompts, chat)
     share = None
     if shared_prefix is not None or n != 1:
@@ -327,6 +377,8 @@ def prepare(model: Model, prompts, *, max_new_tokens: int, temperature: float = 
     extra = spec.extra_slots if spec is not None else 1
     budget = np.minimum(max_new_tokens, ctx - lens)  # never past the model's context
     budget[n_real:] = 0
+    if max_new_tokens > 0:
+        check_sliding_window(config, lens[:n_real], budget[:n_real])
     slot_lens = lens if share is None else lens - share.offsets  # suffix slots per row
     need = int((slot_lens + budget).max()) + extra
     # the last prefill chunk writes whole chunks: the cache must hold them (kernels need it)
@@ -367,7 +419,7 @@ def prepare(model: Model, prompts, *, max_new_tokens: int, temperature: float = 
         n_out=jnp.zeros((B,), jnp.int32),
         budget=jnp.asarray(budget, jnp.int32),
         done=jnp.asarray(budget <= 0),
-        rng=jax.random.PRNGKey(seed),
+        rng=sampling.key_from_seed(seed),
         steps=jnp.zeros((), jnp.int32),
     )
     if model.mesh is not None:

@@ -18,6 +18,7 @@ Parameter tree (shapes for L layers, hidden D, heads H x head_dim Dh, KV heads K
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Any
 
 import flax.linen as nn
@@ -285,6 +286,19 @@ def _unfuse(p):
     return f
 
 
+def _auto_attention_impl(config: ModelConfig, plan: AttentionPlan) -> AttentionPlan:
+    """``impl="auto"`` on GPU picks the Triton kernels, which need a power-of-2 head dim (the
+    shared-prefix kernel also >= 16): a model with another head dim (80, 96, 100, ...) runs the
+    plain-`jnp` attention there instead of failing. An explicit ``impl`` is left alone."""
+    from jaxspec import attention as _attention
+    if plan.impl != "auto" or _attention._backend() != "gpu":
+        return plan
+    D = config.head_dim
+    if D & (D - 1) == 0 and (plan.prefix is None or D >= 16):
+        return plan
+    return plan.replace(impl="xla")
+
+
 def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache,
             plan: AttentionPlan, logits_at=None, *, dtype=None):
     """Functional entry point: ``(logits, cache)`` for params of ``config``."""
@@ -294,6 +308,7 @@ def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache
     if prefix is not None:  # shared-prefix cache (jaxspec.prefix): slots count after the prefix
         positions_BT = positions_BT + prefix.offset[:, None]
         plan = plan.replace(prefix=prefix)
+    plan = _auto_attention_impl(config, plan)
     if isinstance(params["layers"], (list, tuple)):
         return _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logits_at,
                                  dtype)
@@ -317,7 +332,9 @@ def init_params(config: ModelConfig, rng, dtype=jnp.float32):
     def jitter(path, x):
         name = path[-1].key if hasattr(path[-1], "key") else str(path[-1])
         if name in ("attn_norm", "mlp_norm", "final_norm"):
-            r = jax.random.fold_in(rng, hash(name) % (2 ** 31))
+            # a stable hash: str hash() is salted per process (PYTHONHASHSEED), which made the
+            # same rng give different weights in every run
+            r = jax.random.fold_in(rng, zlib.crc32(name.encode()) % (2 ** 31))
             return (x + 0.1 * jax.random.normal(r, x.shape)).astype(x.dtype)
         return x
     return jax.tree_util.tree_map_with_path(jitter, params)

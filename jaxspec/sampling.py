@@ -94,6 +94,23 @@ class SamplingParams:
         return self.temperature <= 0
 
 
+def key_from_seed(seed) -> Array:
+    """``jax.random.PRNGKey(seed)`` for any Python int. Without x64, JAX keeps only the low 32
+    bits of a seed (seed ``2**32 + 5`` gave the samples of seed 5) and raises OverflowError from
+    ``2**63`` on. Seeds in ``[-2**31, 2**32)`` keep their usual key; for others the higher 32-bit
+    words (and the sign) are folded into the key of the low word."""
+    seed = int(seed)
+    lo = seed & 0xFFFFFFFF
+    key = jax.random.PRNGKey(lo)
+    if -(2 ** 31) <= seed < 2 ** 32:
+        return key
+    rest = seed >> 32
+    while rest not in (0, -1):
+        key = jax.random.fold_in(key, rest & 0xFFFFFFFF)
+        rest >>= 32
+    return jax.random.fold_in(key, 1 if seed < 0 else 0)
+
+
 def _concrete_wants_filtering(top_k: Any, top_p: Any) -> bool | None:
     try:
         k = np.asarray(top_k)

@@ -508,7 +508,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--draft", default=None, help="'self' or a draft checkpoint path (speculation)")
     p.add_argument("--gamma", default="4", help="drafts per round, or 'auto'")
     p.add_argument("--sink", type=int, default=16)
-    p.add_argument("--window", type=int, default=496)
+    from jaxspec.cli import _window_arg
+    p.add_argument("--window", type=_window_arg, default=496,
+                   help="draft window (StreamingLLM); 'none': a draft model with a full cache")
     p.add_argument("--tree", default=None, help="token-tree expansion config, e.g. 1,1,3,1")
     p.add_argument("--max-batch", type=int, default=None,
                    help="slots (concurrent sequences); default 64 on GPU/TPU, 4 on CPU")
@@ -539,10 +541,10 @@ def build_engine(a) -> tuple[ServingEngine, str]:
     model = jaxspec.load(path, dtype=a.dtype)
     spec = None
     if a.draft is not None:
-        from jaxspec.cli import _parse_tree
+        from jaxspec.cli import _parse_gamma, _parse_tree
         draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype)
-        gamma = a.gamma if a.gamma == "auto" else int(a.gamma)
-        spec = jaxspec.Speculation(draft=draft, gamma=gamma, sink=a.sink, window=a.window,
+        spec = jaxspec.Speculation(draft=draft, gamma=_parse_gamma(a.gamma), sink=a.sink,
+                                   window=a.window,
                                    tree=_parse_tree(a.tree))
     import jax
     cpu = jax.default_backend() == "cpu"

@@ -289,7 +289,8 @@ class ServingEngine:
 
     model: a `jaxspec.Model` (with a tokenizer for text prompts).
     max_batch: slots (batch rows of the KV cache).
-    max_len: tokens per sequence (prompt + completion); default: the model's context, at most 4096.
+    max_len: tokens per sequence (prompt + completion); default: the model's context, at most 4096
+        (and at most ``sliding_window + 1`` for a sliding-window model, where jaxspec is exact).
     speculation: a `jaxspec.Speculation` (or None for plain decoding).
     rounds_per_chunk: loop rounds per jitted call (streaming granularity vs. host overhead).
     max_queue: waiting sequences beyond which `submit` raises `QueueFull`.
@@ -320,6 +321,8 @@ class ServingEngine:
         self.stop_ids = stop_token_ids(model, stop_tokens)
         ctx = cfg.max_position_embeddings
         self.max_len = int(min(max_len or min(ctx, 4096), ctx))
+        if cfg.sliding_window is not None:  # exact only up to the window (engine.check_sliding_window)
+            self.max_len = min(self.max_len, cfg.sliding_window + 1)
         self.speculation = speculation
         self._setup_speculation()
         # whole prefill chunks must fit (see _prefill_row)
@@ -635,7 +638,7 @@ class ServingEngine:
         self.top_k[b] = o.top_k
         self.top_p[b] = o.top_p
         seed = o.seed if o.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.rng_rows[b] = np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), s.index),
+        self.rng_rows[b] = np.asarray(jax.random.fold_in(sampling.key_from_seed(seed), s.index),
                                       np.uint32)
         self.slots[b] = s
         s.slot = b

@@ -753,7 +753,9 @@ def prepare_speculation(spec: Speculation, model: Model, token_lists, max_new_to
     draft = None if spec.draft == "self" else spec.draft
     if draft is not None and spec.window is None:
         ctx = draft.config.max_position_embeddings
-        longest = max(len(t) for t in token_lists) + max_new_tokens
+        # new tokens stop at the target's context (`engine.prepare`): count only those
+        tctx = model.config.max_position_embeddings
+        longest = max(len(t) + max(0, min(max_new_tokens, tctx - len(t))) for t in token_lists)
         if longest > ctx:
             raise ValueError(f"the draft model's context is {ctx} tokens but prompts + new tokens "
                              f"reach {longest}; use a ring-buffer draft (window=...) instead")

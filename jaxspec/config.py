@@ -38,6 +38,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # Hashable form of HF's rope_scaling dict: tuple of sorted (key, value) pairs, or None.
     rope_scaling: tuple | None = None
+    # Per-frequency divisors [head_dim / 2] of the inverse frequencies, applied after
+    # rope_scaling (llama.cpp's `rope_freqs` tensor, e.g. from a Llama-3.1 GGUF whose factors are
+    # not of the llama3 form); None: none. Not an HF field: config.json keeps it as
+    # "rope_freq_factors".
+    rope_freq_factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -65,6 +70,12 @@ class ModelConfig:
             rtype = self.rope_scaling_dict.get("rope_type", self.rope_scaling_dict.get("type"))
             if rtype not in ("llama3", "default", "linear", None):
                 raise ConfigError(f"unsupported rope_scaling type {rtype!r} (supported: llama3, linear)")
+        if self.rope_freq_factors is not None:
+            f = np.asarray(self.rope_freq_factors, dtype=np.float64)
+            if f.shape != (self.head_dim // 2,) or not np.all(np.isfinite(f)) or np.any(f <= 0):
+                raise ConfigError(
+                    f"rope_freq_factors must be {self.head_dim // 2} (head_dim / 2) positive finite "
+                    f"numbers, got shape {f.shape}")
 
     # ---------------------------------------------------------------- derived
     @property
@@ -76,7 +87,8 @@ class ModelConfig:
         return dict(self.rope_scaling) if self.rope_scaling else {}
 
     def rope_inv_freq(self) -> np.ndarray:
-        """Inverse frequencies [head_dim/2] (float64 numpy), with llama3 / linear scaling applied."""
+        """Inverse frequencies [head_dim/2] (float64 numpy), with llama3 / linear scaling and then
+        `rope_freq_factors` applied."""
         d = self.head_dim
         inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         rs = self.rope_scaling_dict
@@ -96,6 +108,8 @@ class ModelConfig:
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             inv_freq = np.where(is_medium, smoothed, scaled)
+        if self.rope_freq_factors is not None:
+            inv_freq = inv_freq / np.asarray(self.rope_freq_factors, dtype=np.float64)
         return inv_freq
 
     def num_params(self) -> int:
@@ -143,6 +157,7 @@ class ModelConfig:
                         (k, v) for k, v in rope_scaling.items() if k != "rope_theta"))
             else:
                 rope_scaling = None
+            factors = d.get("rope_freq_factors")
             sliding = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
             return cls(
                 model_type=model_type,
@@ -156,6 +171,7 @@ class ModelConfig:
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
                 rope_scaling=rope_scaling,
+                rope_freq_factors=tuple(float(f) for f in factors) if factors is not None else None,
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
@@ -185,6 +201,8 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
         }
+        if self.rope_freq_factors is not None:
+            d["rope_freq_factors"] = list(self.rope_freq_factors)
         if self.sliding_window:
             d["sliding_window"] = self.sliding_window
             d["use_sliding_window"] = True

@@ -147,6 +147,32 @@ class GGUFModel:
     metadata: dict[str, Any]
 
 
+def llama3_scaling_from_factors(factors: np.ndarray, rope_theta: float, head_dim: int) -> dict[str, Any] | None:
+    """HF's ``rope_scaling`` of type ``llama3`` that yields exactly these per-frequency divisors
+    (llama.cpp's ``rope_freqs`` tensor, which its converter computes from that dict and stores
+    without the dict), or None when no usual setting does (the caller then keeps the raw factors).
+
+    Only the factors survive conversion, so the dict is found by trying the settings Meta ships
+    and their neighbours; any dict that reproduces every factor gives the same model."""
+    from jaxspec.config import ModelConfig
+
+    factors = np.asarray(factors, dtype=np.float64)
+    factor = float(factors.max())
+    if factor <= 1.0:
+        return None
+    base = dict(model_type="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
+                num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=float(rope_theta))
+    plain = ModelConfig(**base).rope_inv_freq()
+    for original in (8192, *(2**i for i in range(4, 21) if i != 13)):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0), (2.0, 8.0), (0.5, 4.0), (4.0, 8.0)):
+            scaling = {"factor": _clean_float(factor), "high_freq_factor": high, "low_freq_factor": low,
+                       "original_max_position_embeddings": original, "rope_type": "llama3"}
+            scaled = ModelConfig(**base, rope_scaling=tuple(sorted(scaling.items()))).rope_inv_freq()
+            if np.allclose(plain / scaled, factors, rtol=1e-5, atol=0):
+                return scaling
+    return None
+
+
 def _clean_float(value: float) -> float:
     """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.99999974e-06)."""
     return float(str(np.float32(value)))
@@ -234,12 +260,6 @@ class GGUFFile:
                 f"{self.path}: tensors this {self.architecture} reader does not know: {unknown[:8]}"
                 + (" ..." if len(unknown) > 8 else "")
             )
-        if "rope_freqs.weight" in self._tensor_infos:
-            logger.warning(
-                "%s has a rope_freqs tensor (Llama-3.1-style RoPE scaling); it is not turned into "
-                "config['rope_scaling'] and is ignored",
-                self.path,
-            )
 
     def _build_config(self) -> dict[str, Any]:
         arch = self.architecture
@@ -284,6 +304,19 @@ class GGUFFile:
         rope_scaling = self._rope_scaling()
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
+        if "rope_freqs.weight" in self._tensor_infos:
+            factors = self._dequantize(self._tensor_infos["rope_freqs.weight"]).reshape(-1)
+            if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+                raise ValueError(
+                    f"{self.path}: rope_freqs must hold {head_dim // 2} (head_dim / 2) positive factors, "
+                    f"got shape {factors.shape}"
+                )
+            llama3 = None if rope_scaling is not None else llama3_scaling_from_factors(
+                factors, config["rope_theta"], head_dim)
+            if llama3 is not None:
+                config["rope_scaling"] = llama3
+            elif not np.all(factors == 1.0):
+                config["rope_freq_factors"] = [float(f) for f in factors]
         window = self._arch_key("attention.sliding_window")
         if window:
             config["sliding_window"] = int(window)

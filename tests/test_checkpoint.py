@@ -31,6 +31,43 @@ def test_gguf_converts_to_same_logits_as_transformers(tmp_path):
                                    atol=1e-4, rtol=0)
 
 
+def test_gguf_rope_freqs_give_the_logits_of_transformers(tmp_path):
+    """The RoPE scaling of a Llama-3.1 GGUF lives in its `rope_freqs` tensor. Both forms: factors
+    of the llama3 form (read back as HF's rope_scaling), and any other factors (kept as
+    `rope_freq_factors`; transformers' frequencies divided by them, as llama.cpp does)."""
+    import torch
+
+    from test_gguf_io import llama_cpp_rope_factors, write_tiny_gguf
+    tokens = np.random.default_rng(2).integers(0, 101, size=(2, 150))  # past 64: scaling bites
+    hf = make_hf_model("llama3-rope", seed=5)
+    cfg = hf.config.to_dict()
+    scaling = dict(cfg.get("rope_parameters") or cfg["rope_scaling"])
+    theta = scaling.get("rope_theta", cfg.get("rope_theta"))
+    factors = llama_cpp_rope_factors(scaling, theta, 16)
+    assert 1.0 < factors.max() and len(set(factors.tolist())) > 2  # high, medium and low bands
+    plain = dict(cfg, rope_scaling=None, rope_parameters=None, rope_theta=theta)
+    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    path = write_tiny_gguf(tmp_path / "l3.gguf", sd, plain, "llama",
+                           extra_tensors={"rope_freqs.weight": factors})
+    model = jaxspec.load(jaxspec.convert(path, tmp_path / "l3", dtype="float32", progress=False))
+    assert dict(model.config.rope_scaling)["rope_type"] == "llama3"
+    np.testing.assert_allclose(_full_logits(model, tokens), torch_logits(hf, tokens), atol=1e-4, rtol=0)
+
+    hf = make_hf_model("llama-gqa", seed=6)
+    factors = np.random.default_rng(4).uniform(0.5, 6.0, size=8).astype(np.float32)
+    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    path = write_tiny_gguf(tmp_path / "f.gguf", sd, hf.config, "llama",
+                           extra_tensors={"rope_freqs.weight": factors})
+    model = jaxspec.load(jaxspec.convert(path, tmp_path / "f", dtype="float32", progress=False))
+    assert model.config.rope_freq_factors is not None
+    want_plain = torch_logits(hf, tokens)
+    rot = hf.model.rotary_emb
+    rot.inv_freq = rot.inv_freq / torch.from_numpy(factors)
+    want = torch_logits(hf, tokens)
+    assert np.abs(want - want_plain).max() > 1e-2  # the factors matter at these positions
+    np.testing.assert_allclose(_full_logits(model, tokens), want, atol=1e-4, rtol=0)
+
+
 def test_sharded_safetensors_and_dtype(tmp_path):
     hf = make_hf_model("llama-gqa", seed=9)
     src = tmp_path / "hf"

@@ -117,6 +117,7 @@ def write_tiny_gguf(
     qtype: QT = QT.F32,
     tokenizer: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Write an HF-style state dict + config as a GGUF file, the way llama.cpp's converter does.
 
@@ -129,6 +130,7 @@ def write_tiny_gguf(
         and a matrix whose rows don't fit the quantization block falls back to F32 (as llama.cpp).
       tokenizer: GGUF tokenizer fields (see `byte_level_vocab()`), or None for no tokenizer.
       metadata: extra `{key: value}` string/int/float metadata (e.g. `llama.rope.scaling.type`).
+      extra_tensors: GGUF name -> float32 array written as is (e.g. `rope_freqs.weight`).
     Returns the path. `lm_head.weight` is skipped when the config ties word embeddings.
     """
     cfg = _config_dict(hf_config)
@@ -187,6 +189,8 @@ def write_tiny_gguf(
             elif ".k_proj." in hf_name:
                 array = llama_cpp_permute(array, kv_heads)
         writer.add_tensor(gguf_name(hf_name), *_encode(array, qtype))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.asarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -450,6 +454,87 @@ def test_rope_scaling_from_metadata(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "r.gguf", tiny.state, tiny.config, metadata=meta)
     config = gguf_io.read_config(path)
     assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def llama_cpp_rope_factors(scaling: dict[str, Any], rope_theta: float, head_dim: int) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for a Llama-3.1-style `rope_scaling`
+    (and then drops the dict), written here from that formula, independently of jaxspec."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("head_dim,theta,scaling", [
+    (128, 500000.0, LLAMA31),                                                  # Llama-3.1
+    (64, 500000.0, dict(LLAMA31, factor=32.0)),                                # Llama-3.2-1B
+    (128, 500000.0, dict(LLAMA31, original_max_position_embeddings=4096, high_freq_factor=2.0)),
+    (16, 10000.0, dict(LLAMA31, original_max_position_embeddings=64)),
+])
+def test_rope_freqs_tensor_becomes_llama3_rope_scaling(tmp_path: Path, head_dim: int, theta: float,
+                                                       scaling: dict[str, Any]) -> None:
+    """A Llama-3.1 GGUF carries its RoPE scaling only as the `rope_freqs` tensor; it was ignored
+    (with a warning), so every position past the short wavelengths rotated wrongly. The reader
+    now recovers HF's llama3 dict, checked against transformers' own llama3 frequencies."""
+    torch = pytest.importorskip("torch")
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxspec.config import ModelConfig
+
+    tiny = tiny_model("llama", hidden=2 * head_dim, heads=2, kv_heads=1)
+    factors = llama_cpp_rope_factors(scaling, theta, head_dim)
+    path = write_tiny_gguf(tmp_path / "r.gguf", tiny.state, dict(tiny.config, rope_theta=theta),
+                           extra_tensors={"rope_freqs.weight": factors})
+    config = gguf_io.read_config(path)
+    assert "rope_freq_factors" not in config
+    got = ModelConfig.from_hf_dict(config).rope_inv_freq()
+    hf = transformers.LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
+                                  rope_theta=theta, rope_scaling=dict(scaling),
+                                  max_position_embeddings=2 * scaling["original_max_position_embeddings"])
+    want = ROPE_INIT_FUNCTIONS["llama3"](hf, None)[0].double().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert not np.allclose(ModelConfig.from_hf_dict(dict(config, rope_scaling=None)).rope_inv_freq(), want,
+                           rtol=1e-3)
+    del torch
+
+
+def test_rope_freqs_of_another_form_kept_as_factors(tmp_path: Path) -> None:
+    """Factors no llama3 dict reproduces are kept as they are (`rope_freq_factors`), survive the
+    config round trip, and divide the frequencies like llama.cpp does."""
+    from jaxspec.config import ConfigError, ModelConfig
+
+    tiny = tiny_model("llama", hidden=64, heads=4, kv_heads=2)  # head_dim 16
+    factors = np.random.default_rng(3).uniform(0.5, 4.0, size=8).astype(np.float32)
+    path = write_tiny_gguf(tmp_path / "f.gguf", tiny.state, tiny.config,
+                           extra_tensors={"rope_freqs.weight": factors})
+    config = gguf_io.read_config(path)
+    assert "rope_scaling" not in config
+    cfg = ModelConfig.from_hf_dict(config)
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    theta = config["rope_theta"]
+    np.testing.assert_allclose(cfg.rope_inv_freq(),
+                               1.0 / theta ** (np.arange(0, 16, 2) / 16) / factors.astype(np.float64),
+                               rtol=1e-12)
+    with pytest.raises(ConfigError, match="rope_freq_factors"):
+        ModelConfig.from_hf_dict(dict(config, rope_freq_factors=[1.0] * 7))
+    bad = write_tiny_gguf(tmp_path / "b.gguf", tiny.state, tiny.config,
+                          extra_tensors={"rope_freqs.weight": np.ones(5, np.float32)})
+    with pytest.raises(ValueError, match="rope_freqs"):
+        gguf_io.read_config(bad)
 
 
 def test_head_dim_from_key_length(tmp_path: Path) -> None:

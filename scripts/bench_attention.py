@@ -9,7 +9,8 @@ Writes ``<out>.json`` and ``<out>.md`` (and ``<out>.png`` if matplotlib is there
     ``gqa`` (its native [B, S, K, D] layout, T*G rows per KV head, no mask among
     new tokens), the jnp reference under XLA, and cuDNN through
     ``jax.nn.dot_product_attention`` (key_value_seq_lengths only: no tree/causal
-    mask among new tokens);
+    mask among new tokens), and tokamax's ``dot_product_attention`` (each of its
+    implementations, same inputs as cuDNN) when the ``tokamax`` package is importable;
   * sparse (StreamingLLM) S=32768, sink=16, window=496 vs dense over a 512 context;
   * with ``--tune``: a sweep of block sizes per T (time-budgeted).
 
@@ -154,6 +155,29 @@ def cudnn_step(T):
   return step
 
 
+def tokamax_step(T, impl):
+  """tokamax's ``dot_product_attention`` (pip package ``tokamax``; same inputs and visibility as
+  the cuDNN peer: ``[B, S, K, D]`` K/V, key_value_seq_lengths only)."""
+  import tokamax
+
+  def step(i, q, k_s, v_s, lengths):
+    o = tokamax.dot_product_attention(q, k_s, v_s, key_value_seq_lengths=lengths - (i % 2) + T,
+                                      implementation=impl)
+    return o[0, 0, 0, 0]
+  return step
+
+
+def tokamax_version():
+  try:
+    import tokamax
+    return getattr(tokamax, "__version__", "?")
+  except Exception:  # noqa: BLE001 - an optional peer
+    return None
+
+
+TOKAMAX_IMPLS = ("mosaic", "triton", "cudnn", "xla_chunked")
+
+
 def try_time(name, step, arrays, nbytes, args, results, extra=None):
   try:
     med, best, comp = timeit(step, arrays, inner=args.inner, reps=args.reps)
@@ -221,7 +245,7 @@ def main():
   env = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
          "num_sms": getattr(dev, "core_count", None), "jax": jax.__version__,
          "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
-         "python": platform.python_version(),
+         "python": platform.python_version(), "tokamax": tokamax_version(),
          "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
   log("env", env)
   results = {"env": env, "ceiling": None, "dense": [], "sparse": [], "tune": [], "extra": []}
@@ -291,6 +315,10 @@ def main():
       qc, kc, vc = cudnn_inputs(q, k, v)
       try_time(f"cudnn T={T}", cudnn_step(T), (qc, kc, vc, L), nb, args, results["dense"],
                dict(base, impl="cudnn"))
+      if tokamax_version() is not None:
+        for impl in TOKAMAX_IMPLS:
+          try_time(f"tokamax {impl} T={T}", tokamax_step(T, impl), (qc, kc, vc, L), nb, args,
+                   results["dense"], dict(base, impl=f"tokamax {impl}"))
       del qc, kc, vc
       try_time(f"jnp reference (XLA) T={T}", ref_step, (q, k, v, L), nb, args,
                results["dense"], dict(base, impl="jnp reference"))
@@ -402,7 +430,7 @@ def write_outputs(results, out):
                                                    "read_TBps": float("nan")}
   lines = [f"# Decode/verify attention benchmark", "",
            f"- device: {env['device']} ({env['num_sms']} SMs), jax {env['jax']}, "
-           f"python {env['python']}",
+           f"python {env['python']}, tokamax {env.get('tokamax') or 'not installed'}",
            f"- command: `{env['command']}`",
            f"- copy ceiling (read+write bytes / time, 2 GiB bf16): **{c['copy_TBps']:.3f} TB/s**;"
            f" read-only ceiling (max-reduction): {c['read_TBps']:.3f} TB/s", "",

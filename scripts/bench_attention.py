@@ -158,7 +158,7 @@ def cudnn_step(T):
 def tokamax_step(T, impl):
   """tokamax's ``dot_product_attention`` (pip package ``tokamax``; same inputs and visibility as
   the cuDNN peer: ``[B, S, K, D]`` K/V, key_value_seq_lengths only)."""
-  import tokamax
+  tokamax = _tokamax()
 
   def step(i, q, k_s, v_s, lengths):
     o = tokamax.dot_product_attention(q, k_s, v_s, key_value_seq_lengths=lengths - (i % 2) + T,
@@ -167,10 +167,17 @@ def tokamax_step(T, impl):
   return step
 
 
+def _tokamax():
+  import tokamax
+  from absl import flags
+  if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; this script's argv is not theirs
+    flags.FLAGS.mark_as_parsed()
+  return tokamax
+
+
 def tokamax_version():
   try:
-    import tokamax
-    return getattr(tokamax, "__version__", "?")
+    return getattr(_tokamax(), "__version__", "?")
   except Exception:  # noqa: BLE001 - an optional peer
     return None
 

@@ -17,6 +17,24 @@ plain-`jnp` path here on CPU (or when asked). The `jnp` sparse path gathers only
 slots, so it reads ``sink + window + T_new`` keys per sequence no matter how long the context is.
 Every path supports ``T_new > T``: the Triton kernel, the Mosaic TPU kernel (`pallas_kernels.tpu`),
 the `jnp` paths here, and the shared-prefix paths (`jaxspec.prefix`), per shard on a mesh too.
+
+Sliding-window attention (``plan.sliding_window = W``, Mistral-style; `jaxspec.model.forward` sets
+it from the model's config): the token at position p sees the keys at positions ``p - W < j <= p``
+(W keys, itself included). Context slot s holds position s and new token j sits at position
+``lengths + depth(j)``, where the depth of query t is its number of visible new tokens minus one
+(``T_new - T + t`` for the causal mask; a token-tree node's ancestors-and-itself row sum minus one).
+So query t sees context slot s iff ``s > lengths + d_t - W``, and new token j iff ``mask[t, j]`` and
+``d_t - d_j < W`` (only when ``T_new > W`` can that bite). Every query sees the context slots
+``s >= lengths + D - W + 1`` (``D = T_new - 1`` bounds the depths), so the kernel path runs the
+sparse kernel with ``window = W - 1 - D`` over those and attends in `jnp` to the band of at most
+``D`` slots below them with the per-query bound, merging both by log-sum-exp (exact); when
+``W - 1 - D < 1`` (``T_new >= W``: a long prefill chunk, a small window) everything runs in `jnp`
+over the gathered ``W - 1 + T_new`` slots. The `jnp` path gathers those slots too (or masks the
+dense pass when that reads fewer), so a step reads O(W + T_new) keys whatever the context length.
+A sparse plan (``sink``/``window``: the StreamingLLM self-draft, a proposal only) keeps its own
+view when ``sink + window < W - 1`` (the new tokens windowed) and becomes the exact sliding window
+otherwise (which then reads no more). Shared prefixes do not combine with a sliding window
+(`jaxspec.prefix` is not used for such models).
 """
 
 from __future__ import annotations
@@ -52,6 +70,12 @@ class AttentionPlan:
     active: jax.Array | None = None
     # T_new, the new tokens (static): None = mask.shape[-1] with a mask, else the T computed
     num_new: int | None = struct.field(pytree_node=False, default=None)
+    # sliding attention window W (static; module docstring): the token at position p sees the keys
+    # at positions p - W < j <= p. None: every earlier key.
+    sliding_window: int | None = struct.field(pytree_node=False, default=None)
+    # `jaxspec.model.forward` sets `sliding_window` from the model's config; False leaves it
+    # None (a draft's ring-buffer cache, whose slots are not positions: a proposal, not exact)
+    model_window: bool = struct.field(pytree_node=False, default=True)
 
     @property
     def sparse(self) -> bool:
@@ -81,6 +105,112 @@ def _new_token_mask(mask, B: int, T: int, T_new: int | None = None) -> jax.Array
     return jnp.broadcast_to(m, (B, T, T_new))
 
 
+def _windowed_new_mask(mask, B: int, T: int, T_new: int, W: int | None) -> jax.Array:
+    """`_new_token_mask` where query t sees only the new tokens less than W deeper than itself
+    (``d_t - d_j < W``; module docstring): its last W visible new tokens. Differs only when
+    ``T_new > W``."""
+    m = _new_token_mask(mask, B, T, T_new)
+    if W is None or T_new <= W:
+        return m
+    if mask is None:
+        t = jnp.arange(T, dtype=jnp.int32)[:, None] + (T_new - T)
+        j = jnp.arange(T_new, dtype=jnp.int32)[None, :]
+        return m & (t - j < W)[None]
+    c = jnp.cumsum(m.astype(jnp.int32), axis=-1)  # visible new tokens up to j: d_j + 1
+    return m & (c[..., -1:] - c < W)
+
+
+def _query_depths(mask, B: int, T: int, T_new: int) -> jax.Array:
+    """[B, T] int32 depth of each query (its position minus ``lengths``): ``T_new - T + t`` for
+    the causal mask, else the number of new tokens it sees minus one (a tree node's ancestors)."""
+    if mask is None:
+        return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (T_new - T), (B, T))
+    return jnp.sum(_new_token_mask(mask, B, T, T_new).astype(jnp.int32), axis=-1) - 1
+
+
+def _min_depth(mask, T: int, T_new: int) -> int:
+    """A static lower bound of the query depths (`_query_depths`)."""
+    return T_new - T if mask is None else 0
+
+
+def resolve_sparse(sink, window, sliding_window):
+    """The (sink, window) a sparse plan runs with on a model of sliding window W: its own view
+    while ``sink + window < W - 1``, else none (the exact sliding window, which reads no more)."""
+    if sliding_window is None or (sink is None and window is None):
+        return sink, window
+    if int(sink or 0) + int(window or 0) >= sliding_window - 1:
+        return None, None
+    return sink, window
+
+
+def _gather_slots(c, layer, idx_BN):
+    """``c[layer, b, :, idx[b, n]]`` -> [B, K, N, D] (``c`` [L, B, K, S, D], or [B, K, S, D] with
+    ``layer=None``); only the N slots of each row are read."""
+    b = jnp.arange(idx_BN.shape[0], dtype=jnp.int32)[:, None]
+    g = c[b, :, idx_BN] if layer is None else c[layer, b, :, idx_BN]  # [B, N, K, D]
+    return jnp.swapaxes(g, 1, 2)
+
+
+def sliding_window_band(q_BTHD, k_cache, v_cache, lengths, mask=None, *, layer=None,
+                        sliding_window: int, lo: int, n_ctx: int, with_new: bool,
+                        sm_scale=None, num_new=None):
+    """Sliding-window attention over a gathered part of the keys; returns ``(out, lse)``.
+
+    Reads the context slots ``lengths + lo + i`` (i < n_ctx), each visible to query t iff
+    ``0 <= s < lengths`` and ``s > lengths + d_t - W`` (module docstring), and with ``with_new``
+    also the T_new new tokens under the windowed causal/tree mask. ``k_cache``/``v_cache``:
+    ``[L, B, K, S, D]`` with a (traced) ``layer``, or ``[B, K, S, D]``."""
+    B, T, H, D = q_BTHD.shape
+    S = k_cache.shape[-2]
+    W = int(sliding_window)
+    T_new = _num_new(T, mask, num_new)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    L = lengths.astype(jnp.int32)[:, None]  # [B, 1]
+    slots = L + lo + jnp.arange(max(n_ctx, 0), dtype=jnp.int32)[None]  # [B, n_ctx]
+    bound = L + _query_depths(mask, B, T, T_new) - W  # [B, T]: visible iff s > bound
+    ok = ((slots >= 0) & (slots < L))[:, None, :] & (slots[:, None, :] > bound[:, :, None])
+    idx = slots
+    if with_new:
+        idx = jnp.concatenate([slots, L + jnp.arange(T_new, dtype=jnp.int32)[None]], axis=1)
+        ok = jnp.concatenate([ok, _windowed_new_mask(mask, B, T, T_new, W)], axis=2)
+    idx = jnp.clip(idx, 0, S - 1)
+    k = _gather_slots(k_cache, layer, idx)
+    v = _gather_slots(v_cache, layer, idx)
+    q = q_BTHD
+    if _backend() == "cpu" and q.dtype != jnp.float32:  # see attention_xla
+        q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+    out, lse = _softmax_attend(q, k, v, ok, sm_scale)
+    return out.astype(q_BTHD.dtype), lse
+
+
+def sliding_window_attention(q_BTHD, k_cache, v_cache, lengths, mask=None, *, layer=None,
+                             sliding_window: int, kernel=None, sm_scale=None, num_new=None,
+                             interpret=None):
+    """Exact sliding-window attention (dense plan) of the last T of T_new new tokens; returns
+    ``(out, lse)``. ``kernel`` (`pallas_kernels.decode_attention`): the sparse kernel over the
+    context slots every query sees plus a `jnp` band (module docstring); None: all in `jnp`
+    over the gathered ``W - 1 + T_new`` slots at most."""
+    T = q_BTHD.shape[1]
+    W = int(sliding_window)
+    T_new = _num_new(T, mask, num_new)
+    d_min, d_max = _min_depth(mask, T, T_new), T_new - 1
+    wk = W - 1 - d_max  # context slots [lengths - wk, lengths): seen by every query
+    kw = dict(layer=layer, sliding_window=W, sm_scale=sm_scale, num_new=T_new)
+    if kernel is None or wk < 1:
+        return sliding_window_band(q_BTHD, k_cache, v_cache, lengths, mask, lo=d_min - W + 1,
+                                   n_ctx=W - 1 - d_min, with_new=True, **kw)
+    # T_new <= W - 1 here: the new tokens need no windowing
+    o, lse = kernel(q_BTHD, k_cache, v_cache, lengths, mask, layer=layer, sink=None, window=wk,
+                    sm_scale=sm_scale, num_new=T_new, interpret=interpret)
+    if d_max == d_min:  # every query at one depth (a decode step): no band
+        return o, lse
+    from pallas_kernels import merge_attention_states
+    o2, lse2 = sliding_window_band(q_BTHD, k_cache, v_cache, lengths, mask, lo=d_min - W + 1,
+                                   n_ctx=d_max - d_min, with_new=False, **kw)
+    return merge_attention_states([o, o2], [lse, lse2])
+
+
 def _softmax_attend(q_BTHD, k_BKND, v_BKND, visible_BTN, sm_scale):
     """Masked softmax attention of q over n gathered keys per sequence; returns (out, lse)."""
     B, T, H, D = q_BTHD.shape
@@ -107,13 +237,14 @@ def _softmax_attend(q_BTHD, k_BKND, v_BKND, visible_BTN, sm_scale):
 
 
 def attention_xla(q_BTHD, k_BKSD, v_BKSD, lengths, mask=None, *, sink=None, window=None,
-                  sm_scale=None, num_new=None):
+                  sm_scale=None, num_new=None, sliding_window=None):
     """Plain-`jnp` attention over a cache laid out ``[B, K, S, D]``; returns ``(out, lse)``.
 
     The T queries are the last T of ``num_new`` new tokens (default: ``mask.shape[-1]``, else T);
     see the module docstring. Dense: one pass over all S slots with a visibility mask. Sparse
     (sink/window): gathers only ``sink`` + ``window`` context slots and the T_new new slots per
-    sequence.
+    sequence. ``sliding_window`` W: see the module docstring (gathers at most ``W - 1 + T_new``
+    slots, or masks the dense pass when that is not more).
     """
     B, T, H, D = q_BTHD.shape
     S = k_BKSD.shape[2]
@@ -122,21 +253,33 @@ def attention_xla(q_BTHD, k_BKSD, v_BKSD, lengths, mask=None, *, sink=None, wind
         # XLA's CPU backend has no fast 16-bit matmuls: attend in float32 there.
         out, lse = attention_xla(q_BTHD.astype(jnp.float32), k_BKSD.astype(jnp.float32),
                                  v_BKSD.astype(jnp.float32), lengths, mask, sink=sink,
-                                 window=window, sm_scale=sm_scale, num_new=num_new)
+                                 window=window, sm_scale=sm_scale, num_new=num_new,
+                                 sliding_window=sliding_window)
         return out.astype(out_dtype), lse
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     lengths = lengths.astype(jnp.int32)
     T_new = _num_new(T, mask, num_new)
-    new_mask = _new_token_mask(mask, B, T, T_new)  # [B, T, T_new]
+    W = None if sliding_window is None else int(sliding_window)
+    sink, window = resolve_sparse(sink, window, W)
+    new_mask = _windowed_new_mask(mask, B, T, T_new, W)  # [B, T, T_new]
     if sink is None and window is None:
+        d_min = _min_depth(mask, T, T_new)
+        if W is not None and W - 1 - d_min + T_new < S:  # gather the window: fewer slots
+            return sliding_window_band(q_BTHD, k_BKSD, v_BKSD, lengths, mask, sliding_window=W,
+                                       lo=d_min - W + 1, n_ctx=W - 1 - d_min, with_new=True,
+                                       sm_scale=sm_scale, num_new=T_new)
         s_idx = jnp.arange(S, dtype=jnp.int32)
         rel = s_idx[None, :] - lengths[:, None]  # [B, S]
         in_ctx = rel < 0
         in_new = (rel >= 0) & (rel < T_new)
         relc = jnp.clip(rel, 0, T_new - 1)
         new_vis = jnp.take_along_axis(new_mask, jnp.broadcast_to(relc[:, None, :], (B, T, S)), axis=2)
-        visible = in_ctx[:, None, :] | (in_new[:, None, :] & new_vis)  # [B, T, S]
+        ctx_vis = in_ctx[:, None, :]
+        if W is not None:  # context slot s visible to query t iff s > lengths + d_t - W
+            bound = lengths[:, None] + _query_depths(mask, B, T, T_new) - W  # [B, T]
+            ctx_vis = ctx_vis & (s_idx[None, None, :] > bound[:, :, None])
+        visible = ctx_vis | (in_new[:, None, :] & new_vis)  # [B, T, S]
         return _softmax_attend(q_BTHD, k_BKSD, v_BKSD, visible, sm_scale)
     sink = int(sink or 0)
     window = int(window or 0)
@@ -166,29 +309,58 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
     if impl == "none":  # profiling: the step without attention (not a model!)
         return jnp.zeros_like(q_BTHD)
+    D = q_BTHD.shape[-1]
+    if impl == "auto" and _backend() == "gpu" and (D & (D - 1) or (plan.prefix is not None
+                                                                  and D < 16)):
+        # The Triton kernels need a power-of-2 head dim (the shared-prefix kernel also >= 16):
+        # another head dim (80, 96, 100, ...) runs the plain-`jnp` attention instead of failing.
+        impl = "xla"
+        plan = plan.replace(impl=impl)
     if plan.active is not None:  # finished rows: no context read (their output is discarded)
         plan = plan.replace(lengths=jnp.where(plan.active, plan.lengths, 0), active=None)
-    num_new = plan.new_tokens(q_BTHD.shape[1])
+    T = q_BTHD.shape[1]
+    num_new = plan.new_tokens(T)
+    W = plan.sliding_window
     if plan.prefix is not None:  # shared prefix (Hydragen): prefix part + suffix part, merged
+        if W is not None:
+            raise ValueError("shared prefixes (Hydragen) do not support sliding-window attention: "
+                             "generate without shared_prefix for this model")
         from jaxspec.prefix import attend_with_prefix
         return attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)
+    sink, window = resolve_sparse(plan.sink, plan.window, W)
+    sparse = sink is not None or window is not None
     use_kernel = impl in ("pallas", "interpret") or (impl == "auto" and _backend() in ("gpu", "tpu"))
     if use_kernel:
         kernel = _kernel()
         if kernel is not None:
+            interpret = True if impl == "interpret" else None
+
             def run_kernel(q, k, v, lengths, mask, layer):
-                return kernel(q, k, v, lengths, mask, layer=layer, sink=plan.sink,
-                              window=plan.window, sm_scale=sm_scale, num_new=num_new,
-                              interpret=True if impl == "interpret" else None)[0]
+                if W is not None and not sparse:
+                    return sliding_window_attention(
+                        q, k, v, lengths, mask, layer=layer, sliding_window=W, kernel=kernel,
+                        sm_scale=sm_scale, num_new=num_new, interpret=interpret)[0]
+                if W is not None and num_new > W:  # a sparse draft: window its new tokens
+                    mask = _windowed_new_mask(mask, q.shape[0], T, num_new, W)
+                return kernel(q, k, v, lengths, mask, layer=layer, sink=sink, window=window,
+                              sm_scale=sm_scale, num_new=num_new, interpret=interpret)[0]
             return _per_shard(run_kernel, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer)
         if impl != "auto":
             raise RuntimeError("attention implementation 'pallas' requested but pallas_kernels "
                                "is not available")
     def run_xla(q, k_all, v_all, lengths, mask, layer):
+        if W is not None and not sparse:  # gathers only the window's slots of this layer
+            S = k_all.shape[-2]
+            d_min = _min_depth(mask, T, num_new)
+            if W - 1 - d_min + num_new < S:
+                return sliding_window_band(q, k_all, v_all, lengths, mask, layer=layer,
+                                           sliding_window=W, lo=d_min - W + 1,
+                                           n_ctx=W - 1 - d_min, with_new=True,
+                                           sm_scale=sm_scale, num_new=num_new)[0]
         k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
-        return attention_xla(q, k, v, lengths, mask, sink=plan.sink, window=plan.window,
-                             sm_scale=sm_scale, num_new=num_new)[0]
+        return attention_xla(q, k, v, lengths, mask, sink=sink, window=window,
+                             sm_scale=sm_scale, num_new=num_new, sliding_window=W)[0]
     return _per_shard(run_xla, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer)
 
 

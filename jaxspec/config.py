@@ -158,7 +158,25 @@ class ModelConfig:
             else:
                 rope_scaling = None
             factors = d.get("rope_freq_factors")
-            sliding = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
+            sliding = None
+            if d.get("use_sliding_window", model_type == "mistral") and d.get("sliding_window"):
+                sliding = int(d["sliding_window"])
+                # Qwen2 slides only in the layers from max_window_layers on (transformers 5:
+                # those `layer_types` names); transformers' Mistral slides in every layer.
+                types = d.get("layer_types") if model_type != "mistral" else None
+                if types is None and model_type == "qwen2":
+                    first = int(d.get("max_window_layers", 28))
+                    types = ["sliding_attention" if i >= first else "full_attention"
+                             for i in range(int(d["num_hidden_layers"]))]
+                if types is not None:
+                    n_sliding = sum(t == "sliding_attention" for t in types)
+                    if n_sliding == 0:
+                        sliding = None
+                    elif n_sliding != len(types):
+                        raise ConfigError(
+                            f"this {model_type} config slides its attention window ({sliding}) in "
+                            f"{n_sliding} of {len(types)} layers (max_window_layers / layer_types); "
+                            "jaxspec runs one window in every layer or none")
             return cls(
                 model_type=model_type,
                 vocab_size=int(d["vocab_size"]),
@@ -206,6 +224,8 @@ class ModelConfig:
         if self.sliding_window:
             d["sliding_window"] = self.sliding_window
             d["use_sliding_window"] = True
+            d["max_window_layers"] = 0  # every layer slides (Qwen2 spelling)
+            d["layer_types"] = ["sliding_attention"] * self.num_layers
         return d
 
     @classmethod

@@ -26,7 +26,7 @@ from jaxspec.attention import AttentionPlan
 from jaxspec.cache import SLOT_ALIGN, KVCache, round_up
 from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
-from jaxspec.model import forward
+from jaxspec.model import forward, sliding_window_of
 from jaxspec.sharding import fetch as _fetch_sharded, sharded_generate
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -143,26 +143,6 @@ def stop_token_ids(model: Model, stop_tokens) -> tuple[int, ...]:
                 raise TypeError(f"stop tokens must be token ids or single-token strings, "
                                 f"got {s!r}") from None
     return tuple(sorted(ids))
-
-
-def check_sliding_window(config: ModelConfig, prompt_lens, budgets) -> None:
-    """Refuses sequences that would reach past a sliding attention window (``sliding_window``,
-    e.g. Mistral-7B-v0.1). jaxspec attends to every earlier token; that is the model's own
-    attention only while a sequence has at most ``sliding_window`` tokens fed to the model: a
-    prompt of n tokens and b new tokens feeds n + b - 1 (the last new token is never fed), so
-    n + b <= sliding_window + 1. Past that the tokens would silently differ from the model's."""
-    W = config.sliding_window
-    if W is None:
-        return
-    total = np.asarray(prompt_lens) + np.asarray(budgets)
-    bad = np.nonzero(total > W + 1)[0]
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"this {config.model_type} model uses sliding-window attention (window {W}), which "
-            f"jaxspec does not implement: it is exact only while prompt + new tokens <= {W + 1}, "
-            f"but prompt {i} has {int(prompt_lens[i])} tokens and asks for {int(budgets[i])} new "
-            f"ones; shorten the prompt or lower max_new_tokens")
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -348,10 +328,11 @@ def prepare(model: Model, prompts, *, max_new_tokens: int, temperature: float = 
         raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), got {type(model).__name__}")
     _check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
     token_lists = _as_token_lists(model, prompts, chat)
+    window = sliding_window_of(model.config)  # shared prefixes do not combine with it
     share = None
     if shared_prefix is not None or n != 1:
         from jaxspec.prefix import plan_sharing
-        token_lists, share = plan_sharing(token_lists, shared_prefix, n)
+        token_lists, share = plan_sharing(token_lists, shared_prefix, n, sliding_window=window)
         if share is not None and model.mesh is not None:
             d = model.mesh.shape["data"]
             if len(token_lists) % d:
@@ -377,19 +358,22 @@ def prepare(model: Model, prompts, *, max_new_tokens: int, temperature: float = 
     extra = spec.extra_slots if spec is not None else 1
     budget = np.minimum(max_new_tokens, ctx - lens)  # never past the model's context
     budget[n_real:] = 0
-    if max_new_tokens > 0:
-        check_sliding_window(config, lens[:n_real], budget[:n_real])
     slot_lens = lens if share is None else lens - share.offsets  # suffix slots per row
     need = int((slot_lens + budget).max()) + extra
+    why = (f"prompts of up to {int(slot_lens.max())} tokens{' (after the shared prefix)' if share else ''}"
+           f" plus {int(budget.max())} new tokens and {extra} slot{'s' if extra > 1 else ''} for "
+           f"{'the tokens of a speculation round' if spec is not None else 'the last token'}")
     # the last prefill chunk writes whole chunks: the cache must hold them (kernels need it)
     n_pre = int(slot_lens.max()) - 1
     if n_pre > 0:
         C = min(prefill_chunk, round_up(n_pre, 16))
-        need = max(need, round_up(n_pre, C))
+        if round_up(n_pre, C) > need:
+            need = round_up(n_pre, C)
+            why = (f"the prefill of prompts of up to {int(slot_lens.max())} tokens writes whole "
+                   f"chunks of {C} slots (prefill_chunk)")
     S = int(max_len or round_up(need, SLOT_ALIGN))
     if S < need:
-        raise ValueError(f"max_len={S} is too small: prompts of up to {lens.max()} tokens plus "
-                         f"{max_new_tokens} new tokens need {need} cache slots")
+        raise ValueError(f"max_len={S} is too small: {why} need {need} cache slots")
     t0 = time.perf_counter()
     stats: dict[str, Any] = {"batch": n_real, "prompt_tokens": int(lens[:n_real].sum()),
                              "max_len": S}
@@ -460,7 +444,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     to all prompts once it is long enough, an int shares that many leading tokens, a list of
     token ids shares exactly those; with ``n > 1`` each prompt is also shared by its samples.
     The prefix is prefilled once and attended to once per group; tokens are the same as without
-    sharing (greedy) and the distribution is the same (sampling).
+    sharing (greedy) and the distribution is the same (sampling). A model with a sliding attention
+    window shares nothing (``"auto"`` and ``n`` then just repeat rows; an explicit prefix raises).
     """
     prep = prepare(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,

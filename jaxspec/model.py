@@ -286,29 +286,30 @@ def _unfuse(p):
     return f
 
 
-def _auto_attention_impl(config: ModelConfig, plan: AttentionPlan) -> AttentionPlan:
-    """``impl="auto"`` on GPU picks the Triton kernels, which need a power-of-2 head dim (the
-    shared-prefix kernel also >= 16): a model with another head dim (80, 96, 100, ...) runs the
-    plain-`jnp` attention there instead of failing. An explicit ``impl`` is left alone."""
-    from jaxspec import attention as _attention
-    if plan.impl != "auto" or _attention._backend() != "gpu":
-        return plan
-    D = config.head_dim
-    if D & (D - 1) == 0 and (plan.prefix is None or D >= 16):
-        return plan
-    return plan.replace(impl="xla")
+def sliding_window_of(config: ModelConfig) -> int | None:
+    """The model's sliding attention window W (`AttentionPlan.sliding_window`), or None when it
+    has none or when W >= its context (``max_position_embeddings``: no two positions are W
+    apart, the window never hides a key)."""
+    W = config.sliding_window
+    if W is None or W >= config.max_position_embeddings:
+        return None
+    return int(W)
 
 
 def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache,
             plan: AttentionPlan, logits_at=None, *, dtype=None):
-    """Functional entry point: ``(logits, cache)`` for params of ``config``."""
+    """Functional entry point: ``(logits, cache)`` for params of ``config``. The model's sliding
+    window (`sliding_window_of`) goes into the plan unless ``plan.model_window`` is False."""
     if dtype is None:
         dtype = params["embed"].dtype
+    if plan.model_window and plan.sliding_window is None:
+        W = sliding_window_of(config)
+        if W is not None:
+            plan = plan.replace(sliding_window=W)
     prefix = getattr(cache, "prefix", None)
     if prefix is not None:  # shared-prefix cache (jaxspec.prefix): slots count after the prefix
         positions_BT = positions_BT + prefix.offset[:, None]
         plan = plan.replace(prefix=prefix)
-    plan = _auto_attention_impl(config, plan)
     if isinstance(params["layers"], (list, tuple)):
         return _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logits_at,
                                  dtype)

@@ -21,6 +21,10 @@ The StreamingLLM self-draft (``plan.sink`` / ``plan.window``) sees the same spar
 sharing: positions ``< sink`` (from the prefix) and the last ``window`` positions (from the suffix
 and, where the suffix is shorter than the window, the prefix's tail); it gathers only those slots.
 
+A model with a sliding attention window (`jaxspec.model.sliding_window_of`) shares nothing: the
+prefix attention has no window (`plan_sharing` repeats the rows instead, or refuses an explicit
+prefix, and `jaxspec.attention.attend` refuses a prefix with a window).
+
 Both paths take the plan's ``T_new >= T`` new tokens (`AttentionPlan.new_tokens`: the T queries are
 the last T of them, e.g. one token-tree level over the earlier levels' K/V) as the decode path does.
 """
@@ -221,7 +225,8 @@ def _common_prefix_len(rows) -> int:
     return n
 
 
-def plan_sharing(token_lists, shared_prefix, n: int = 1, *, min_tokens: int | None = None):
+def plan_sharing(token_lists, shared_prefix, n: int = 1, *, min_tokens: int | None = None,
+                 sliding_window: int | None = None):
     """Expands ``n`` samples per prompt and finds the prefix levels.
 
     ``shared_prefix``: None (share only the ``n`` samples' prompt when ``n > 1``), ``"auto"``
@@ -229,6 +234,10 @@ def plan_sharing(token_lists, shared_prefix, n: int = 1, *, min_tokens: int | No
     many leading tokens, which must be common to all prompts) or a list of token ids (which every
     prompt must start with). Every row keeps at least its last prompt token in its suffix.
     With ``n > 1`` each prompt's remaining tokens form a second level shared by its samples.
+
+    ``sliding_window`` (the model's, `jaxspec.model.sliding_window_of`): the shared-prefix
+    attention has no sliding window, so nothing is shared: ``"auto"`` and ``n`` just repeat the
+    rows, and an explicit non-empty ``shared_prefix`` raises ValueError.
 
     Returns ``(rows, SharingPlan | None)``; None when nothing is shared."""
     if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
@@ -264,6 +273,14 @@ def plan_sharing(token_lists, shared_prefix, n: int = 1, *, min_tokens: int | No
         bad = [i for i, p in enumerate(prompts) if p[:n0] != toks]
         if bad:
             raise ValueError(f"prompt {bad[0]} does not start with shared_prefix")
+    if sliding_window is not None:
+        if n0 > 0 and shared_prefix != "auto":
+            raise ValueError(
+                f"shared_prefix is not supported for a model with sliding-window attention "
+                f"(window {sliding_window}): the shared-prefix attention has no window; "
+                f"generate without shared_prefix (or with shared_prefix='auto', which then "
+                f"shares nothing)")
+        return rows, None
     levels = []
     if n0 > 0:
         levels.append((1, [prompts[0][:n0]]))

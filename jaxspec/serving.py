@@ -290,7 +290,7 @@ class ServingEngine:
     model: a `jaxspec.Model` (with a tokenizer for text prompts).
     max_batch: slots (batch rows of the KV cache).
     max_len: tokens per sequence (prompt + completion); default: the model's context, at most 4096
-        (and at most ``sliding_window + 1`` for a sliding-window model, where jaxspec is exact).
+        (and at most a full-cache draft model's context).
     speculation: a `jaxspec.Speculation` (or None for plain decoding).
     rounds_per_chunk: loop rounds per jitted call (streaming granularity vs. host overhead).
     max_queue: waiting sequences beyond which `submit` raises `QueueFull`.
@@ -321,10 +321,16 @@ class ServingEngine:
         self.stop_ids = stop_token_ids(model, stop_tokens)
         ctx = cfg.max_position_embeddings
         self.max_len = int(min(max_len or min(ctx, 4096), ctx))
-        if cfg.sliding_window is not None:  # exact only up to the window (engine.check_sliding_window)
-            self.max_len = min(self.max_len, cfg.sliding_window + 1)
         self.speculation = speculation
         self._setup_speculation()
+        if self.draft is not None and speculation.window is None:  # a full-cache draft model
+            dctx = self.draft.config.max_position_embeddings
+            if self.max_len > dctx:
+                if max_len:
+                    raise ValueError(
+                        f"max_len={max_len} is past the draft model's context ({dctx} tokens): "
+                        "use a ring-buffer draft (window=...) or a smaller max_len")
+                self.max_len = dctx
         # whole prefill chunks must fit (see _prefill_row)
         S = round_up(self.max_len + self.extra, max(SLOT_ALIGN, self.prefill_chunk))
         self.S = S

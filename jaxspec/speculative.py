@@ -21,6 +21,12 @@ A separate draft model keeps its own cache, either full (``window=None``) or a r
 ``sink + window`` slots (plus a scratch area for the tokens of the current round) in which position
 ``P`` lives at slot ``P`` if ``P < sink`` else ``sink + (P - sink) % window``; the oldest window
 slot is evicted, so generation of any length works. Positions are always original positions.
+
+Sliding-window models (`jaxspec.attention`): the target's verification is exact, so every kind of
+speculation stays lossless. The drafts are proposals: a sparse self-draft keeps its sink + window
+view while that is smaller than the model's window (else it attends exactly like the target), a
+ring-buffer draft attends to its whole ring (whose slots are not positions), and a full-cache draft
+applies its own model's window exactly.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from jaxspec.cache import SLOT_ALIGN, KVCache, kv_bytes_per_token, round_up, set
 from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
 from jaxspec.engine import DecodeLoop, DecodeState, commit_tokens, prefill
-from jaxspec.model import forward
+from jaxspec.model import forward, sliding_window_of
 from jaxspec.prefix import positions_of
 from jaxspec.sharding import cache_sharding_like
 from jaxspec.tree import TokenTree, compact_path
@@ -55,8 +61,9 @@ class Speculation:
     draft: ``"self"`` (the target's weights over a sparse sink + window view of its own cache) or a
         `jaxspec.Model` sharing the target's vocabulary.
     gamma: drafts per round (>= 1), or ``"auto"`` to pick it from measured step costs.
-    sink, window: StreamingLLM sparse KV of the draft (for a separate draft ``window=None`` means a
-        full cache).
+    sink, window: StreamingLLM sparse KV of the draft. ``window=None`` means a full cache: for a
+        separate draft its own full cache; for ``draft="self"`` the whole target cache (the draft is
+        then the target itself and ``sink`` is unused: every draft is accepted, for testing).
     tree: token-tree speculation instead of a chain: SpecInfer's expansion config ``(k1, .., km)``
         (the node at depth i gets k_{i+1} children), a parents list (starting with -1), a
         `jaxspec.tree.TokenTree`, or the path of a JSON file written by ``jaxspec tree-search``.
@@ -188,7 +195,8 @@ class SpecLoop:
         pos0 = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
         logits, dc = forward(self.draft_config, dparams, two, pos0, dc,
                              AttentionPlan(lengths=base, impl=self.impl,
-                                           active=self._active(state)),
+                                           active=self._active(state),
+                                           model_window=not self.ring),
                              logits_at=(pending - 1)[:, None])
         return logits, dc, start, base, pending
 
@@ -206,7 +214,8 @@ class SpecLoop:
             k, v, tok, rng = carry
             rng, sub = jax.random.split(rng)
             off = L + j - start  # slot offset of position L + j within this round's tokens
-            plan = AttentionPlan(lengths=base + off, impl=self.impl, active=self._active(state))
+            plan = AttentionPlan(lengths=base + off, impl=self.impl, active=self._active(state),
+                                 model_window=not self.ring)
             c = dc.replace(k=k, v=v)
             lg, c = forward(self.draft_config, dparams, tok[:, None], (L + j)[:, None], c, plan)
             d, q = self._propose(sub, lg[:, 0], sp)
@@ -267,6 +276,9 @@ class SpecLoop:
         c = acc["round_costs"]
         active = ~state.done
         L = state.cache.lengths.astype(jnp.float32)
+        W = sliding_window_of(self.config)
+        if W is not None:  # a target step reads at most its window
+            L = jnp.minimum(L, float(W))
         span = c[5]
         if self.draft_config is None:
             ctx_d = jnp.minimum(L, span) if self.window is not None else L
@@ -392,7 +404,8 @@ class SpecLoop:
             else:
                 lo = a if level_only else 0  # first node this forward computes
                 plan = AttentionPlan(lengths=root_slot, mask=anc[lo:b, :b], sink=sink,
-                                     window=window, impl=self.impl, active=self._active(state))
+                                     window=window, impl=self.impl, active=self._active(state),
+                                     model_window=not self.ring)
                 idx = jnp.broadcast_to(jnp.arange(a - lo, b - lo, dtype=jnp.int32), (B, b - a))
                 logits, cache = forward(cfg, prm, node_tok[:, lo:b],
                                         L[:, None] + depths_j[None, lo:b], cache, plan,
@@ -610,6 +623,8 @@ class _Runner:
             n_fwd = gamma if self.tree is None else self.tree.max_depth
             alpha = _ACCEPTANCE.get(key, PRIOR_ACCEPTANCE)
             lens = np.asarray(state.cache.lengths)[~np.asarray(state.done)]
+            if sliding_window_of(cfg) is not None:  # a target step reads at most its window
+                lens = np.minimum(lens, sliding_window_of(cfg))
             rc = round_costs(model, self.spec, self.draft, n_forwards=n_fwd,
                              prior_tokens=expected_tokens(alpha, n_fwd), batch=len(lens),
                              context=float(lens.mean()) if lens.size else 0.0, costs=costs,
@@ -716,7 +731,7 @@ def _ring_prefill_chunk(params, cache: KVCache, tokens_BC, start, n_valid, *, co
     W = sink + window
     base = jnp.minimum(start, W)
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
-    plan = AttentionPlan(lengths=base, impl=impl)
+    plan = AttentionPlan(lengths=base, impl=impl, model_window=False)  # ring slots: not positions
     _, cache = forward(config, params, tokens_BC, positions, cache, plan,
                        logits_at=jnp.zeros((B, 1), jnp.int32))
     loop = SpecLoop(config=config, stop_ids=(), gamma=1, sink=sink, window=window, greedy=True,

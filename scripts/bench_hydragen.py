@@ -821,6 +821,13 @@ class ModelCtx:
                 else:
                     res = self.run_spec(st, B, P, int(mode.split("-g")[1]))
                 row.update(res)
+                if getattr(self, "profile", None):
+                    kt, self.profile = self.profile, None
+                    row["profile"] = kt
+                    log(f"  profile: {kt['kernels']:.0f} kernels/step, busy {kt['busy_us']:.0f} "
+                        f"us/step, span {kt['span_us']:.0f} us/step")
+                    for r in kt["table"]:
+                        log(f"    {r['us']:8.1f} us/step {r['per_step']:6.1f}x  {r['name']}")
                 row["status"] = "ok"
             except Exception as e:  # noqa: BLE001 - OOM and the like are results
                 msg = ("set-up: " if in_setup else "") + short_error(e)
@@ -916,6 +923,15 @@ class ModelCtx:
             jax.block_until_ready(final)
             times.append(time.perf_counter() - t)
             same &= bool(np.array_equal(np.asarray(final.out)[:, :self.a.new_tokens], tokens))
+        if self.a.profile:  # one more run under the profiler: the kernels of a decode step
+            sys.path.insert(0, str(ROOT / "scripts"))
+            from benchutil import kernel_table
+            d = os.path.join(self.a.profile, f"trace{len(self.sw.rows)}")
+            state = state_fn(final.cache)
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                final, extra = run(state)
+                jax.block_until_ready(final)
+            self.profile = kernel_table(d, max(int(final.steps), 1), top=25, width=70)
         return final.cache, tokens, times, first, final, extra, same
 
     def _result(self, tokens_total, times, first, steps, compile_s, same):
@@ -1112,6 +1128,9 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true",
                    help="tiny random float32 model and grid (CPU smoke test)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--profile", default="",
+                   help="a folder for profiler traces: each point runs once more under "
+                        "jax.profiler and its row gets the decode step's kernel table")
     a = p.parse_args(argv)
     defaults = TINY_DEFAULTS if a.tiny else GPU_DEFAULTS
     for k, v in defaults.items():

@@ -18,24 +18,21 @@ PROMPTS = [[5], [3, 9, 27, 81, 50, 11, 2], [60, 61]]
 
 
 # ------------------------------------------------------------------ sliding-window models
-def test_sliding_window_exact_inside_refused_past(tmp_path):
-    """A Mistral config with sliding_window: jaxspec attends to every earlier token, which is the
-    model's attention only while prompt + new tokens <= window + 1. Inside: the tokens of
-    transformers; past it generate used to return different tokens silently."""
+def test_sliding_window_exact_past_the_window(tmp_path):
+    """A Mistral config with sliding_window: jaxspec used to attend to every earlier token, exact
+    only while prompt + new tokens <= window + 1, and refused longer sequences (the server capped
+    max_len to window + 1). Now the window is applied: transformers' tokens at any length
+    (tests/test_sliding_window.py covers the paths)."""
     pytest.importorskip("torch")
     from hf_models import convert_hf, make_hf_model, torch_greedy
     hf = make_hf_model("mistral", seed=4, sliding_window=8, num_hidden_layers=1)
     m = convert_hf(hf, tmp_path)
     assert m.config.sliding_window == 8
-    prompt = [7, 1, 99, 45, 3]
-    res = jaxspec.generate(m, [prompt], max_new_tokens=4)  # 5 + 4 = window + 1: exact
-    assert res.tokens[0] == torch_greedy(hf, prompt, 4)
-    with pytest.raises(ValueError, match="sliding-window"):
-        jaxspec.generate(m, [prompt], max_new_tokens=5)
-    with pytest.raises(ValueError, match="sliding-window"):
-        jaxspec.generate(m, [[1] * 12], max_new_tokens=1)
+    for prompt, new in (([7, 1, 99, 45, 3], 20), ([1] * 12, 3)):  # both past window + 1
+        res = jaxspec.generate(m, [prompt], max_new_tokens=new)
+        assert res.tokens[0] == torch_greedy(hf, prompt, new)
     from jaxspec.serving import ServingEngine
-    assert ServingEngine(m, max_batch=1, max_len=64).max_len == 9
+    assert ServingEngine(m, max_batch=1, max_len=64).max_len == 64
 
 
 # ------------------------------------------------------------------ attention dispatch
@@ -153,3 +150,30 @@ def test_draft_model_with_max_new_tokens_past_the_context():
     assert [len(t) for t in want] == [48 - len(p) for p in PROMPTS]
     spec = jaxspec.Speculation(draft=draft, gamma=3, window=None)
     assert jaxspec.generate(target, PROMPTS, max_new_tokens=1000, speculation=spec).tokens == want
+
+
+def test_max_len_too_small_says_why(model):
+    """The error blamed 'prompts plus new tokens' also when the prefill's whole chunks were what
+    did not fit; it now names the reason that set the size."""
+    with pytest.raises(ValueError, match=r"max_len=8 is too small: prompts of up to 5 tokens plus 10 "
+                                         r"new tokens and 1 slot for the last token need 16"):
+        jaxspec.generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=10, max_len=8)
+    long = [i % 90 + 1 for i in range(100)]
+    with pytest.raises(ValueError, match=r"max_len=110 is too small: the prefill of prompts of up "
+                                         r"to 100 tokens writes whole chunks of 64 slots"):
+        jaxspec.generate(model, [long], max_new_tokens=1, max_len=110, prefill_chunk=64)
+    res = jaxspec.generate(model, [long], max_new_tokens=1, max_len=128, prefill_chunk=64)
+    assert len(res.tokens[0]) == 1
+
+
+def test_server_full_cache_draft_context(model):
+    """A full-cache draft model shorter than the server's max_len would have attended past its
+    own context: an explicit max_len past it is refused, the default is capped to it."""
+    from jaxspec.serving import ServingEngine
+    draft = tiny_model(seed=7, vocab=97, ctx=48)
+    spec = jaxspec.Speculation(draft=draft, gamma=2, window=None)
+    with pytest.raises(ValueError, match="draft model's context"):
+        ServingEngine(model, max_batch=1, max_len=100, speculation=spec)
+    assert ServingEngine(model, max_batch=1, speculation=spec).max_len == 48
+    ring = jaxspec.Speculation(draft=draft, gamma=2, sink=2, window=8)  # any length
+    assert ServingEngine(model, max_batch=1, max_len=100, speculation=ring).max_len == 100

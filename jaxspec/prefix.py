@@ -139,22 +139,26 @@ def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, pl
         o, lse = attention_xla(q, k, v, lengths, mask, sm_scale=sm_scale, num_new=num_new)
     outs, lses = [o], [lse]
     Bl = q.shape[0]
+    fn = prefix_attention_reference if kernel is None else prefix_attention
     for lv in pre.levels:
-        kp = jax.lax.dynamic_index_in_dim(lv.k, layer, axis=0, keepdims=False)  # [P, Lp, K, D]
-        vp = jax.lax.dynamic_index_in_dim(lv.v, layer, axis=0, keepdims=False)
         n, ln = lv.groups, lv.lengths
+        n_loc = n
         if sharded:  # this shard's rows: the groups they belong to (contiguous rows)
             gs = batch // n
             if Bl % gs and gs % Bl:
                 raise ValueError(f"shared-prefix groups of {gs} rows do not align with "
                                  f"{Bl} rows per data shard")
             n_loc = max(1, Bl // gs)
+        if n_loc == n:  # every group: the kernel reads this layer of the stack in place
+            o, lse = fn(q, lv.k, lv.v, ln, sm_scale=sm_scale, interpret=interpret, layer=layer)
+        else:  # this shard's groups of this layer (a copy of them)
             g0 = rows[0] // gs
+            kp = jax.lax.dynamic_index_in_dim(lv.k, layer, axis=0, keepdims=False)  # [P, Lp, K, D]
+            vp = jax.lax.dynamic_index_in_dim(lv.v, layer, axis=0, keepdims=False)
             kp = jax.lax.dynamic_slice_in_dim(kp, g0, n_loc, axis=0)
             vp = jax.lax.dynamic_slice_in_dim(vp, g0, n_loc, axis=0)
             ln = jax.lax.dynamic_slice_in_dim(ln, g0, n_loc, axis=0)
-        fn = prefix_attention_reference if kernel is None else prefix_attention
-        o, lse = fn(q, kp, vp, ln, sm_scale=sm_scale, interpret=interpret)
+            o, lse = fn(q, kp, vp, ln, sm_scale=sm_scale, interpret=interpret)
         outs.append(o)
         lses.append(lse)
     return merge_attention_states(outs, lses)[0]

@@ -91,6 +91,8 @@ class PrefixAttentionBlockSizes:
     its prefix costs what its valid tokens cost.
   target_programs: None, or the number of programs that run at once (instead
     of the SM-count estimate) for the automatic split choice.
+  num_splits: None, or this many splits (instead of the automatic choice);
+    like the automatic splits they share each group's valid length at run time.
   num_warps / num_stages: Triton compiler parameters (ignored in interpret
     mode); num_warps None: 4 for block_q <= 64, else 8.
   fast_exp: on NVIDIA GPUs compute exp2 with one ``ex2.approx.ftz.f32``.
@@ -101,6 +103,7 @@ class PrefixAttentionBlockSizes:
   split_size: int | None = None
   target_programs: int | None = None
   min_split_size: int = 256
+  num_splits: int | None = None
   num_warps: int | None = None
   num_stages: int = 3
   fast_exp: bool = True
@@ -117,6 +120,7 @@ class _Static:
   split_size: int
   num_splits: int
   dynamic_split: bool  # splits share each group's valid length (else: static split_size slots)
+  has_layer: bool      # K/V stacked over layers [Lyr, P, L, K, D], the layer an input
   scale_log2: float
   fast_exp: bool
 
@@ -139,9 +143,10 @@ def split_range(si, length, c: _Static):
   return lo, hi
 
 
-def _prefix_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Static):
+def _prefix_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Static):
   _, si, p, h = (pl.program_id(i) for i in range(4))
   bq, bk = c.block_q, c.block_k
+  lead = (layer_ref[0], p) if c.has_layer else (p,)
 
   q = q_ref[...]                                   # [bq, D]
   if q.dtype != k_ref.dtype:
@@ -151,7 +156,7 @@ def _prefix_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Stat
   def step(carry, start, load_ok):
     """One online-softmax step over prefix slots [start, start + bk)."""
     acc, m, l = carry
-    idx = (p, pl.ds(start, bk), h, slice(None))
+    idx = (*lead, pl.ds(start, bk), h, slice(None))
     if load_ok is None:
       k = k_ref[idx]
       v = v_ref[idx]
@@ -209,15 +214,25 @@ def _prefix_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Stat
   lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
 
 
-def _choose_splits(base: int, max_splits: int, slots: int) -> int:
+# A program's fixed cost (q load, pipeline fill, writing its partial result) in slots of key
+# work of one block_q=128 row block. Fitted on an H100 (benchmarks/prefix_attention_h100_splits.md:
+# Qwen2.5-1.5B shape, 22 / 44 / 66 splits of 16384 slots for 6 row blocks): about 700.
+_FIXED_SLOTS = 700
+
+
+def _choose_splits(base: int, max_splits: int, slots: int, L: int) -> int:
   """Splits per (row block, group, head) that best fill whole waves of programs.
 
-  Cost model: waves / splits (time of one split ~ 1 / splits) plus a small
-  per-split charge for the partial results written and merged.
+  Cost model (in units of one program streaming all L slots): each wave of programs takes
+  ``1 / n`` of that plus a fixed cost of ``_FIXED_SLOTS / L``, and each split adds a small
+  charge for the partial results written and merged. (The first model, waves / n + 0.01 n,
+  charged splits so much that a model with few KV heads ran on half the SMs: 56.5 -> 34.2 us
+  for 6 row blocks over 16384 slots on an H100.)
   """
+  fixed = _FIXED_SLOTS / max(L, 1)
   best, best_cost = 1, None
   for n in range(1, max(1, max_splits) + 1):
-    cost = _cdiv(base * n, slots) / n + 0.01 * n
+    cost = _cdiv(base * n, slots) * (1.0 / n + fixed) + 0.001 * n
     if best_cost is None or cost < best_cost - 1e-9:
       best, best_cost = n, cost
   return best
@@ -241,11 +256,15 @@ def _plan(P, K, rows, L, D, *, bs: PrefixAttentionBlockSizes, on_gpu: bool, item
     if bs.split_size % block_k:
       raise ValueError(f"split_size={bs.split_size} must be a multiple of block_k={block_k}")
     split = bs.split_size
+  elif bs.num_splits is not None:
+    if bs.num_splits < 1:
+      raise ValueError(f"num_splits={bs.num_splits} must be >= 1")
+    split = _cdiv(_cdiv(L1, min(bs.num_splits, _cdiv(L1, block_k))), block_k) * block_k
   elif on_gpu or bs.target_programs:
     num_warps = bs.num_warps or (4 if block_q <= 64 else 8)
     slots = bs.target_programs or _num_sms() * (2 if num_warps <= 4 else 1)
     max_splits = max(1, L1 // max(bs.min_split_size, block_k))
-    n = _choose_splits(num_q_blocks * P * K, max_splits, slots)
+    n = _choose_splits(num_q_blocks * P * K, max_splits, slots, L1)
     split = _cdiv(_cdiv(L1, n), block_k) * block_k
   else:
     split = _cdiv(L1, block_k) * block_k
@@ -255,10 +274,11 @@ def _plan(P, K, rows, L, D, *, bs: PrefixAttentionBlockSizes, on_gpu: bool, item
 
 @functools.partial(jax.jit,
                    static_argnames=("sm_scale", "interpret", "block_sizes", "on_gpu"))
-def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, *, sm_scale, interpret,
-                             block_sizes, on_gpu):
+def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, layer, *, sm_scale,
+                             interpret, block_sizes, on_gpu):
   B, T, H, D = q.shape
-  P, L, K, _ = k_prefix.shape
+  P, L, K, _ = k_prefix.shape[-4:]
+  has_layer = layer is not None
   G = H // K
   Bg = B // P
   rows = Bg * T * G
@@ -267,7 +287,7 @@ def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, *, sm_scale,
       itemsize=jnp.dtype(k_prefix.dtype).itemsize)
   rows_pad = nq * block_q
   if L < block_k:  # a tiny prefix: pad it to one block (its slots are masked anyway)
-    pad = ((0, 0), (0, block_k - L), (0, 0), (0, 0))
+    pad = ((0, 0),) * (k_prefix.ndim - 3) + ((0, block_k - L), (0, 0), (0, 0))
     k_prefix, v_prefix = jnp.pad(k_prefix, pad), jnp.pad(v_prefix, pad)
 
   # Rows of one (group, KV head): r = (b_in_group * T + t) * G + g.
@@ -277,7 +297,7 @@ def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, *, sm_scale,
     q_PKRD = jnp.pad(q_PKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
 
   full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-  in_specs = [full((P,)),
+  in_specs = [full((1,)), full((P,)),
               pl.BlockSpec((None, None, block_q, D), lambda qi, si, p, h: (p, h, qi, 0)),
               full(k_prefix.shape), full(v_prefix.shape)]
   if num_splits == 1:
@@ -294,7 +314,7 @@ def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, *, sm_scale,
 
   static = _Static(L=L, block_q=block_q, block_k=block_k, split_size=split,
                    num_splits=num_splits, dynamic_split=block_sizes.split_size is None,
-                   scale_log2=float(sm_scale) * _LOG2E,
+                   has_layer=has_layer, scale_log2=float(sm_scale) * _LOG2E,
                    fast_exp=bool(block_sizes.fast_exp and on_gpu and _is_nvidia()))
   compiler_params = None
   if not interpret and plgpu is not None:
@@ -310,7 +330,8 @@ def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, *, sm_scale,
       compiler_params=compiler_params,
       interpret=interpret,
       name="jaxspec_prefix_attention",
-  )(prefix_lengths.astype(jnp.int32), q_PKRD, k_prefix, v_prefix)
+  )(jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
+    prefix_lengths.astype(jnp.int32), q_PKRD, k_prefix, v_prefix)
 
   if num_splits > 1:
     o, lse = merge_stacked(o, lse, axis=2, out_dtype=q.dtype)
@@ -361,14 +382,17 @@ def _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, *, sm_scale, hopper
   return o, lse
 
 
-def _check_shapes(q, k_prefix, v_prefix, prefix_lengths):
+def _check_shapes(q, k_prefix, v_prefix, prefix_lengths, layer=None):
   if q.ndim != 4:
     raise ValueError(f"q must be [B, T, H, D], got {q.shape}")
-  if k_prefix.ndim != 4 or v_prefix.shape != k_prefix.shape:
-    raise ValueError(f"k/v prefix must be [P, L, K, D], got {k_prefix.shape} / "
-                     f"{v_prefix.shape}")
+  nd = 4 if layer is None else 5
+  if k_prefix.ndim != nd or v_prefix.shape != k_prefix.shape:
+    want = "[P, L, K, D]" if layer is None else "[layers, P, L, K, D] (with layer=)"
+    raise ValueError(f"k/v prefix must be {want}, got {k_prefix.shape} / {v_prefix.shape}")
+  if layer is not None and jnp.ndim(layer) != 0:
+    raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
   B, T, H, D = q.shape
-  P, L, K, Dk = k_prefix.shape
+  P, L, K, Dk = k_prefix.shape[-4:]
   if Dk != D or K == 0 or H % K:
     raise ValueError(f"shape mismatch: q {q.shape} (H must be a multiple of K), "
                      f"prefix {k_prefix.shape}")
@@ -385,8 +409,16 @@ def _lengths(prefix_lengths, P, L):
   return jnp.asarray(prefix_lengths).astype(jnp.int32)
 
 
+def _layer_slice(k_prefix, v_prefix, layer):
+  """The one layer of stacked prefix K/V (a copy: only for the paths that need one array)."""
+  if layer is None:
+    return k_prefix, v_prefix
+  return (lax.dynamic_index_in_dim(k_prefix, layer, axis=0, keepdims=False),
+          lax.dynamic_index_in_dim(v_prefix, layer, axis=0, keepdims=False))
+
+
 def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=None,
-                     interpret=None, block_sizes=None):
+                     interpret=None, block_sizes=None, layer=None):
   """Attention of every query over its group's shared prefix (Hydragen).
 
   Args:
@@ -396,6 +428,9 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
       the P groups; ``H`` must be a multiple of ``K``.
     prefix_lengths: ``[P]`` int32 valid prefix tokens per group (default L;
       values are clipped to [0, L]).
+    layer: None, or an int32 scalar (may be traced) when ``k_prefix``/``v_prefix``
+      are stacked over layers, ``[layers, P, L, K, D]``: the Triton kernel then
+      reads that layer in place (slicing it out first would copy it every call).
     sm_scale: logit scale (default ``1/sqrt(D)``).
     interpret: None: kernel on GPU, the Mosaic kernel (``tpu.py``) on TPU,
       reference on CPU; True: the portable kernel in Pallas interpret mode (any
@@ -410,7 +445,7 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
     ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; queries of a group
     with an empty prefix get ``out = 0`` and ``lse = -inf``.
   """
-  _check_shapes(q, k_prefix, v_prefix, prefix_lengths)
+  _check_shapes(q, k_prefix, v_prefix, prefix_lengths, layer)
   sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
   from . import tpu as _tpu
   backend = _tpu.dispatch_platform()   # the default backend, or tpu.target_platform's
@@ -418,21 +453,23 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
   # TPU: like decode_attention, this Triton-shaped kernel (whole-array refs,
   # masked pointer loads) gives way to the Mosaic TPU kernel of pallas_kernels/tpu.py.
   if backend == "tpu" and not interpret:
+    k_prefix, v_prefix = _layer_slice(k_prefix, v_prefix, layer)
     return _tpu.tpu_prefix_attention(
         q, k_prefix, v_prefix, prefix_lengths, sm_scale=sm_scale,
         block_sizes=block_sizes if isinstance(block_sizes, _tpu.TPUPrefixBlockSizes) else None)
   use_kernel = bool(interpret) or (on_gpu and plgpu is not None)
-  lengths = _lengths(prefix_lengths, k_prefix.shape[0], k_prefix.shape[1])
+  lengths = _lengths(prefix_lengths, *k_prefix.shape[-4:-2])
   if not use_kernel:
-    return _reference(q, k_prefix, v_prefix, lengths, sm_scale=sm_scale)
+    return _reference(q, *_layer_slice(k_prefix, v_prefix, layer), lengths, sm_scale=sm_scale)
   hop = _hopper_choice(q, k_prefix, block_sizes, interpret=bool(interpret))
   if hop is not None:
+    k_prefix, v_prefix = _layer_slice(k_prefix, v_prefix, layer)
     return _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, sm_scale=sm_scale,
                                     hopper_sizes=hop, interpret=bool(interpret))
   if block_sizes is None or isinstance(block_sizes, _hopper.HopperBlockSizes):
     block_sizes = _GPU_DEFAULTS
   return _prefix_attention_kernel(
-      q, k_prefix, v_prefix, lengths, sm_scale=sm_scale, interpret=bool(interpret),
+      q, k_prefix, v_prefix, lengths, layer, sm_scale=sm_scale, interpret=bool(interpret),
       block_sizes=block_sizes, on_gpu=on_gpu and not interpret)
 
 
@@ -459,7 +496,7 @@ def _reference(q, k_prefix, v_prefix, lengths, *, sm_scale):
 
 
 def prefix_attention_reference(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=None,
-                               interpret=None, block_sizes=None):
+                               interpret=None, block_sizes=None, layer=None):
   """Plain-jnp shared-prefix attention; same contract as ``prefix_attention``.
 
   Computes dense ``[P, B/P, T, K, G, L]`` float32 logits (for tests, CPU, and as
@@ -467,8 +504,9 @@ def prefix_attention_reference(q, k_prefix, v_prefix, prefix_lengths=None, *, sm
   signature compatibility and ignored.
   """
   del interpret, block_sizes
-  _check_shapes(q, k_prefix, v_prefix, prefix_lengths)
+  _check_shapes(q, k_prefix, v_prefix, prefix_lengths, layer)
   sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+  k_prefix, v_prefix = _layer_slice(k_prefix, v_prefix, layer)
   lengths = _lengths(prefix_lengths, k_prefix.shape[0], k_prefix.shape[1])
   return _reference(q, k_prefix, v_prefix, lengths, sm_scale=sm_scale)
 

@@ -161,6 +161,11 @@ def load_model(name: str, dtype) -> jaxspec.Model:
         cfg = llama31_8b_shape()
         params = init_params(cfg, jax.random.PRNGKey(0), dtype=dtype)
         return jaxspec.Model(config=cfg, params=params)
+    if name == "random-qwen15":  # the Qwen2.5-1.5B shape (scripts/benchmark.py)
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from benchmark import RANDOM_MODELS
+        cfg = ModelConfig(**RANDOM_MODELS[name])
+        return jaxspec.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(0), dtype=dtype))
     if name == "random-tiny":
         cfg = tiny_config()
         return jaxspec.Model(config=cfg, params=numpy_random_params(cfg, dtype))
@@ -1090,7 +1095,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", "--models", action="append", default=None,
-                   help="random-8b, random-tiny or a converted checkpoint path; repeatable or "
+                   help="random-8b, random-qwen15, random-tiny or a converted checkpoint path; repeatable or "
                         "comma-separated")
     p.add_argument("--batch", help="batch sizes, run in this order (default 16,...,1024)")
     p.add_argument("--prefix", help="shared prefix lengths (default 1024,...,16384)")

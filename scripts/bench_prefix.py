@@ -167,6 +167,11 @@ def main():
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--L", type=int, default=16384)
   p.add_argument("--B", type=int, default=64)
+  p.add_argument("--K", type=int, default=8, help="KV heads")
+  p.add_argument("--G", type=int, default=4, help="query heads per KV head")
+  p.add_argument("--shapes", default="1x1,5x1,1x4", help="TxP shapes, comma-separated")
+  p.add_argument("--splits", default="",
+                 help="split counts to add to the sweep (num_splits=n), comma-separated")
   p.add_argument("--smoke", action="store_true")
   p.add_argument("--verbose", action="store_true")
   args = p.parse_args()
@@ -180,7 +185,7 @@ def main():
   log("env", env)
   results = {"env": env, "ceiling": None, "main": [], "tune": []}
 
-  B, K, G, D, L, S_suf = args.B, 8, 4, 128, args.L, 512
+  B, K, G, D, L, S_suf = args.B, args.K, args.G, 128, args.L, 512
   interpret = False
   if args.smoke:
     B, K, G, D, L, S_suf = 4, 2, 2, 64, 256, 64
@@ -201,7 +206,8 @@ def main():
   suf_len = jnp.asarray(rng.integers(S_suf // 4, S_suf * 3 // 4, size=B), jnp.int32)
   ks, vs = kc[:, :, :S_suf], vc[:, :, :S_suf]        # suffix caches of the shared path
 
-  shapes = [(1, 1), (5, 1), (1, 4)]                  # (T, P)
+  shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]  # (T, P)
+  extra_space = [dict(num_splits=int(n)) for n in args.splits.split(",") if n]
   for T, P in shapes:
     deadline = time.time() + args.budget / len(shapes)
     q = jax.random.normal(keys[2 + T], (B, T, H, D), dt)
@@ -229,7 +235,7 @@ def main():
                    dict(base, impl="prefix kernel (defaults)",
                         plan=dict(zip(("block_q", "block_k", "split", "splits"), plan))), roof)
     best = (rec.get("time_us", math.inf), None)
-    for delta in tune_space():
+    for delta in extra_space + tune_space():
       if time.time() > deadline:
         break
       bs = dataclasses.replace(_GPU_DEFAULTS, **delta)
@@ -279,7 +285,9 @@ def write_outputs(results, out):
            f"- command: `{env['command']}`",
            f"- ceilings measured in this run: copy {c['copy_TBps']:.3f} TB/s (read+write), "
            f"bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s",
-           "- K=8, G=4 (H=32), D=128, bf16; P groups share one prefix of L tokens each; "
+           f"- K={results['main'][0]['K'] if results['main'] else '?'}, "
+           f"G={results['main'][0]['G'] if results['main'] else '?'}, D=128, bf16; "
+           "P groups share one prefix of L tokens each; "
            "roofline = max(prefix K/V + q/out bytes / copy bw, 4*B*T*H*L*D / matmul rate)",
            "- non-shared: `decode_attention` over per-sequence copies of the prefix "
            "([B, K, S, D] caches, L keys per query)",

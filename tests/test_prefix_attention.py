@@ -458,7 +458,7 @@ def test_splits_share_the_valid_length(dynamic):
     split = int(rng.integers(1, 40)) * bk
     L = n * split
     c = _Static(L=L, block_q=16, block_k=bk, split_size=split, num_splits=n,
-                dynamic_split=dynamic, scale_log2=1.0, fast_exp=False)
+                dynamic_split=dynamic, has_layer=False, scale_log2=1.0, fast_exp=False)
     length = int(rng.integers(0, L + 1))
     ranges = [tuple(int(x) for x in split_range(jnp.int32(si), jnp.int32(length), c))
               for si in range(n)]
@@ -470,3 +470,54 @@ def test_splits_share_the_valid_length(dynamic):
       assert even
     elif length < split and n > 1 and length > bk:
       assert not even    # one split does all the work
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_layer_of_stacked_prefix(num_splits):
+  """``layer=`` reads one layer of K/V stacked over layers in place (the engine passes its
+  prefix cache this way instead of slicing a copy per layer), with a traced layer under
+  ``lax.scan``; ``num_splits`` forces the split count. Each layer must give that layer's
+  attention: with the layer index ignored, the layers would all match layer 0."""
+  c = Case(2, 2, 3, 3, 2, 64, 40, (37, 5))
+  layers = []
+  for i in range(3):
+    q, k, v, lengths = make_inputs(c, seed=100 + i)
+    layers.append((k, v))
+  k_all = jnp.stack([kv[0] for kv in layers])
+  v_all = jnp.stack([kv[1] for kv in layers])
+  bs = dataclasses.replace(SMALL, split_size=None, num_splits=num_splits)
+
+  @jax.jit
+  def run(q, k_all, v_all, lengths):
+    def body(carry, layer):
+      return carry, prefix_attention(q, k_all, v_all, lengths, interpret=True, block_sizes=bs,
+                                     layer=layer)
+    return jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))[1]
+
+  outs, lses = run(q, k_all, v_all, lengths)
+  for i, (k, v) in enumerate(layers):
+    ref = numpy_prefix_attention(q, k, v, lengths)
+    assert_close(outs[i], lses[i], *ref, tol=1e-5)
+    ref2 = prefix_attention_reference(q, k_all, v_all, lengths, layer=jnp.int32(i))
+    assert_close(*ref2, *ref, tol=1e-5)
+  with pytest.raises(ValueError, match="layers, P, L, K, D"):
+    prefix_attention(q, k_all[0], v_all[0], lengths, layer=0, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 22])
+def test_layer_of_stacked_prefix_gpu(num_splits):
+  """The compiled kernel reads a traced layer of a stacked prefix in place (bf16, the engine's
+  shapes: 6 query heads per KV head, 2 KV heads)."""
+  _need_gpu()
+  c = Case(1, 16, 1, 6, 2, 128, 2048, (1999,), dtype="bfloat16")
+  per_layer = [make_inputs(c, seed=200 + i) for i in range(3)]
+  q, lengths = per_layer[0][0], per_layer[0][3]
+  k_all = jnp.stack([x[1] for x in per_layer])
+  v_all = jnp.stack([x[2] for x in per_layer])
+  bs = PrefixAttentionBlockSizes(num_splits=num_splits)
+  f = jax.jit(lambda layer: prefix_attention(q, k_all, v_all, lengths, block_sizes=bs,
+                                             layer=layer))
+  for i in range(3):
+    ref = prefix_attention_reference(q, per_layer[i][1], per_layer[i][2], lengths)
+    assert_close(*f(jnp.int32(i)), *ref, tol=2e-2)

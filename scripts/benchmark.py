@@ -155,12 +155,17 @@ SMOL_SHAPE = dict(model_type="llama", vocab_size=49152, hidden_size=576, interme
 TINY_SHAPE = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                   max_position_embeddings=4096)
+MISTRAL7B_SHAPE = dict(model_type="mistral", vocab_size=32000, hidden_size=4096,
+                       intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                       head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_position_embeddings=32768, sliding_window=4096)  # Mistral-7B-v0.1
 RANDOM_MODELS = {"random-8b": None, "random-qwen15": QWEN15_SHAPE, "random-smol": SMOL_SHAPE,
-                 "tiny": TINY_SHAPE}
+                 "random-mistral7b": MISTRAL7B_SHAPE, "tiny": TINY_SHAPE}
 
 
 def load_model(name: str, dtype=jnp.bfloat16, seed=0) -> jaxspec.Model:
-    """A checkpoint path, or a random-weight model: random-8b, random-qwen15, random-smol, tiny."""
+    """A checkpoint path, or a random-weight model: random-8b, random-qwen15, random-smol,
+    random-mistral7b (sliding window 4096), tiny."""
     dtype = jnp.dtype(dtype)
     if name in RANDOM_MODELS:
         cfg = llama31_8b_shape() if name == "random-8b" else ModelConfig(**RANDOM_MODELS[name])

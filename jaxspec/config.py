@@ -71,6 +71,9 @@ class ModelConfig:
             if rtype not in ("llama3", "default", "linear", None):
                 raise ConfigError(f"unsupported rope_scaling type {rtype!r} (supported: llama3, linear)")
         if self.rope_freq_factors is not None:
+            # a tuple of floats: the config is hashable (a static jit argument)
+            object.__setattr__(self, "rope_freq_factors",
+                               tuple(float(x) for x in np.ravel(self.rope_freq_factors)))
             f = np.asarray(self.rope_freq_factors, dtype=np.float64)
             if f.shape != (self.head_dim // 2,) or not np.all(np.isfinite(f)) or np.any(f <= 0):
                 raise ConfigError(
@@ -159,7 +162,9 @@ class ModelConfig:
                 rope_scaling = None
             factors = d.get("rope_freq_factors")
             sliding = None
-            if d.get("use_sliding_window", model_type == "mistral") and d.get("sliding_window"):
+            if (d.get("use_sliding_window", model_type == "mistral") and d.get("sliding_window")
+                    and int(d["sliding_window"]) < int(d.get("max_position_embeddings", 4096))):
+                # (a window as long as the context never hides a key: full attention)
                 sliding = int(d["sliding_window"])
                 # Qwen2 slides only in the layers from max_window_layers on (transformers 5:
                 # those `layer_types` names); transformers' Mistral slides in every layer.

@@ -289,8 +289,8 @@ class ServingEngine:
 
     model: a `jaxspec.Model` (with a tokenizer for text prompts).
     max_batch: slots (batch rows of the KV cache).
-    max_len: tokens per sequence (prompt + completion); default: the model's context, at most 4096
-        (and at most a full-cache draft model's context).
+    max_len: tokens per sequence (prompt + completion); default: the model's context, at most 4096;
+        never more than the model's context, nor than a full-cache draft model's.
     speculation: a `jaxspec.Speculation` (or None for plain decoding).
     rounds_per_chunk: loop rounds per jitted call (streaming granularity vs. host overhead).
     max_queue: waiting sequences beyond which `submit` raises `QueueFull`.
@@ -324,13 +324,8 @@ class ServingEngine:
         self.speculation = speculation
         self._setup_speculation()
         if self.draft is not None and speculation.window is None:  # a full-cache draft model
-            dctx = self.draft.config.max_position_embeddings
-            if self.max_len > dctx:
-                if max_len:
-                    raise ValueError(
-                        f"max_len={max_len} is past the draft model's context ({dctx} tokens): "
-                        "use a ring-buffer draft (window=...) or a smaller max_len")
-                self.max_len = dctx
+            # like the target's context above: a sequence never outgrows the draft's cache
+            self.max_len = min(self.max_len, self.draft.config.max_position_embeddings)
         # whole prefill chunks must fit (see _prefill_row)
         S = round_up(self.max_len + self.extra, max(SLOT_ALIGN, self.prefill_chunk))
         self.S = S

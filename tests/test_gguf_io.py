@@ -531,6 +531,8 @@ def test_rope_freqs_of_another_form_kept_as_factors(tmp_path: Path) -> None:
                                rtol=1e-12)
     with pytest.raises(ConfigError, match="rope_freq_factors"):
         ModelConfig.from_hf_dict(dict(config, rope_freq_factors=[1.0] * 7))
+    direct = dataclasses.replace(cfg, rope_freq_factors=list(factors))  # a list: kept hashable
+    assert direct == cfg and hash(direct) == hash(cfg)
     bad = write_tiny_gguf(tmp_path / "b.gguf", tiny.state, tiny.config,
                           extra_tensors={"rope_freqs.weight": np.ones(5, np.float32)})
     with pytest.raises(ValueError, match="rope_freqs"):

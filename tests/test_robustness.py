@@ -168,12 +168,13 @@ def test_max_len_too_small_says_why(model):
 
 def test_server_full_cache_draft_context(model):
     """A full-cache draft model shorter than the server's max_len would have attended past its
-    own context: an explicit max_len past it is refused, the default is capped to it."""
+    own context: max_len is capped to it (as to the target's), also through `jaxspec serve`'s
+    engine, which always passes a max_len."""
     from jaxspec.serving import ServingEngine
     draft = tiny_model(seed=7, vocab=97, ctx=48)
     spec = jaxspec.Speculation(draft=draft, gamma=2, window=None)
-    with pytest.raises(ValueError, match="draft model's context"):
-        ServingEngine(model, max_batch=1, max_len=100, speculation=spec)
+    assert ServingEngine(model, max_batch=1, max_len=100, speculation=spec).max_len == 48
     assert ServingEngine(model, max_batch=1, speculation=spec).max_len == 48
+    assert ServingEngine(model, max_batch=1, max_len=500).max_len == 128  # the target's context
     ring = jaxspec.Speculation(draft=draft, gamma=2, sink=2, window=8)  # any length
     assert ServingEngine(model, max_batch=1, max_len=100, speculation=ring).max_len == 100

@@ -240,6 +240,12 @@ def test_qwen2_sliding_layers(tmp_path):
                        max_window_layers=1, num_hidden_layers=2)
     with pytest.raises(ConfigError, match="1 of 2 layers"):
         convert_hf(hf, tmp_path / "q1")
+    # a window as long as the context hides nothing: full attention, whatever the layers
+    hf = make_hf_model("qwen2-bias", seed=2, use_sliding_window=True, sliding_window=256,
+                       max_window_layers=1, num_hidden_layers=2)  # max_position_embeddings 256
+    m = convert_hf(hf, tmp_path / "q256")
+    assert m.config.sliding_window is None
+    assert jaxspec.generate(m, [prompt], max_new_tokens=8).tokens[0] == torch_greedy(hf, prompt, 8)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")

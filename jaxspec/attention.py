@@ -184,6 +184,19 @@ def sliding_window_band(q_BTHD, k_cache, v_cache, lengths, mask=None, *, layer=N
     return out.astype(q_BTHD.dtype), lse
 
 
+def _gathered_window(q_BTHD, k_cache, v_cache, lengths, mask, *, layer, sliding_window: int,
+                     sm_scale, num_new: int):
+    """The `jnp` sliding-window attention over the gathered ``W - 1 - d_min + T_new`` slots, or
+    None when the dense masked pass over all S slots reads no more."""
+    W, T = int(sliding_window), q_BTHD.shape[1]
+    d_min = _min_depth(mask, T, num_new)
+    if W - 1 - d_min + num_new >= k_cache.shape[-2]:
+        return None
+    return sliding_window_band(q_BTHD, k_cache, v_cache, lengths, mask, layer=layer,
+                               sliding_window=W, lo=d_min - W + 1, n_ctx=W - 1 - d_min,
+                               with_new=True, sm_scale=sm_scale, num_new=num_new)
+
+
 def sliding_window_attention(q_BTHD, k_cache, v_cache, lengths, mask=None, *, layer=None,
                              sliding_window: int, kernel=None, sm_scale=None, num_new=None,
                              interpret=None):
@@ -264,11 +277,11 @@ def attention_xla(q_BTHD, k_BKSD, v_BKSD, lengths, mask=None, *, sink=None, wind
     sink, window = resolve_sparse(sink, window, W)
     new_mask = _windowed_new_mask(mask, B, T, T_new, W)  # [B, T, T_new]
     if sink is None and window is None:
-        d_min = _min_depth(mask, T, T_new)
-        if W is not None and W - 1 - d_min + T_new < S:  # gather the window: fewer slots
-            return sliding_window_band(q_BTHD, k_BKSD, v_BKSD, lengths, mask, sliding_window=W,
-                                       lo=d_min - W + 1, n_ctx=W - 1 - d_min, with_new=True,
-                                       sm_scale=sm_scale, num_new=T_new)
+        if W is not None:  # gather the window when that reads fewer slots
+            res = _gathered_window(q_BTHD, k_BKSD, v_BKSD, lengths, mask, layer=None,
+                                   sliding_window=W, sm_scale=sm_scale, num_new=T_new)
+            if res is not None:
+                return res
         s_idx = jnp.arange(S, dtype=jnp.int32)
         rel = s_idx[None, :] - lengths[:, None]  # [B, S]
         in_ctx = rel < 0
@@ -350,13 +363,10 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
                                "is not available")
     def run_xla(q, k_all, v_all, lengths, mask, layer):
         if W is not None and not sparse:  # gathers only the window's slots of this layer
-            S = k_all.shape[-2]
-            d_min = _min_depth(mask, T, num_new)
-            if W - 1 - d_min + num_new < S:
-                return sliding_window_band(q, k_all, v_all, lengths, mask, layer=layer,
-                                           sliding_window=W, lo=d_min - W + 1,
-                                           n_ctx=W - 1 - d_min, with_new=True,
-                                           sm_scale=sm_scale, num_new=num_new)[0]
+            res = _gathered_window(q, k_all, v_all, lengths, mask, layer=layer, sliding_window=W,
+                                   sm_scale=sm_scale, num_new=num_new)
+            if res is not None:
+                return res[0]
         k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
         return attention_xla(q, k, v, lengths, mask, sink=sink, window=window,

@@ -623,8 +623,9 @@ class _Runner:
             n_fwd = gamma if self.tree is None else self.tree.max_depth
             alpha = _ACCEPTANCE.get(key, PRIOR_ACCEPTANCE)
             lens = np.asarray(state.cache.lengths)[~np.asarray(state.done)]
-            if sliding_window_of(cfg) is not None:  # a target step reads at most its window
-                lens = np.minimum(lens, sliding_window_of(cfg))
+            W = sliding_window_of(cfg)
+            if W is not None:  # a target step reads at most its window
+                lens = np.minimum(lens, W)
             rc = round_costs(model, self.spec, self.draft, n_forwards=n_fwd,
                              prior_tokens=expected_tokens(alpha, n_fwd), batch=len(lens),
                              context=float(lens.mean()) if lens.size else 0.0, costs=costs,

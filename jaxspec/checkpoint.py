@@ -103,6 +103,10 @@ _LAYER_MAP = {  # HF suffix -> (our name, transpose)
     "mlp.gate_proj.weight": ("w_gate", True),
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
+    "self_attn.o_proj.bias": ("bo", False),
+    "mlp.gate_proj.bias": ("b_gate", False),
+    "mlp.up_proj.bias": ("b_up", False),
+    "mlp.down_proj.bias": ("b_down", False),
 }
 _TOP_MAP = {
     "model.embed_tokens.weight": ("embed", False),
@@ -115,6 +119,10 @@ def _expected_layer_names(config: ModelConfig) -> list[str]:
     names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
     if config.attention_bias:
         names += ["bq", "bk", "bv"]
+    if config.attention_out_bias:
+        names += ["bo"]
+    if config.mlp_bias:
+        names += ["b_gate", "b_up", "b_down"]
     return names
 
 

@@ -1,8 +1,11 @@
 """ModelConfig: one configuration for the LLaMA family, spelled the way Hugging Face spells it.
 
-Supported `model_type`s: ``llama`` (Llama-2, Llama-3.x incl. ``rope_scaling`` type ``llama3``,
-SmolLM2), ``qwen2`` (bias on q/k/v) and ``mistral``. GQA / MQA follow from
-``num_key_value_heads``; embeddings may be tied or untied.
+Supported `model_type`s: ``llama`` (Llama-2, Llama-3.x, SmolLM2; ``attention_bias`` and
+``mlp_bias`` as transformers reads them), ``qwen2`` (bias on q/k/v) and ``mistral``. GQA / MQA
+follow from ``num_key_value_heads``; embeddings may be tied or untied; ``head_dim`` may differ from
+hidden / heads. RoPE scaling (``rope_scaling`` / transformers 5's ``rope_parameters``): ``linear``,
+``llama3`` and ``yarn`` (with its attention factor); ``dynamic`` and ``longrope`` are refused,
+as are activations other than SiLU and partial rotary embeddings.
 """
 
 from __future__ import annotations
@@ -16,6 +19,13 @@ from typing import Any
 import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+_ROPE_TYPES = ("default", None, "linear", "llama3", "yarn")
+_REFUSED_ROPE_TYPES = {
+    "dynamic": ": dynamic NTK scaling changes every frequency with the batch's longest sequence, "
+               "so one cached key would need different rotations at different steps",
+    "longrope": ": LongRoPE's per-frequency factors switch at the original context (Phi-3)",
+}
+_ACTIVATIONS = ("silu", "swish")
 
 
 class ConfigError(ValueError):
@@ -45,7 +55,10 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    # bias on q/k/v (Qwen2 always; Llama's `attention_bias`, which also puts one on o_proj:
+    # `attention_out_bias`)
     attention_bias: bool = False
+    mlp_bias: bool = False  # Llama's `mlp_bias`: bias on gate/up/down
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
@@ -66,10 +79,21 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.mlp_bias and self.model_type != "llama":
+            raise ConfigError(f"mlp_bias is a llama option; a {self.model_type} MLP has no bias")
         if self.rope_scaling is not None:
-            rtype = self.rope_scaling_dict.get("rope_type", self.rope_scaling_dict.get("type"))
-            if rtype not in ("llama3", "default", "linear", None):
-                raise ConfigError(f"unsupported rope_scaling type {rtype!r} (supported: llama3, linear)")
+            rs = self.rope_scaling_dict
+            rtype = rs.get("rope_type", rs.get("type"))
+            if rtype not in _ROPE_TYPES:
+                why = _REFUSED_ROPE_TYPES.get(rtype, "")
+                raise ConfigError(f"unsupported rope_scaling type {rtype!r}{why} (supported: "
+                                  f"{', '.join(t for t in _ROPE_TYPES if t)})")
+            if rtype in ("linear", "llama3", "yarn") and rs.get("factor") is None and not (
+                    rtype == "yarn" and rs.get("original_max_position_embeddings")):
+                raise ConfigError(f"rope_scaling of type {rtype!r} needs a 'factor'")
+            if float(rs.get("partial_rotary_factor", 1.0)) != 1.0:
+                raise ConfigError("partial rotary embeddings (partial_rotary_factor < 1) are not "
+                                  "supported")
         if self.rope_freq_factors is not None:
             # a tuple of floats: the config is hashable (a static jit argument)
             object.__setattr__(self, "rope_freq_factors",
@@ -86,23 +110,71 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def attention_out_bias(self) -> bool:
+        """Whether o_proj has a bias: Llama's ``attention_bias`` puts one on q, k, v and o; Qwen2's
+        q/k/v biases come without one."""
+        return self.attention_bias and self.model_type == "llama"
+
+    @property
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling) if self.rope_scaling else {}
 
+    def _yarn(self) -> tuple[float, float, float]:
+        """YaRN's (factor, original context, attention factor), as transformers derives them."""
+        rs = self.rope_scaling_dict
+        original = float(rs.get("original_max_position_embeddings") or self.max_position_embeddings)
+        factor = rs.get("factor")
+        factor = float(factor) if factor is not None else self.max_position_embeddings / original
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attn = rs.get("attention_factor")
+        if attn is None:
+            m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+            attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        return factor, original, float(attn)
+
+    def rope_attention_factor(self) -> float:
+        """The factor that scales RoPE's cos and sin (YaRN's attention temperature; else 1)."""
+        rs = self.rope_scaling_dict
+        return self._yarn()[2] if rs.get("rope_type", rs.get("type")) == "yarn" else 1.0
+
     def rope_inv_freq(self) -> np.ndarray:
-        """Inverse frequencies [head_dim/2] (float64 numpy), with llama3 / linear scaling and then
-        `rope_freq_factors` applied."""
+        """Inverse frequencies [head_dim/2] (float64 numpy), with linear / llama3 / yarn scaling
+        and then `rope_freq_factors` applied."""
         d = self.head_dim
         inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         rs = self.rope_scaling_dict
         rtype = rs.get("rope_type", rs.get("type"))
-        if rtype == "linear":
+        if rtype == "yarn":
+            # Frequencies that turn fewer than beta_slow times over the original context are
+            # interpolated (divided by factor), those that turn more than beta_fast times kept,
+            # with a linear ramp over the dimensions between.
+            factor, original, _ = self._yarn()
+            fast = float(rs.get("beta_fast") or 32)
+            slow = float(rs.get("beta_slow") or 1)
+
+            def dim_of(turns):  # the dimension index whose frequency turns `turns` times
+                return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(self.rope_theta))
+
+            lo, hi = dim_of(fast), dim_of(slow)
+            if rs.get("truncate", True):
+                lo, hi = math.floor(lo), math.ceil(hi)
+            lo, hi = max(lo, 0), min(hi, d - 1)
+            if lo == hi:
+                hi += 0.001
+            ramp = np.clip((np.arange(d // 2, dtype=np.float64) - lo) / (hi - lo), 0.0, 1.0)
+            keep = 1.0 - ramp  # 1: extrapolate (unchanged), 0: interpolate
+            inv_freq = inv_freq / factor * (1.0 - keep) + inv_freq * keep
+        elif rtype == "linear":
             inv_freq = inv_freq / float(rs["factor"])
         elif rtype == "llama3":
             factor = float(rs["factor"])
             low = float(rs.get("low_freq_factor", 1.0))
             high = float(rs.get("high_freq_factor", 4.0))
-            old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+            old_ctx = float(rs.get("original_max_position_embeddings")
+                            or self.max_position_embeddings)  # transformers' default
             low_wavelen = old_ctx / low
             high_wavelen = old_ctx / high
             wavelen = 2 * math.pi / inv_freq
@@ -122,6 +194,10 @@ class ModelConfig:
         per_layer = qkv + o + 3 * d * f + 2 * d
         if self.attention_bias:
             per_layer += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+        if self.attention_out_bias:
+            per_layer += d
+        if self.mlp_bias:
+            per_layer += 2 * f + d
         return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
 
     # ---------------------------------------------------------------- HF I/O
@@ -136,6 +212,13 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported architecture {model_type!r}; jaxspec supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        act = d.get("hidden_act", d.get("hidden_activation", "silu"))
+        if act not in _ACTIVATIONS:
+            raise ConfigError(f"unsupported hidden_act {act!r}: jaxspec runs the SiLU-gated MLP of "
+                              "the LLaMA family")
+        if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ConfigError("partial rotary embeddings (partial_rotary_factor < 1) are not "
+                              "supported")
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
@@ -156,6 +239,10 @@ class ModelConfig:
                 if rtype in ("default", None):
                     rope_scaling = None
                 else:
+                    if rtype in ("llama3", "yarn") and d.get("original_max_position_embeddings"):
+                        # a top-level pretraining length wins, as in transformers (Phi-3 style)
+                        rope_scaling = {**rope_scaling, "original_max_position_embeddings":
+                                        d["original_max_position_embeddings"]}
                     rope_scaling = tuple(sorted(
                         (k, v) for k, v in rope_scaling.items() if k != "rope_theta"))
             else:
@@ -197,7 +284,10 @@ class ModelConfig:
                 rope_freq_factors=tuple(float(f) for f in factors) if factors is not None else None,
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+                # as transformers builds them: Qwen2 always has q/k/v biases, Mistral never
+                attention_bias=(model_type == "qwen2" or model_type == "llama"
+                                and bool(d.get("attention_bias", False))),
+                mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 sliding_window=int(sliding) if sliding else None,
@@ -221,9 +311,12 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
         }
+        if self.model_type == "llama":
+            d["mlp_bias"] = self.mlp_bias
         if self.rope_freq_factors is not None:
             d["rope_freq_factors"] = list(self.rope_freq_factors)
         if self.sliding_window:

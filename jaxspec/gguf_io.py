@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -68,6 +69,9 @@ _LAYER_NAMES: dict[str, str] = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensors llama.cpp writes that carry no weights of an HF checkpoint.
@@ -290,7 +294,7 @@ class GGUFFile:
             "bos_token_id": self._scalar("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self._scalar("tokenizer.ggml.eos_token_id"),
             "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in self._tensor_infos,
-            "mlp_bias": False,
+            "mlp_bias": arch == "llama" and "blk.0.ffn_up.bias" in self._tensor_infos,
         }
         pad = self._scalar("tokenizer.ggml.padding_token_id")
         if pad is not None:
@@ -335,7 +339,18 @@ class GGUFFile:
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
         attn_factor = self._arch_key("rope.scaling.attn_factor")
-        if attn_factor is not None:
+        if kind == "yarn":
+            for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+                value = self._arch_key(f"rope.scaling.{theirs}")
+                if value is not None:
+                    scaling[ours] = _clean_float(value)
+            if attn_factor is not None:
+                # llama.cpp multiplies its own YaRN magnitude 1 + 0.1 ln(factor) by attn_factor;
+                # transformers' attention_factor is the whole product
+                factor = float(factor)
+                mscale = 1.0 if factor <= 1 else 1.0 + 0.1 * math.log(factor)
+                scaling["attention_factor"] = float(attn_factor) * mscale
+        elif attn_factor is not None:
             scaling["attention_factor"] = _clean_float(attn_factor)
         return scaling
 

@@ -10,7 +10,8 @@ Parameter tree (shapes for L layers, hidden D, heads H x head_dim Dh, KV heads K
 
     embed [V, D]
     layers/ attn_norm [L, D]  wq [L, D, H*Dh]  wk, wv [L, D, K*Dh]  (bq [L, H*Dh], bk, bv [L, K*Dh])
-            wo [L, H*Dh, D]  mlp_norm [L, D]  w_gate, w_up [L, D, F]  w_down [L, F, D]
+            wo [L, H*Dh, D]  (bo [L, D])  mlp_norm [L, D]  w_gate, w_up [L, D, F]  w_down [L, F, D]
+            (b_gate, b_up [L, F], b_down [L, D])
     final_norm [D]
     lm_head [D, V]              (absent when embeddings are tied)
 """
@@ -42,6 +43,9 @@ def rope_tables(config: ModelConfig, positions_BT):
     inv_freq = jnp.asarray(config.rope_inv_freq(), dtype=jnp.float32)
     ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     ang = jnp.concatenate([ang, ang], axis=-1)
+    scale = config.rope_attention_factor()  # YaRN's temperature; 1 otherwise
+    if scale != 1.0:
+        return jnp.cos(ang) * scale, jnp.sin(ang) * scale
     return jnp.cos(ang), jnp.sin(ang)
 
 
@@ -110,6 +114,11 @@ class Block(nn.Module):
         if c.attention_bias:
             names.update({"bq": (_init(0.02), (H * Dh,)), "bk": (_init(0.02), (K * Dh,)),
                           "bv": (_init(0.02), (K * Dh,))})
+        if c.attention_out_bias:
+            names["bo"] = (_init(0.02), (D,))
+        if c.mlp_bias:
+            names.update({"b_gate": (_init(0.02), (F,)), "b_up": (_init(0.02), (F,)),
+                          "b_down": (_init(0.02), (D,))})
         p = {n: self.param(n, init, shape, dt) for n, (init, shape) in names.items()}
         return layer_forward(c, p, carry, layer, rope, plan), None
 
@@ -147,13 +156,20 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
     v_cache = write_slots(v_cache, layer, b_idx, slots, v)
 
     attn = attend(q, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
-    x = x + attn.reshape(B, T, H * Dh).astype(dt) @ p["wo"]
+    o = attn.reshape(B, T, H * Dh).astype(dt) @ p["wo"]
+    x = x + (o + p["bo"] if "bo" in p else o)
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
     if "w_gateup" in p:
-        gate, up = jnp.split(h @ p["w_gateup"], 2, axis=-1)
+        gateup = h @ p["w_gateup"]
+        if "b_gateup" in p:
+            gateup = gateup + p["b_gateup"]
+        gate, up = jnp.split(gateup, 2, axis=-1)
     else:
         gate, up = h @ p["w_gate"], h @ p["w_up"]
-    x = x + (nn.silu(gate) * up) @ p["w_down"]
+        if "b_gate" in p:
+            gate, up = gate + p["b_gate"], up + p["b_up"]
+    down = (nn.silu(gate) * up) @ p["w_down"]
+    x = x + (down + p["b_down"] if "b_down" in p else down)
     return x, k_cache, v_cache
 
 
@@ -172,11 +188,13 @@ def fuse_layer_params(params, *, in_place: bool = False):
         if "wqkv" in p:
             continue
         f = {k: v for k, v in p.items() if k not in ("wq", "wk", "wv", "bq", "bk", "bv",
-                                                      "w_gate", "w_up")}
+                                                      "w_gate", "w_up", "b_gate", "b_up")}
         f["wqkv"] = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1)
         if "bq" in p:
             f["bqkv"] = jnp.concatenate([p["bq"], p["bk"], p["bv"]])
         f["w_gateup"] = jnp.concatenate([p["w_gate"], p["w_up"]], axis=1)
+        if "b_gate" in p:
+            f["b_gateup"] = jnp.concatenate([p["b_gate"], p["b_up"]])
         out[i] = f
     return {**params, "layers": out}
 
@@ -277,12 +295,14 @@ def stack_layers(params):
 
 
 def _unfuse(p):
-    f = {k: v for k, v in p.items() if k not in ("wqkv", "bqkv", "w_gateup")}
+    f = {k: v for k, v in p.items() if k not in ("wqkv", "bqkv", "w_gateup", "b_gateup")}
     q, k = p["wo"].shape[0], (p["wqkv"].shape[1] - p["wo"].shape[0]) // 2
     f["wq"], f["wk"], f["wv"] = jnp.split(p["wqkv"], [q, q + k], axis=1)
     if "bqkv" in p:
         f["bq"], f["bk"], f["bv"] = jnp.split(p["bqkv"], [q, q + k])
     f["w_gate"], f["w_up"] = jnp.split(p["w_gateup"], 2, axis=1)
+    if "b_gateup" in p:
+        f["b_gate"], f["b_up"] = jnp.split(p["b_gateup"], 2)
     return f
 
 

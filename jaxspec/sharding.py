@@ -63,9 +63,13 @@ PARAM_AXES = {
     "bk": ("layers", "kv_heads"),
     "bv": ("layers", "kv_heads"),
     "wo": ("layers", "heads", "hidden"),
+    "bo": ("layers", "hidden"),
     "w_gate": ("layers", "hidden", "mlp"),
     "w_up": ("layers", "hidden", "mlp"),
     "w_down": ("layers", "mlp", "hidden"),
+    "b_gate": ("layers", "mlp"),
+    "b_up": ("layers", "mlp"),
+    "b_down": ("layers", "hidden"),
 }
 CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")  # KVCache.k / .v [L, B, K, S, D]
 

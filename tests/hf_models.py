@@ -22,6 +22,21 @@ VARIANTS = {
     "qwen2-bias": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "mistral": ("mistral", dict(num_key_value_heads=2, tie_word_embeddings=False,
                                 sliding_window=None)),
+    # Llama's biases on q/k/v/o and on the MLP, and a head_dim that is not hidden / heads
+    "llama-bias": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False,
+                                 attention_bias=True, mlp_bias=True, head_dim=24)),
+    # YaRN (Qwen2.5's long-context setting, scaled down): interpolated low frequencies, a ramp,
+    # and cos/sin scaled by 0.1 ln(factor) + 1
+    "qwen2-yarn": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True,
+                                 rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 64})),
+    # YaRN with explicit betas and DeepSeek-style mscales (attention factor from their ratio)
+    "llama-yarn-mscale": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=False,
+                                        rope_theta=50000.0,
+                                        rope_scaling={"rope_type": "yarn", "factor": 8.0,
+                                                      "original_max_position_embeddings": 32,
+                                                      "beta_fast": 16.0, "beta_slow": 2.0,
+                                                      "mscale": 1.5, "mscale_all_dim": 0.5})),
 }
 
 

@@ -20,7 +20,7 @@ from test_model_parity import _full_logits
 def test_gguf_converts_to_same_logits_as_transformers(tmp_path):
     """HF model -> GGUF (written like llama.cpp, q/k permuted) -> jaxspec.convert -> logits."""
     from test_gguf_io import write_tiny_gguf
-    for variant, arch in (("llama-gqa", "llama"), ("qwen2-bias", "qwen2")):
+    for variant, arch in (("llama-gqa", "llama"), ("qwen2-bias", "qwen2"), ("llama-bias", "llama")):
         hf = make_hf_model(variant, seed=4)
         sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
         path = write_tiny_gguf(tmp_path / f"{variant}.gguf", sd, hf.config, arch)
@@ -131,6 +131,62 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
             f.write_bytes(b"\0" * 10)
     with pytest.raises(CheckpointError, match="cannot restore"):
         jaxspec.load(ck2)
+
+
+def test_gguf_yarn_gives_the_logits_of_transformers(tmp_path):
+    """A GGUF's YaRN metadata (`rope.scaling.type` yarn, factor, original context, llama.cpp's
+    attn_factor, which multiplies YaRN's own 1 + 0.1 ln(factor)) -> transformers' yarn."""
+    import math
+
+    from test_gguf_io import write_tiny_gguf
+    tokens = np.random.default_rng(3).integers(0, 101, size=(2, 120))
+    for attn_factor in (None, 0.8):
+        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+        if attn_factor is not None:
+            scaling["attention_factor"] = attn_factor * (1 + 0.1 * math.log(4.0))
+        hf = make_hf_model("qwen2-yarn", seed=7, rope_scaling=scaling)
+        cfg = hf.config.to_dict()
+        plain = dict(cfg, rope_scaling=None, rope_parameters=None,
+                     rope_theta=(cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        meta = {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+                "qwen2.rope.scaling.original_context_length": 64}
+        if attn_factor is not None:
+            meta["qwen2.rope.scaling.attn_factor"] = attn_factor
+        sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+        path = write_tiny_gguf(tmp_path / f"y{attn_factor}.gguf", sd, plain, "qwen2", metadata=meta)
+        model = jaxspec.load(jaxspec.convert(path, tmp_path / f"y{attn_factor}", dtype="float32",
+                                             progress=False))
+        np.testing.assert_allclose(_full_logits(model, tokens), torch_logits(hf, tokens),
+                                   atol=1e-4, rtol=0)
+
+
+def test_unsupported_model_options_are_refused_when_the_config_is_read(tmp_path):
+    """Options jaxspec does not run are refused with their name, not run wrongly."""
+    from jaxspec.config import ConfigError, ModelConfig
+    base = dict(model_type="llama", vocab_size=101, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    ModelConfig.from_hf_dict(dict(base, hidden_act="silu"))
+    for extra, match in (
+            (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+            (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "'dynamic'.*dynamic NTK"),
+            (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}), "'longrope'"),
+            (dict(rope_scaling={"rope_type": "su", "factor": 2.0}), "'su'"),
+            (dict(rope_scaling={"rope_type": "linear"}), "needs a 'factor'"),
+            (dict(partial_rotary_factor=0.5), "partial rotary"),
+            (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
+                                   "partial_rotary_factor": 0.5}), "partial rotary")):
+        with pytest.raises(ConfigError, match=match):
+            ModelConfig.from_hf_dict(dict(base, **extra))
+    # transformers builds Qwen2 with q/k/v biases and Mistral without, whatever the field says
+    assert ModelConfig.from_hf_dict(dict(base, model_type="qwen2", attention_bias=False)).attention_bias
+    assert not ModelConfig.from_hf_dict(dict(base, model_type="mistral", attention_bias=True,
+                                             mlp_bias=True)).attention_bias
+    llama = ModelConfig.from_hf_dict(dict(base, attention_bias=True, mlp_bias=True))
+    assert llama.attention_out_bias and llama.mlp_bias
+    assert ModelConfig.from_hf_dict(llama.to_hf_dict()) == llama
+    with pytest.raises(ConfigError, match="mlp_bias"):
+        ModelConfig(model_type="qwen2", vocab_size=8, hidden_size=8, intermediate_size=8,
+                    num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, mlp_bias=True)
 
 
 def test_unsupported_architecture_and_missing_source(tmp_path):

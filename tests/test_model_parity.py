@@ -36,7 +36,8 @@ def test_logits_match_transformers(variant, tmp_path):
     assert np.abs(ref).max() > 0.5
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama3-rope"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama3-rope", "llama-bias",
+                                     "qwen2-yarn"])
 def test_incremental_decode_matches_full_forward(variant, tmp_path):
     """Chunked prefill + one-token steps give the logits of one full forward pass."""
     hf = make_hf_model(variant, seed=3)
@@ -60,7 +61,8 @@ def test_incremental_decode_matches_full_forward(variant, tmp_path):
     np.testing.assert_allclose(got, ref[:, :start], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa-tied", "qwen2-bias"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa-tied", "qwen2-bias", "llama-bias",
+                                     "qwen2-yarn"])
 def test_greedy_generate_matches_transformers(variant, tmp_path):
     hf = make_hf_model(variant, seed=11)
     model = convert_hf(hf, tmp_path)
@@ -88,7 +90,7 @@ def test_generation_stops_at_eos_per_sequence(tmp_path):
     assert res.tokens[1][-1] == stop and len(res.tokens[1]) <= 4
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama-bias"])
 def test_per_layer_and_fused_layouts_match_transformers(variant, tmp_path):
     """The GPU decode layouts (per-layer arrays; fused wqkv / w_gateup) against the PyTorch model,
     and the fused layout stacks back to the stored parameters exactly."""

@@ -193,6 +193,25 @@ def test_sharded_generation_matches_single_device(dm, name, monkeypatch):
 
 
 @need8
+def test_biased_llama_sharded_matches_single_device():
+    """Llama's o_proj and MLP biases: replicated where their matmul's output is (o, down), split
+    with the MLP columns (gate, up); sharded self-speculation == single-device plain decoding."""
+    model = tiny_model(seed=3, heads=8, kv_heads=4, hidden=64, head_dim=8, vocab=64,
+                       attention_bias=True, mlp_bias=True)
+    ref = jaxspec.generate(model, PROMPTS, max_new_tokens=NEW).tokens
+    mesh = jaxspec.make_mesh(2, 4)
+    sharded = shd.shard_model(model, mesh)
+    L = sharded.params["layers"]
+    for name, spec in (("bo", P(None, None)), ("b_down", P(None, None)),
+                       ("b_gate", P(None, "model")), ("b_up", P(None, "model")),
+                       ("bq", P(None, "model"))):
+        assert L[name].sharding.spec == spec, name
+    res = jaxspec.generate(sharded, PROMPTS, max_new_tokens=NEW,
+                           speculation=Speculation(draft="self", gamma=3, sink=2, window=6))
+    assert res.tokens == ref
+
+
+@need8
 def test_kernel_per_shard_interpret(monkeypatch):
     """The Pallas kernel (interpret mode) inside shard_map: plain and chain speculation."""
     mesh = jaxspec.make_mesh(2, 4)

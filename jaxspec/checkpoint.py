@@ -104,6 +104,8 @@ _LAYER_MAP = {  # HF suffix -> (our name, transpose)
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
     "self_attn.o_proj.bias": ("bo", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
     "mlp.gate_proj.bias": ("b_gate", False),
     "mlp.up_proj.bias": ("b_up", False),
     "mlp.down_proj.bias": ("b_down", False),
@@ -123,6 +125,8 @@ def _expected_layer_names(config: ModelConfig) -> list[str]:
         names += ["bo"]
     if config.mlp_bias:
         names += ["b_gate", "b_up", "b_down"]
+    if config.qk_norm:
+        names += ["q_norm", "k_norm"]
     return names
 
 

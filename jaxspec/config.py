@@ -1,7 +1,8 @@
 """ModelConfig: one configuration for the LLaMA family, spelled the way Hugging Face spells it.
 
 Supported `model_type`s: ``llama`` (Llama-2, Llama-3.x, SmolLM2; ``attention_bias`` and
-``mlp_bias`` as transformers reads them), ``qwen2`` (bias on q/k/v) and ``mistral``. GQA / MQA
+``mlp_bias`` as transformers reads them), ``qwen2`` (bias on q/k/v), ``qwen3`` (RMSNorm of each
+query and key head before RoPE; ``attention_bias`` as Llama's) and ``mistral``. GQA / MQA
 follow from ``num_key_value_heads``; embeddings may be tied or untied; ``head_dim`` may differ from
 hidden / heads. RoPE scaling (``rope_scaling`` / transformers 5's ``rope_parameters``): ``linear``,
 ``llama3`` and ``yarn`` (with its attention factor); ``dynamic`` and ``longrope`` are refused,
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 _ROPE_TYPES = ("default", None, "linear", "llama3", "yarn")
 _REFUSED_ROPE_TYPES = {
     "dynamic": ": dynamic NTK scaling changes every frequency with the batch's longest sequence, "
@@ -113,7 +114,12 @@ class ModelConfig:
     def attention_out_bias(self) -> bool:
         """Whether o_proj has a bias: Llama's ``attention_bias`` puts one on q, k, v and o; Qwen2's
         q/k/v biases come without one."""
-        return self.attention_bias and self.model_type == "llama"
+        return self.attention_bias and self.model_type in ("llama", "qwen3")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalized (own weights [head_dim]) before RoPE."""
+        return self.model_type == "qwen3"
 
     @property
     def rope_scaling_dict(self) -> dict:
@@ -196,6 +202,8 @@ class ModelConfig:
             per_layer += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
         if self.attention_out_bias:
             per_layer += d
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         if self.mlp_bias:
             per_layer += 2 * f + d
         return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
@@ -256,7 +264,7 @@ class ModelConfig:
                 # Qwen2 slides only in the layers from max_window_layers on (transformers 5:
                 # those `layer_types` names); transformers' Mistral slides in every layer.
                 types = d.get("layer_types") if model_type != "mistral" else None
-                if types is None and model_type == "qwen2":
+                if types is None and model_type in ("qwen2", "qwen3"):
                     first = int(d.get("max_window_layers", 28))
                     types = ["sliding_attention" if i >= first else "full_attention"
                              for i in range(int(d["num_hidden_layers"]))]
@@ -285,7 +293,7 @@ class ModelConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 # as transformers builds them: Qwen2 always has q/k/v biases, Mistral never
-                attention_bias=(model_type == "qwen2" or model_type == "llama"
+                attention_bias=(model_type == "qwen2" or model_type in ("llama", "qwen3")
                                 and bool(d.get("attention_bias", False))),
                 mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
                 bos_token_id=d.get("bos_token_id"),

@@ -11,7 +11,7 @@ Parameter tree (shapes for L layers, hidden D, heads H x head_dim Dh, KV heads K
     embed [V, D]
     layers/ attn_norm [L, D]  wq [L, D, H*Dh]  wk, wv [L, D, K*Dh]  (bq [L, H*Dh], bk, bv [L, K*Dh])
             wo [L, H*Dh, D]  (bo [L, D])  mlp_norm [L, D]  w_gate, w_up [L, D, F]  w_down [L, F, D]
-            (b_gate, b_up [L, F], b_down [L, D])
+            (b_gate, b_up [L, F], b_down [L, D])  (q_norm, k_norm [L, Dh]: Qwen3)
     final_norm [D]
     lm_head [D, V]              (absent when embeddings are tied)
 """
@@ -116,6 +116,9 @@ class Block(nn.Module):
                           "bv": (_init(0.02), (K * Dh,))})
         if c.attention_out_bias:
             names["bo"] = (_init(0.02), (D,))
+        if c.qk_norm:
+            names.update({"q_norm": (nn.initializers.ones, (Dh,)),
+                          "k_norm": (nn.initializers.ones, (Dh,))})
         if c.mlp_bias:
             names.update({"b_gate": (_init(0.02), (F,)), "b_up": (_init(0.02), (F,)),
                           "b_down": (_init(0.02), (D,))})
@@ -142,8 +145,11 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
         if c.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     cos, sin = rope
-    q = apply_rope(q.reshape(B, T, H, Dh), cos, sin)
-    k = apply_rope(k.reshape(B, T, K, Dh), cos, sin)
+    q, k = q.reshape(B, T, H, Dh), k.reshape(B, T, K, Dh)
+    if "q_norm" in p:  # Qwen3: each head RMS-normalized before RoPE
+        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = v.reshape(B, T, K, Dh)
 
     # Write the T new K/V at slots lengths + (T_new - T) + t: these T tokens are the last T of the
@@ -352,7 +358,7 @@ def init_params(config: ModelConfig, rng, dtype=jnp.float32):
     # Norm weights random too, so tests notice a wrong norm.
     def jitter(path, x):
         name = path[-1].key if hasattr(path[-1], "key") else str(path[-1])
-        if name in ("attn_norm", "mlp_norm", "final_norm"):
+        if name in ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"):
             # a stable hash: str hash() is salted per process (PYTHONHASHSEED), which made the
             # same rng give different weights in every run
             r = jax.random.fold_in(rng, zlib.crc32(name.encode()) % (2 ** 31))

@@ -64,6 +64,8 @@ PARAM_AXES = {
     "bv": ("layers", "kv_heads"),
     "wo": ("layers", "heads", "hidden"),
     "bo": ("layers", "hidden"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
     "w_gate": ("layers", "hidden", "mlp"),
     "w_up": ("layers", "hidden", "mlp"),
     "w_down": ("layers", "mlp", "hidden"),

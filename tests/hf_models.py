@@ -30,6 +30,10 @@ VARIANTS = {
     "qwen2-yarn": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True,
                                  rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                "original_max_position_embeddings": 64})),
+    # Qwen3: RMSNorm of each query / key head before RoPE; head_dim apart from hidden / heads
+    "qwen3": ("qwen3", dict(num_key_value_heads=2, tie_word_embeddings=True, head_dim=32)),
+    "qwen3-bias": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=False,
+                                 attention_bias=True)),
     # YaRN with explicit betas and DeepSeek-style mscales (attention factor from their ratio)
     "llama-yarn-mscale": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=False,
                                         rope_theta=50000.0,
@@ -48,8 +52,9 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
     kw.update(extra)
     kw.update(overrides)
     cls_cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig}[arch]
+               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[arch]
     cls_model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "qwen3": transformers.Qwen3ForCausalLM,
                  "mistral": transformers.MistralForCausalLM}[arch]
     torch.manual_seed(seed)
     cfg = cls_cfg(**kw)

@@ -20,7 +20,8 @@ from test_model_parity import _full_logits
 def test_gguf_converts_to_same_logits_as_transformers(tmp_path):
     """HF model -> GGUF (written like llama.cpp, q/k permuted) -> jaxspec.convert -> logits."""
     from test_gguf_io import write_tiny_gguf
-    for variant, arch in (("llama-gqa", "llama"), ("qwen2-bias", "qwen2"), ("llama-bias", "llama")):
+    for variant, arch in (("llama-gqa", "llama"), ("qwen2-bias", "qwen2"), ("llama-bias", "llama"),
+                          ("qwen3", "qwen3")):
         hf = make_hf_model(variant, seed=4)
         sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
         path = write_tiny_gguf(tmp_path / f"{variant}.gguf", sd, hf.config, arch)

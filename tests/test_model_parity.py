@@ -37,7 +37,7 @@ def test_logits_match_transformers(variant, tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama3-rope", "llama-bias",
-                                     "qwen2-yarn"])
+                                     "qwen2-yarn", "qwen3"])
 def test_incremental_decode_matches_full_forward(variant, tmp_path):
     """Chunked prefill + one-token steps give the logits of one full forward pass."""
     hf = make_hf_model(variant, seed=3)
@@ -62,7 +62,7 @@ def test_incremental_decode_matches_full_forward(variant, tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa-tied", "qwen2-bias", "llama-bias",
-                                     "qwen2-yarn"])
+                                     "qwen2-yarn", "qwen3", "qwen3-bias"])
 def test_greedy_generate_matches_transformers(variant, tmp_path):
     hf = make_hf_model(variant, seed=11)
     model = convert_hf(hf, tmp_path)
@@ -90,7 +90,7 @@ def test_generation_stops_at_eos_per_sequence(tmp_path):
     assert res.tokens[1][-1] == stop and len(res.tokens[1]) <= 4
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama-bias"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama-bias", "qwen3-bias"])
 def test_per_layer_and_fused_layouts_match_transformers(variant, tmp_path):
     """The GPU decode layouts (per-layer arrays; fused wqkv / w_gateup) against the PyTorch model,
     and the fused layout stacks back to the stored parameters exactly."""

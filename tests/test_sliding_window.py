@@ -223,25 +223,27 @@ def test_serving_engine_is_not_capped(hf_and_model, reference):
         engine.stop()
 
 
-def test_qwen2_sliding_layers(tmp_path):
-    """Qwen2 slides only from layer max_window_layers on. Every layer sliding: exact past the
-    window; none (max_window_layers >= layers, as Qwen2.5's own configs): full attention, exact;
-    some: refused when the config is read (one window per model only), never silently wrong."""
+@pytest.mark.parametrize("variant", ["qwen2-bias", "qwen3"])
+def test_qwen2_sliding_layers(tmp_path, variant):
+    """Qwen2 (and Qwen3) slide only from layer max_window_layers on. Every layer sliding: exact
+    past the window; none (max_window_layers >= layers, as Qwen2.5's own configs): full attention,
+    exact; some: refused when the config is read (one window per model only), never silently
+    wrong."""
     from hf_models import convert_hf, make_hf_model, torch_greedy
     from jaxspec.config import ConfigError
     prompt = [3, 9, 27, 81, 50, 11, 2, 60, 61, 5]
     for first, window in ((0, 4), (2, None)):
-        hf = make_hf_model("qwen2-bias", seed=2, use_sliding_window=True, sliding_window=4,
+        hf = make_hf_model(variant, seed=2, use_sliding_window=True, sliding_window=4,
                            max_window_layers=first, num_hidden_layers=2)
         m = convert_hf(hf, tmp_path / f"q{first}")
         assert m.config.sliding_window == window
         assert jaxspec.generate(m, [prompt], max_new_tokens=8).tokens[0] == torch_greedy(hf, prompt, 8)
-    hf = make_hf_model("qwen2-bias", seed=2, use_sliding_window=True, sliding_window=4,
+    hf = make_hf_model(variant, seed=2, use_sliding_window=True, sliding_window=4,
                        max_window_layers=1, num_hidden_layers=2)
     with pytest.raises(ConfigError, match="1 of 2 layers"):
         convert_hf(hf, tmp_path / "q1")
     # a window as long as the context hides nothing: full attention, whatever the layers
-    hf = make_hf_model("qwen2-bias", seed=2, use_sliding_window=True, sliding_window=256,
+    hf = make_hf_model(variant, seed=2, use_sliding_window=True, sliding_window=256,
                        max_window_layers=1, num_hidden_layers=2)  # max_position_embeddings 256
     m = convert_hf(hf, tmp_path / "q256")
     assert m.config.sliding_window is None

@@ -159,13 +159,21 @@ MISTRAL7B_SHAPE = dict(model_type="mistral", vocab_size=32000, hidden_size=4096,
                        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                        head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0,
                        max_position_embeddings=32768, sliding_window=4096)  # Mistral-7B-v0.1
+QWEN3_8B_SHAPE = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                      intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
+                      head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                      max_position_embeddings=40960)  # Qwen3-8B (q/k RMSNorm per head)
 RANDOM_MODELS = {"random-8b": None, "random-qwen15": QWEN15_SHAPE, "random-smol": SMOL_SHAPE,
-                 "random-mistral7b": MISTRAL7B_SHAPE, "tiny": TINY_SHAPE}
+                 "random-mistral7b": MISTRAL7B_SHAPE, "random-qwen3-8b": QWEN3_8B_SHAPE,
+                 # the same shape as a llama (no q/k norm): what the per-head norms cost
+                 "random-qwen3-8b-llama": dict(QWEN3_8B_SHAPE, model_type="llama"),
+                 "tiny": TINY_SHAPE}
 
 
 def load_model(name: str, dtype=jnp.bfloat16, seed=0) -> jaxspec.Model:
     """A checkpoint path, or a random-weight model: random-8b, random-qwen15, random-smol,
-    random-mistral7b (sliding window 4096), tiny."""
+    random-mistral7b (sliding window 4096), random-qwen3-8b (and random-qwen3-8b-llama, its shape
+    without the q/k norms), tiny."""
     dtype = jnp.dtype(dtype)
     if name in RANDOM_MODELS:
         cfg = llama31_8b_shape() if name == "random-8b" else ModelConfig(**RANDOM_MODELS[name])

@@ -120,6 +120,7 @@ def test_decode_params_fuses_on_one_device_and_generation_is_unchanged(monkeypat
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 64, size=n).tolist() for n in (9, 23, 4)]
     spec = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=6)
+    monkeypatch.setenv("JAXSPEC_LAYERS", "scan")  # the reference stays stacked on any backend
     stacked = tiny_model(seed=4, scale=3.0)
     ref = jaxspec.generate(stacked, prompts, max_new_tokens=16).tokens
     ref_spec = jaxspec.generate(stacked, prompts, max_new_tokens=16, speculation=spec).tokens

@@ -87,7 +87,9 @@ def _layer_specs(m):
     """The intended spec of every per-layer parameter on a model axis named ``m``."""
     return {"wq": P(None, m), "wk": P(None, m), "wv": P(None, m), "bq": P(m), "bk": P(m),
             "bv": P(m), "wo": P(m, None), "w_gate": P(None, m), "w_up": P(None, m),
-            "w_down": P(m, None), "attn_norm": P(None), "mlp_norm": P(None)}
+            "w_down": P(m, None), "attn_norm": P(None), "mlp_norm": P(None),
+            # a llama's attention_bias includes o_proj's: replicated like wo's output
+            "bo": P(None), "b_gate": P(m), "b_up": P(m), "b_down": P(None)}
 
 
 def _check_per_layer(params, mesh, num_layers):

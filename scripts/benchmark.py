@@ -638,7 +638,8 @@ def main(argv=None):
     d.add_argument("--out", default="benchmarks/decode_llama8b")
     s = sub.add_parser("speculative", help="autoregressive vs speculative grid")
     s.add_argument("--model", default="random-qwen15",
-                   help="checkpoint path or random-8b / random-qwen15 / random-smol / tiny")
+                   help="checkpoint path or random-8b / random-qwen15 / random-smol / "
+                        "random-mistral7b / random-qwen3-8b / tiny")
     s.add_argument("--batch", default="8,32,64")
     s.add_argument("--prompt", default="1024,8192")
     s.add_argument("--points", default="", help="explicit BxP pairs instead of batch x prompt, "

@@ -118,16 +118,10 @@ _TOP_MAP = {
 
 
 def _expected_layer_names(config: ModelConfig) -> list[str]:
-    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
-    if config.attention_bias:
-        names += ["bq", "bk", "bv"]
-    if config.attention_out_bias:
-        names += ["bo"]
-    if config.mlp_bias:
-        names += ["b_gate", "b_up", "b_down"]
-    if config.qk_norm:
-        names += ["q_norm", "k_norm"]
-    return names
+    """The per-layer parameters the model of ``config`` has (its optional biases and norms
+    included): the model's own parameter tree decides."""
+    from jaxspec.model import param_shapes
+    return list(param_shapes(config)["layers"])
 
 
 def params_from_hf_tensors(config: ModelConfig, tensors: Iterator[tuple[str, np.ndarray]],

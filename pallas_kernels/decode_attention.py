@@ -36,7 +36,12 @@ Kernel structure (Triton-lowered ``pallas_call``; interpret mode on CPU):
   (flash-decoding). It streams K/V in ``block_k`` slot blocks with an online
   softmax in base 2; interior blocks run unmasked, only the tail block of a range
   is masked. The last split also attends to the T_new new tokens under the
-  causal/tree mask (``block_k_new`` keys per step; mask rows are query rows). Splits are merged by log-sum-exp (``merge.merge_stacked``).
+  causal/tree mask (``block_k_new`` keys per step; mask rows are query rows). Splits
+  are merged by log-sum-exp (``merge.merge_stacked``).
+
+On a Hopper GPU, from ``HOPPER_MIN_ROWS`` query rows per KV head (long verification blocks,
+token trees) in bf16/f16, ``hopper.verify_attention`` (a Mosaic GPU wgmma kernel) serves
+the same contract instead.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ try:  # Triton-specific helpers (masked loads, compiler params).
 except ImportError:  # pragma: no cover - a jax without the Triton backend
   plgpu = None
 
+from . import hopper as _hopper
 from .merge import merge_stacked
 
 _LOG2E = 1.4426950408889634
@@ -384,6 +390,43 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
   return o, lse
 
 
+# The Hopper (Mosaic GPU) kernel takes over from the Triton one from this many query rows
+# (T x G) per KV head: there attention turns bound by matrix throughput, and the Hopper
+# kernel's wgmma pipeline beats Triton's (benchmarks/hopper_attention_h100_s9.md, H100,
+# B=64, S=8192, G=4: 1.04x at T=32, 1.29x at T=64, 1.32x at T=128).
+HOPPER_MIN_ROWS = 128
+
+
+def _hopper_choice(q, k_cache, T_new, block_sizes, *, sink, window, interpret, on_gpu):
+  """The Hopper kernel's block sizes where it serves this call, else None: when asked for
+  (``block_sizes`` a ``hopper.HopperBlockSizes``), or by default on a Hopper GPU for dense
+  attention with at least ``HOPPER_MIN_ROWS`` query rows per KV head in bf16/f16."""
+  B, T, H, D = q.shape
+  K, S = k_cache.shape[-3], k_cache.shape[-2]
+  fits = (_hopper.supports(q.dtype, D) and k_cache.dtype == q.dtype and S % 8 == 0)
+  if isinstance(block_sizes, _hopper.HopperBlockSizes):
+    if sink or window:
+      raise ValueError("the Hopper kernel does dense attention only (no sink / window)")
+    if not fits:
+      raise ValueError(f"the Hopper kernel takes bf16/f16 q and cache of one dtype, D % 64 "
+                       f"== 0 and S % 8 == 0; got {q.dtype}/{k_cache.dtype}, D={D}, S={S}")
+    if not (interpret or _hopper.available()):
+      raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
+    return block_sizes
+  if (block_sizes is None and on_gpu and not interpret and not sink and not window and fits
+      and T * (H // K) >= HOPPER_MIN_ROWS and _hopper.available()):
+    return _hopper.HopperBlockSizes()
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_new", "block_sizes", "interpret"))
+def _verify_hopper(q, k_cache, v_cache, lengths, tree_mask, layer, *, sm_scale, num_new,
+                   block_sizes, interpret):
+  return _hopper.verify_attention(q, k_cache, v_cache, lengths, tree_mask, layer=layer,
+                                  sm_scale=sm_scale, num_new=num_new, block_sizes=block_sizes,
+                                  interpret=interpret)
+
+
 def resolve_num_new(T, tree_mask, num_new):
   """T_new: the mask's last dim, else ``num_new``, else T (checked >= T). Shared with the
   plain-`jnp` paths of `jaxspec.attention`."""
@@ -446,8 +489,10 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
     interpret: None: kernel on GPU, the Mosaic kernel (``tpu.py``) on TPU,
       reference on CPU; True: the portable kernel in Pallas interpret mode (any
       backend); False: as None.
-    block_sizes: ``DecodeAttentionBlockSizes`` (None: tuned defaults), or on
-      TPU a ``TPUDecodeBlockSizes``.
+    block_sizes: ``DecodeAttentionBlockSizes`` (None: tuned defaults), on TPU a
+      ``TPUDecodeBlockSizes``, or a ``hopper.HopperBlockSizes`` for the Hopper (Mosaic
+      GPU) kernel (dense, bf16/f16; with ``interpret=True`` its CPU interpreter). None
+      on a Hopper GPU picks that kernel for >= ``HOPPER_MIN_ROWS`` rows per KV head.
 
   Returns:
     ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; a query that saw
@@ -466,6 +511,11 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
         q, k_cache, v_cache, lengths, tree_mask, layer=layer, sink=sink, window=window,
         sm_scale=sm_scale, num_new=T_new,
         block_sizes=block_sizes if isinstance(block_sizes, _tpu.TPUDecodeBlockSizes) else None)
+  hop = _hopper_choice(q, k_cache, T_new, block_sizes, sink=sink, window=window,
+                       interpret=interpret, on_gpu=on_gpu)
+  if hop is not None:
+    return _verify_hopper(q, k_cache, v_cache, lengths, tree_mask, layer, sm_scale=sm_scale,
+                          num_new=T_new, block_sizes=hop, interpret=bool(interpret))
   use_kernel = bool(interpret) or (on_gpu and plgpu is not None)
   if not use_kernel:
     return decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask, layer=layer,

@@ -3,27 +3,35 @@
 Where one K/V stream meets many query rows (a shared prefix read by a whole group of
 sequences, or a long verification block of T x G rows per KV head) attention is bound
 by matrix throughput, not by reading K/V. The portable Triton-lowered kernels reach about
-270-420 TFLOP/s there on an H100; this kernel feeds Hopper's tensor cores the way they
-want: K/V tiles arrive by TMA into a ring of shared-memory stages (one producer
-warpgroup), two consumer warpgroups of 64 rows each run ``wgmma`` for QK^T and PV out of
-shared memory with the online softmax in registers, and a stage is handed back to the
-producer as soon as both consumers are done with it.
+400 TFLOP/s there on an H100; this kernel feeds Hopper's tensor cores the way they want:
+  * K/V tiles arrive by TMA into a ring of shared-memory stages (one producer warpgroup);
+  * two consumer warpgroups of 64 (or 128) rows each run ``wgmma`` for QK^T and PV out of
+    shared memory with the online softmax in registers;
+  * ping-pong: the consumers meet at a shared barrier twice per block, warpgroup 1 one
+    meeting behind warpgroup 0, so one's softmax runs under the other's matrix products;
+    the wait for the next K tile sits under the PV product;
+  * the row tiles of one stream are launched side by side (Mosaic GPU launches the last
+    grid axis fastest) so that they share its K/V through L2.
 
 Problem solved here (``rows_attention``): ``N`` streams (e.g. (group, KV head) or
 (sequence, KV head)); stream ``n`` has query rows ``q[n, :R]`` and keys/values in a
 layout given by ``kv_layout``; stream ``n`` sees keys ``[0, lengths[n // N2])``. The key
 axis is cut into ``splits`` equal ranges (flash-decoding) so that short problems still
 fill every SM; each split returns a partial ``(out, lse)`` that ``merge.merge_stacked``
-combines exactly.
+combines exactly (``attention`` does both).
 
-Ragged lengths without reading garbage: the kernel covers only the whole, aligned key blocks
-of each stream, ``[0, floor(length / block_kv) * block_kv)``, so it never reads a slot past a
-length and needs no mask (Mosaic GPU's tiled TMA also wants block starts that are provably
-multiples of the tile). ``tail_attention`` does the last ``length % block_kv`` keys of each
-stream in plain jnp (a gather of one block, masked), and its partial merges with the
-kernel's splits like one more split.
+Ragged lengths inside the kernel: blocks that every row sees whole run unmasked. The last,
+ragged block is loaded whole (TMA starts stay multiples of the tile, as Mosaic GPU's tiled
+copies need; a block running past the key axis is zero-filled by TMA); its scores past the
+length are masked to -inf, and the producer zeroes its value rows past the length in
+shared memory before handing it over, since 0 x NaN garbage would still be NaN in PV.
 
-Layouts of K/V (``kv_layout``):
+Verification (``verify_attention``, ``decode_attention``'s contract): the T_new new tokens
+sit right after the context; the blocks holding them run masked with a per-block tile of the
+causal / tree mask (``new_token_mask``, 0 or -inf per row and slot), so one kernel pass
+covers context and new tokens.
+
+Layouts of K/V (``kv_layout``), optionally stacked over layers (``layer=``, read in place):
   * ``"PLKD"``: ``k[P, L, K, D]`` (the shared-prefix layout); stream ``n = p * K + k``.
   * ``"BKSD"``: ``k[B, K, S, D]`` (a per-sequence cache); stream ``n = b * K + k``.
 
@@ -35,14 +43,11 @@ Runs on an NVIDIA Hopper GPU, and on CPU through the Mosaic GPU interpreter
 (``interpret=True``) for tests (there the two matrix products run as jnp dots: the
 interpreter takes no transposed or register wgmma operands).
 
-Status: correct on an H100, but slower than the portable Triton kernels at every measured
-shape (``benchmarks/hopper_attention_h100.md``: 247 vs 228 us at the T=5 prefix shape,
-1410 vs 1002 us at T=64 verification), while jax's own FlashAttention-3 port reaches
-477 TFLOP/s on the prefix shape. What this kernel lacks against it: the two consumer
-warpgroups are not scheduled ping-pong (one's softmax under the other's wgmma), a wgmma is
-waited for right after it is issued, and the last partial block and the split merge run as
-separate XLA ops. So it is opt-in only (``prefix_attention(..., block_sizes=
-HopperBlockSizes())``), never a default.
+Status (benchmarks/hopper_attention_h100_s9.md, H100): the default of ``decode_attention``
+from ``HOPPER_MIN_ROWS`` rows per KV head and of ``prefix_attention`` from its own
+threshold, where it beats the Triton kernels: 64 x 8k verification at T=64 in 752 vs 968 us
+(531 TFLOP/s, 1.31x the T=1 decode time), the B=64, P=1, L=16k prefix at T=5 in 170 vs
+245 us. Left: the q / out transposes around a verification (about 5% there).
 """
 from __future__ import annotations
 
@@ -62,7 +67,6 @@ except ImportError:  # pragma: no cover - a jax without Mosaic GPU
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-ROWS_PER_WG = 64  # one wgmma M tile per consumer warpgroup
 CONSUMERS = 2
 SMEM_BYTES = 232448  # shared memory of one thread block on an H100 / H200
 
@@ -73,10 +77,17 @@ class HopperBlockSizes:
 
   block_kv: keys per stage (multiple of 64). stages: shared-memory ring depth (>= 2).
   splits: key ranges per stream (None: enough to give every SM a program).
+  rows_per_wg: query rows per consumer warpgroup, 64 (one wgmma M tile) or 128 (two); a
+    program holds ``2 * rows_per_wg`` rows, so 128 lets 256 rows of one stream share each
+    K/V tile read.
+  pingpong: schedule the two consumer warpgroups in turn on the tensor cores (one's
+    softmax runs under the other's matrix products).
   """
   block_kv: int = 128
   stages: int = 2
   splits: int | None = None
+  rows_per_wg: int = 64
+  pingpong: bool = True
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
@@ -85,6 +96,12 @@ class HopperBlockSizes:
       raise ValueError(f"stages must be >= 2, got {self.stages}")
     if self.splits is not None and self.splits < 1:
       raise ValueError(f"splits must be >= 1, got {self.splits}")
+    if self.rows_per_wg not in (64, 128):
+      raise ValueError(f"rows_per_wg must be 64 or 128, got {self.rows_per_wg}")
+
+  @property
+  def rows_per_program(self) -> int:
+    return CONSUMERS * self.rows_per_wg
 
 
 def available() -> bool:
@@ -99,10 +116,13 @@ def supports(dtype, D: int) -> bool:
   return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and D % 64 == 0
 
 
-def _kernel(lengths_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, kv_layout, N2,
-            R_tiles, split_size, block_kv, stages, scale_log2, dtype, D, fused_acc):
-  del R_tiles
-  (q_smem, k_smem, v_smem, lse_smem, k_ready, v_ready, q_ready, k_free, v_free) = scratch
+def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layered, N2,
+            split_size, block_kv, stages, scale_log2, dtype, D, RW, pingpong, num_new,
+            compiled):
+  if num_new:
+    mask_ref, *refs = refs
+  (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, mask_smem, k_ready, v_ready, q_ready,
+   k_free, v_free, turn, v_tail, mask_ready) = refs
   r_tile = lax.axis_index("r")
   split = lax.axis_index("s")
   n = lax.axis_index("n")
@@ -110,80 +130,132 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, kv_lay
   n2 = lax.rem(n, jnp.int32(N2))
   wg = lax.axis_index("wg")
 
-  length = lengths_ref[n1]
+  length = lengths_ref[n1]  # context keys; then num_new new-token keys under the mask
   lo = split * split_size
-  full = lax.div(length, jnp.int32(block_kv)) * block_kv  # whole blocks only (see module doc)
-  hi = jnp.minimum(lo + split_size, full)
-  nblocks = jnp.where(hi > lo, lax.div(hi - lo, jnp.int32(block_kv)), 0)
+  hi = jnp.minimum(lo + split_size, length + num_new)
+  nkeys = jnp.maximum(hi - lo, 0)
+  nblocks = lax.div(nkeys + (block_kv - 1), jnp.int32(block_kv))
+  # Blocks every row sees whole run unmasked; the rest (a ragged last block, the blocks
+  # holding new tokens) run masked.
+  nfull = jnp.clip(lax.div(jnp.minimum(hi, length) - lo, jnp.int32(block_kv)), 0, nblocks)
+  first_new_block = lax.div(length, jnp.int32(block_kv))
 
   def block_start(i):
     return lo + i * block_kv
 
   def kv_slice(ref, start):
+    if layered:  # stacked caches [layers, ...]: the layer is a (possibly traced) input
+      ref = ref.at[layer_ref[0]]
     if kv_layout == "PLKD":
       return ref.at[n1, pl.ds(start, block_kv), n2]
     return ref.at[n1, n2, pl.ds(start, block_kv)]
 
+  def rendezvous():
+    """Both consumers meet here. Warpgroup 1 starts one meeting behind warpgroup 0, so
+    while one issues its matrix products the other runs its softmax (ping-pong)."""
+    if pingpong:
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+  # Register layouts matter to Mosaic GPU only; its CPU interpreter has no layout_cast.
+  lay = plgpu.layout_cast if compiled else (lambda x, _: x)
+
+  def iota(shape, dim):
+    if compiled:
+      return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
   @pl.when(wg < CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
-    row0 = (r_tile * CONSUMERS + wg) * ROWS_PER_WG
+    plgpu.set_max_registers(240 if RW == 128 else 232, action="increase")
+    row0 = (r_tile * CONSUMERS + wg) * RW
     qo = q_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[n1, n2, pl.ds(row0, ROWS_PER_WG)], qo, q_ready.at[wg])
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = lay(jnp.full((RW,), -jnp.inf, jnp.float32), row_layout)
+    l = lay(jnp.full((RW,), 0.0, jnp.float32), row_layout)
+    acc = lay(jnp.zeros((RW, D), jnp.float32), plgpu.Layout.WGMMA)
+    plgpu.copy_gmem_to_smem(q_ref.at[n1, n2, pl.ds(row0, RW)], qo, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
 
-    # Register layouts matter to Mosaic GPU only; its CPU interpreter has no layout_cast.
-    lay = (lambda x, _: x) if not fused_acc else plgpu.layout_cast
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m = lay(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), row_layout)
-    l = lay(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32), row_layout)
-    acc = lay(jnp.zeros((ROWS_PER_WG, D), jnp.float32), plgpu.Layout.WGMMA)
+    @pl.when(nblocks > 0)
+    def _():
+      plgpu.barrier_wait(k_ready.at[0])
+    pl.when(wg == 1)(rendezvous)
 
-    def step(i, carry):
+    def step(i, carry, masked):
       acc, m, l = carry
       slot = lax.rem(i, jnp.int32(stages))
-      plgpu.barrier_wait(k_ready.at[slot])
 
       def qk_scope(ref):
         plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        rendezvous()  # hand the tensor cores over while this product runs
         return ref[...]
-      if fused_acc:
-        s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS_PER_WG, block_kv), jnp.float32))
+      if compiled:
+        s = pl.run_scoped(qk_scope, plgpu.ACC((RW, block_kv), jnp.float32))
       else:  # the CPU interpreter cannot transpose a wgmma operand: the same product via jnp
         s = lax.dot_general(qo[...], k_smem[slot], (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
+        rendezvous()
       plgpu.barrier_arrive(k_free.at[slot])
-      s = s * scale_log2
-      m_new = jnp.maximum(m, s.max(axis=1))
+      if masked:
+        if num_new:  # this block's tile of the new-token mask (0 seen, -inf hidden)
+          rel = lax.div(block_start(i), jnp.int32(block_kv)) - first_new_block
+          plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(row0, RW)], mask_smem.at[wg],
+                                  mask_ready.at[wg])
+          plgpu.barrier_wait(mask_ready.at[wg])
+          bias = mask_smem.at[wg][...].astype(jnp.float32)
+          if compiled:
+            bias = lay(bias, plgpu.Layout.WGMMA)
+          s = s + bias
+        # keys at or past hi are nobody's (garbage, NaN included)
+        s = jnp.where(iota((RW, block_kv), 1) < hi - block_start(i), s, -jnp.inf)
+      # m is kept in scaled base-2 units, so p is one fused multiply-add and an exp2.
+      m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
       alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
+      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      if compiled:
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+      if pingpong:
+        plgpu.barrier_arrive(turn)  # softmax done
       plgpu.barrier_wait(v_ready.at[slot])
+      if pingpong:
+        plgpu.barrier_wait(turn)  # the tensor cores are ours again
+
+      def wait_next_k():  # under this block's PV product
+        @pl.when(i + 1 < nblocks)
+        def _():
+          plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, jnp.int32(stages))])
 
       def pv(ref):
-        plgpu.wgmma(ref, p.astype(dtype), v_smem.at[slot])
-      if fused_acc:  # accumulate in place into the running output
+        plgpu.wgmma(ref, p16, v_smem.at[slot])
+        wait_next_k()
+      if compiled:  # accumulate in place into the running output
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       else:  # the CPU interpreter takes no register operand in wgmma: the same product via jnp
-        acc = acc + jnp.dot(p.astype(dtype), v_smem[slot], preferred_element_type=jnp.float32)
+        acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+        wait_next_k()
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
-    acc, m, l = lax.fori_loop(0, nblocks, step, (acc, m, l))
+    carry = lax.fori_loop(0, nfull, functools.partial(step, masked=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(nfull, nblocks, functools.partial(step, masked=True), carry)
+    pl.when(wg == 0)(rendezvous)
 
     empty = l == 0.0
     inv = 1.0 / jnp.where(empty, 1.0, l)
     qo[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
     lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo, out_ref.at[split, n1, n2, pl.ds(row0, ROWS_PER_WG)])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, n1, n2, pl.ds(row0, ROWS_PER_WG)])
+    plgpu.copy_smem_to_gmem(qo, out_ref.at[split, n1, n2, pl.ds(row0, RW)])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, n1, n2, pl.ds(row0, RW)])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(24 if RW == 128 else 40, action="decrease")
 
     @pl.loop(0, nblocks)
     def _(i):
@@ -198,7 +270,27 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *scratch, kv_lay
       @pl.when(i >= stages)
       def _():
         plgpu.barrier_wait(v_free.at[slot])
-      plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_ready.at[slot])
+
+      @pl.when(i < nfull)
+      def _():
+        plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_ready.at[slot])
+
+      @pl.when(i >= nfull)
+      def _():
+        # The ragged last block: its value rows at or past hi may hold anything (NaN
+        # included), and a probability of 0 times NaN is NaN in the PV product. So the
+        # rows are zeroed here before the consumers are told the block is ready.
+        plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_tail)
+        plgpu.barrier_wait(v_tail)
+        nvalid = hi - start
+        for c in range(block_kv // 64):  # in WGMMA-shaped chunks of 64 rows
+          chunk = v_smem.at[slot, pl.ds(c * 64, 64)]
+          x = chunk[...]
+          if compiled:
+            x = lay(x, plgpu.Layout.WGMMA)
+          chunk[...] = jnp.where(iota((64, D), 0) + c * 64 < nvalid, x, jnp.zeros_like(x))
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(v_ready.at[slot])
 
     # Observe the consumers' last hand-backs too, so that every barrier phase is consumed
     # when the kernel ends (the interpreter checks it; the hardware does not care).
@@ -216,36 +308,64 @@ def _num_sms() -> int:
     return 132
 
 
+_PROGRAM_OVERHEAD_BLOCKS = 3
+
+
 def plan_splits(programs: int, max_len: int, bs: HopperBlockSizes) -> int:
-  """Key ranges per stream: enough programs to cover every SM about once (one program per SM
-  fits in shared memory), never ranges shorter than two blocks."""
+  """Key ranges per stream. One program fills an SM (its shared memory), so the kernel runs
+  in waves of ``SMs`` programs; its time goes as (waves) x (key blocks per program + a fixed
+  cost of about ``_PROGRAM_OVERHEAD_BLOCKS`` blocks: pipeline fill, q load, output store,
+  merge). Picks the fewest splits that minimise that, with ranges of at least two blocks.
+  (On an H100: B=64, P=1, L=16384 takes 8 splits at T=1 and at T=5, one at 64 x 8k
+  verification; benchmarks/hopper_attention_h100_s9.md.)"""
   if bs.splits is not None:
     return bs.splits
-  want = max(1, round(_num_sms() / max(programs, 1)))
-  return int(max(1, min(want, max_len // (2 * bs.block_kv))))
+  sms = _num_sms()
+  blocks = -(-max_len // bs.block_kv)
+  best, best_cost = 1, None
+  for sp in range(1, max(1, blocks // 2) + 1):
+    cost = -(-programs * sp // sms) * (-(-blocks // sp) + _PROGRAM_OVERHEAD_BLOCKS)
+    if best_cost is None or cost < best_cost:
+      best, best_cost = sp, cost
+    if sp >= 32:
+      break
+  return best
 
 
 def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
-                   block_sizes: HopperBlockSizes | None = None, interpret: bool = False):
+                   block_sizes: HopperBlockSizes | None = None, new_mask=None,
+                   layer=None, num_new: int = 0, interpret: bool = False):
   """Partial attentions of the rows of each stream over each split of its keys.
 
-  ``q_N1N2RD[N1, N2, R, D]`` (R a multiple of 128), ``k``/``v`` in ``kv_layout`` with the
-  same N1, N2 (see module doc), ``lengths[N1]`` int32 in ``[0, L]``. Covers the keys
-  ``[0, floor(length / block_kv) * block_kv)`` only; add ``tail_attention`` for the rest.
+  ``q_N1N2RD[N1, N2, R, D]`` (R a multiple of ``block_sizes.rows_per_program``), ``k``/``v``
+  in ``kv_layout`` with the same N1, N2 (see module doc), ``lengths[N1]`` int32 in
+  ``[0, L]``: stream ``n`` sees keys ``[0, lengths[n // N2])``.
+  ``new_mask``, optional, ``[N1, nb, R, block_kv]`` in q's dtype, adds ``T_new`` keys after
+  each length (the new tokens of a verification, ``T_new = nb * block_kv`` at most): row
+  ``r`` of stream ``n`` sees slot ``s >= lengths[n1] // block_kv * block_kv`` iff
+  ``new_mask[n1, s // block_kv - lengths[n1] // block_kv, r, s % block_kv] == 0`` (it is
+  ``-inf`` elsewhere) and ``s < lengths[n1] + T_new``; pass ``T_new`` as ``num_new``.
+  ``layer``, optional (an int or a traced int32 scalar): k/v are stacked ``[layers, ...]``
+  caches and the kernel reads layer ``layer`` of them in place.
   Returns ``out[splits, N1, N2, R, D]`` (q's dtype) and ``lse2[splits, N1, N2, R]`` float32
-  in base 2 (``-inf`` for an empty split).
+  in base 2 (``-inf`` for an empty split); ``merge.merge_stacked`` combines the splits.
   """
   bs = block_sizes or HopperBlockSizes()
   N1, N2, R, D = q_N1N2RD.shape
-  if R % (CONSUMERS * ROWS_PER_WG):
-    raise ValueError(f"rows per stream must be a multiple of {CONSUMERS * ROWS_PER_WG}, got {R}")
+  RW = bs.rows_per_wg
+  layered = layer is not None
+  kshape = k.shape[1:] if layered else k.shape
+  if layered and k.ndim != 5:
+    raise ValueError(f"with a layer, k/v must be stacked [layers, ...] caches, got {k.shape}")
+  if R % bs.rows_per_program:
+    raise ValueError(f"rows per stream must be a multiple of {bs.rows_per_program}, got {R}")
   if kv_layout == "PLKD":
-    L = k.shape[1]
-    if k.shape != (N1, L, N2, D):
+    L = kshape[1]
+    if kshape != (N1, L, N2, D):
       raise ValueError(f"k {k.shape} does not match q {q_N1N2RD.shape} in layout PLKD")
   elif kv_layout == "BKSD":
-    L = k.shape[2]
-    if k.shape != (N1, N2, L, D):
+    L = kshape[2]
+    if kshape != (N1, N2, L, D):
       raise ValueError(f"k {k.shape} does not match q {q_N1N2RD.shape} in layout BKSD")
   else:
     raise ValueError(f"unknown kv_layout {kv_layout!r}")
@@ -255,13 +375,22 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     raise ValueError("q, k and v must share one dtype and k, v one shape")
   if not supports(k.dtype, D):
     raise ValueError(f"the Hopper kernel takes bf16/f16 with D % 64 == 0, got {k.dtype}, D={D}")
+  num_new = int(num_new or 0)
+  if (new_mask is None) != (num_new == 0):
+    raise ValueError("new_mask and num_new > 0 come together")
+  if new_mask is not None:
+    nb = -(-(bs.block_kv - 1 + num_new) // bs.block_kv)
+    if new_mask.shape != (N1, nb, R, bs.block_kv) or new_mask.dtype != q_N1N2RD.dtype:
+      raise ValueError(f"new_mask must be {(N1, nb, R, bs.block_kv)} {q_N1N2RD.dtype}, got "
+                       f"{new_mask.shape} {new_mask.dtype}")
   itemsize = jnp.dtype(k.dtype).itemsize
-  smem = ((CONSUMERS * ROWS_PER_WG + 2 * bs.stages * bs.block_kv) * D * itemsize
-          + CONSUMERS * ROWS_PER_WG * 4 + 1024)
+  smem = ((CONSUMERS * RW + 2 * bs.stages * bs.block_kv) * D * itemsize
+          + CONSUMERS * RW * 4 + 1024
+          + (CONSUMERS * RW * bs.block_kv * itemsize if num_new else 0))
   if smem > SMEM_BYTES:
     raise ValueError(f"block_kv={bs.block_kv} x stages={bs.stages} at D={D} needs about "
                      f"{smem} bytes of shared memory; an H100/H200 block has {SMEM_BYTES}")
-  r_tiles = R // (CONSUMERS * ROWS_PER_WG)
+  r_tiles = R // bs.rows_per_program
   splits = plan_splits(r_tiles * N1 * N2, L, bs)
   per_split = -(-L // splits)
   split_size = -(-per_split // bs.block_kv) * bs.block_kv
@@ -269,80 +398,130 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   dtype = q_N1N2RD.dtype
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   scratch = (
-      plgpu.SMEM((CONSUMERS, ROWS_PER_WG, D), dtype, transforms=tiled),
+      plgpu.SMEM((CONSUMERS, RW, D), dtype, transforms=tiled),
       plgpu.SMEM((stages, bs.block_kv, D), dtype, transforms=tiled),
       plgpu.SMEM((stages, bs.block_kv, D), dtype, transforms=tiled),
-      plgpu.SMEM((CONSUMERS, ROWS_PER_WG), jnp.float32),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=CONSUMERS),
-      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+      plgpu.SMEM((CONSUMERS, RW), jnp.float32),
+      plgpu.SMEM((CONSUMERS, RW, bs.block_kv) if num_new else (CONSUMERS, 8, 64), dtype,
+                 transforms=tiled),                                # new-token mask tiles
+      plgpu.Barrier(num_barriers=stages),                          # k_ready
+      plgpu.Barrier(num_barriers=stages),                          # v_ready
+      plgpu.Barrier(num_barriers=CONSUMERS),                       # q_ready
+      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # k_free
+      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # v_free
+      plgpu.Barrier(num_arrivals=CONSUMERS),  # turn: the consumers' turn on the tensor cores
+      plgpu.Barrier(),                                             # v_tail
+      plgpu.Barrier(num_barriers=CONSUMERS),                       # mask_ready
   )
   body = functools.partial(
-      _kernel, kv_layout=kv_layout, N2=N2, R_tiles=r_tiles, split_size=split_size,
-      block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype, D=D,
-      fused_acc=not interpret)
+      _kernel, kv_layout=kv_layout, layered=layered, N2=N2, split_size=split_size,
+      block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype, D=D, RW=RW,
+      pingpong=bs.pingpong, num_new=num_new, compiled=not interpret)
   kw = {}
   if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA and wgmma simulated on CPU)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     kw["interpret"] = InterpretGPUParams()
+  if interpret and L % bs.block_kv:
+    # A ragged last block may run past the key axis: TMA fills those rows with zeros on the
+    # GPU, but the interpreter refuses an out-of-bounds copy, so pad the axis here.
+    ax = (1 if kv_layout == "PLKD" else 2) + int(layered)
+    widths = [(0, 0)] * k.ndim
+    widths[ax] = (0, -(-L // bs.block_kv) * bs.block_kv - L)
+    k, v = jnp.pad(k, widths), jnp.pad(v, widths)
+  layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+  args = (lengths.astype(jnp.int32), layer_arr, q_N1N2RD, k, v)
+  if num_new:
+    args += (new_mask,)
   out, lse2 = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((splits, N1, N2, R, D), dtype),
                 jax.ShapeDtypeStruct((splits, N1, N2, R), jnp.float32)),
       scratch_types=scratch,
-      grid=(r_tiles, splits, N1 * N2),
-      grid_names=("r", "s", "n"),
+      # Mosaic GPU launches the last grid axis fastest: the row tiles of one stream run
+      # side by side and share its K/V through L2.
+      grid=(N1 * N2, splits, r_tiles),
+      grid_names=("n", "s", "r"),
       num_threads=CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kw,
-  )(lengths.astype(jnp.int32), q_N1N2RD, k, v)
+  )(*args)
   return out, lse2
 
 
-def tail_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float, block_kv: int):
-  """The keys ``[floor(length / block_kv) * block_kv, length)`` of each stream (fewer than
-  ``block_kv``), in plain jnp: one gathered block per stream, masked by length (values too,
-  so garbage past a length cannot leak). Returns ``(out[N1, N2, R, D] float32,
-  lse2[N1, N2, R] float32 base 2)``, ``-inf`` / 0 where a stream has no tail."""
-  N1, N2, R, D = q_N1N2RD.shape
-  L = k.shape[1] if kv_layout == "PLKD" else k.shape[2]
-  lengths = lengths.astype(jnp.int32)
-  pos = (lengths // block_kv * block_kv)[:, None] + jnp.arange(block_kv, dtype=jnp.int32)[None]
-  valid = pos < lengths[:, None]                                     # [N1, bkv]
-  idx = jnp.clip(pos, 0, L - 1)
-  if kv_layout == "PLKD":  # [N1, L, N2, D] -> [N1, N2, bkv, D]
-    take = lambda a: jnp.swapaxes(jnp.take_along_axis(a, idx[:, :, None, None], axis=1), 1, 2)
-  else:
-    take = lambda a: jnp.take_along_axis(a, idx[:, None, :, None], axis=2)
-  kt = take(k).astype(jnp.float32)
-  vt = jnp.where(valid[:, None, :, None], take(v).astype(jnp.float32), 0.0)
-  s = jnp.einsum("abrd,absd->abrs", q_N1N2RD.astype(jnp.float32), kt,
-                 precision=lax.Precision.HIGHEST) * (float(sm_scale) * _LOG2E)
-  s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
-  p = jnp.exp2(s - m_safe)
-  l = jnp.sum(p, axis=-1)
-  o = jnp.einsum("abrs,absd->abrd", p, vt, precision=lax.Precision.HIGHEST)
-  o = o / jnp.where(l > 0, l, 1.0)[..., None]
-  return o, jnp.squeeze(m_safe, -1) + jnp.log2(l)
-
-
-def attention_with_tail(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
-                        block_sizes: HopperBlockSizes | None = None, interpret: bool = False,
-                        out_dtype=None):
-  """``rows_attention`` + ``tail_attention`` merged: attention of each stream's rows over all
-  of ``[0, length)``. Returns ``(out[N1, N2, R, D], lse[N1, N2, R] float32, natural log)``."""
+def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
+              block_sizes: HopperBlockSizes | None = None, new_mask=None, num_new: int = 0,
+              layer=None, interpret: bool = False, out_dtype=None):
+  """Attention of each stream's rows over all of ``[0, length)`` (and the new tokens, see
+  ``rows_attention``): the splits merged by log-sum-exp. Returns ``(out[N1, N2, R, D],
+  lse[N1, N2, R] float32, natural log)``."""
   from .merge import merge_stacked
-  bs = block_sizes or HopperBlockSizes()
   o, lse2 = rows_attention(q_N1N2RD, k, v, lengths, kv_layout=kv_layout, sm_scale=sm_scale,
-                           block_sizes=bs, interpret=interpret)
-  ot, lt = tail_attention(q_N1N2RD, k, v, lengths, kv_layout=kv_layout, sm_scale=sm_scale,
-                          block_kv=bs.block_kv)
-  o = jnp.concatenate([o.astype(jnp.float32), ot[None]], axis=0)
-  lse2 = jnp.concatenate([lse2, lt[None]], axis=0)
-  out, lse = merge_stacked(o, lse2 * _LN2, axis=0, out_dtype=out_dtype or q_N1N2RD.dtype)
-  return out, lse
+                           block_sizes=block_sizes, new_mask=new_mask, num_new=num_new,
+                           layer=layer, interpret=interpret)
+  out_dtype = out_dtype or q_N1N2RD.dtype
+  if o.shape[0] == 1:
+    return o[0].astype(out_dtype), lse2[0] * _LN2
+  return merge_stacked(o, lse2 * _LN2, axis=0, out_dtype=out_dtype)
+
+
+def new_token_mask(lengths, tree_mask, *, T: int, T_new: int, G: int, rows: int,
+                   block_kv: int, dtype):
+  """The new-token mask tiles of ``rows_attention`` for a verification: ``[B, nb, rows,
+  block_kv]``, 0 where a row sees a slot and -inf where not. Rows are ``(t, g)`` pairs
+  (``t * G + g``; rows past ``T * G`` are padding and see the context only). Query ``t`` is
+  new token ``T_new - T + t``; it sees new token ``j`` iff ``tree_mask[(b,) t, j]`` (None:
+  causal, ``j <= T_new - T + t``), and every context slot."""
+  B = lengths.shape[0]
+  nb = -(-(block_kv - 1 + T_new) // block_kv)
+  base = lengths // block_kv * block_kv                                    # [B]
+  j = (base[:, None] + jnp.arange(nb * block_kv, dtype=jnp.int32)[None]
+       - lengths[:, None])                                                 # [B, nb*bkv]
+  if tree_mask is None:
+    tq = jnp.arange(T)[:, None] + (T_new - T)
+    tm = (jnp.arange(T_new)[None, :] <= tq)[None]                          # [1, T, T_new]
+  else:
+    tm = jnp.asarray(tree_mask, bool).reshape((-1, T, T_new))
+  jj = jnp.clip(j, 0, T_new - 1)
+  new_vis = jnp.take_along_axis(jnp.broadcast_to(tm, (B, T, T_new)),
+                                jnp.broadcast_to(jj[:, None, :], (B, T, jj.shape[1])), axis=2)
+  vis = (j[:, None, :] < 0) | ((j[:, None, :] < T_new) & new_vis)          # [B, T, nb*bkv]
+  vis = jnp.repeat(vis, G, axis=1)                                         # rows (t, g)
+  vis = jnp.pad(vis, ((0, 0), (0, rows - T * G), (0, 0)))
+  vis = vis | ((jnp.arange(rows) >= T * G)[None, :, None] & (j[:, None, :] < 0))
+  bias = jnp.where(vis, 0.0, -jnp.inf).astype(dtype)
+  return bias.reshape(B, rows, nb, block_kv).transpose(0, 2, 1, 3)
+
+
+def verify_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
+                     sm_scale: float, num_new: int | None = None,
+                     block_sizes: HopperBlockSizes | None = None, interpret: bool = False):
+  """``decode_attention``'s contract (see decode_attention.py) through the Hopper kernel, for
+  many query rows per KV head (long verification blocks, token trees).
+
+  One kernel pass per (sequence, KV head, row tile): the T x G query rows as one matrix
+  against the context in whole blocks, then the few blocks holding the T_new new tokens
+  (slots ``lengths[b] + [0, T_new)``) under the causal or tree mask, given as per-block
+  mask tiles (``new_token_mask``). Returns ``(out[B, T, H, D], lse[B, T, H])``.
+  """
+  bs = block_sizes or HopperBlockSizes()
+  B, T, H, D = q.shape
+  K = k_cache.shape[-3]
+  G = H // K
+  T_new = T if num_new is None else int(num_new)
+  if tree_mask is not None:
+    T_new = tree_mask.shape[-1]
+  lengths = lengths.astype(jnp.int32)
+  rows = T * G
+  tile = bs.rows_per_program
+  rows_pad = -(-rows // tile) * tile
+  qr = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, D)
+  qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+  mask = new_token_mask(lengths, tree_mask, T=T, T_new=T_new, G=G, rows=rows_pad,
+                        block_kv=bs.block_kv, dtype=q.dtype)
+  o, lse = attention(qr, k_cache, v_cache, lengths, kv_layout="BKSD", sm_scale=sm_scale,
+                     block_sizes=bs, new_mask=mask, num_new=T_new, layer=layer,
+                     interpret=interpret)
+  o = o[:, :, :rows].reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
+  lse = lse[:, :, :rows].reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, H)
+  return o, lse

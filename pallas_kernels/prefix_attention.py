@@ -342,40 +342,53 @@ def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, layer, *, sm
   return o, lse
 
 
-def _hopper_choice(q, k_prefix, block_sizes, *, interpret):
-  """The Hopper kernel's block sizes when the caller asked for it with a
-  ``hopper.HopperBlockSizes``, else None. Not a default anywhere yet: on an H100 it is slower
-  than the Triton kernel at every measured shape (benchmarks/hopper_attention_h100.md)."""
-  if not isinstance(block_sizes, _hopper.HopperBlockSizes):
-    return None
-  D = q.shape[-1]
-  if not _hopper.supports(q.dtype, D) or k_prefix.dtype != q.dtype:
-    raise ValueError(f"the Hopper kernel takes bf16/f16 q and prefix of one dtype with "
-                     f"D % 64 == 0; got {q.dtype}/{k_prefix.dtype}, D={D}")
-  if not (interpret or _hopper.available()):
-    raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
-  return block_sizes
+# The Hopper (Mosaic GPU) kernel serves a group from this many query rows (B/P x T x G) per
+# KV head on a Hopper GPU (benchmarks/hopper_attention_h100_s9.md: at B=64, P=1, L=16384 it
+# beats the Triton kernel 1.2x at T=1 and 1.4x at T=5; with fewer rows its 128-row tiles
+# would be mostly padding).
+HOPPER_MIN_ROWS = 256
+
+
+def _hopper_choice(q, k_prefix, block_sizes, *, interpret, on_gpu):
+  """The Hopper kernel's block sizes where it serves this call, else None: when asked for
+  (``block_sizes`` a ``hopper.HopperBlockSizes``), or by default on a Hopper GPU for bf16/f16
+  with at least ``HOPPER_MIN_ROWS`` rows per group and KV head."""
+  B, T, H, D = q.shape
+  P, L, K = k_prefix.shape[-4:-1]
+  fits = (_hopper.supports(q.dtype, D) and k_prefix.dtype == q.dtype and L % 8 == 0)
+  if isinstance(block_sizes, _hopper.HopperBlockSizes):
+    if not fits:
+      raise ValueError(f"the Hopper kernel takes bf16/f16 q and prefix of one dtype with "
+                       f"D % 64 == 0 and L % 8 == 0; got {q.dtype}/{k_prefix.dtype}, D={D}, "
+                       f"L={L}")
+    if not (interpret or _hopper.available()):
+      raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
+    return block_sizes
+  if (block_sizes is None and on_gpu and not interpret and fits
+      and (B // P) * T * (H // K) >= HOPPER_MIN_ROWS and _hopper.available()):
+    return _hopper.HopperBlockSizes()
+  return None
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "hopper_sizes", "interpret"))
-def _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, *, sm_scale, hopper_sizes,
+def _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, layer, *, sm_scale, hopper_sizes,
                              interpret):
-  """``prefix_attention`` through the Hopper kernel: the rows of each (group, KV head) against
-  its prefix in whole key blocks, key splits and the last partial block (plain jnp) merged
-  by log-sum-exp (``hopper.attention_with_tail``)."""
+  """``prefix_attention`` through the Hopper kernel: the rows of each (group, KV head) as one
+  matrix against its prefix (a stacked layer read in place), key splits merged by
+  log-sum-exp (``hopper.attention``)."""
   B, T, H, D = q.shape
-  P, L, K, _ = k_prefix.shape
+  P, L, K, _ = k_prefix.shape[-4:]
   G, Bg = H // K, B // P
   rows = Bg * T * G
-  tile = _hopper.CONSUMERS * _hopper.ROWS_PER_WG
+  tile = hopper_sizes.rows_per_program
   rows_pad = _cdiv(rows, tile) * tile
   lengths = jnp.clip(lengths, 0, L)
   q_PKRD = (q.reshape(P, Bg, T, K, G, D).transpose(0, 3, 1, 2, 4, 5).reshape(P, K, rows, D))
   if rows_pad != rows:
     q_PKRD = jnp.pad(q_PKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-  o, lse = _hopper.attention_with_tail(q_PKRD, k_prefix, v_prefix, lengths, kv_layout="PLKD",
-                                       sm_scale=sm_scale, block_sizes=hopper_sizes,
-                                       interpret=interpret)
+  o, lse = _hopper.attention(q_PKRD, k_prefix, v_prefix, lengths, kv_layout="PLKD",
+                             sm_scale=sm_scale, block_sizes=hopper_sizes, layer=layer,
+                             interpret=interpret)
   o = (o[:, :, :rows].reshape(P, K, Bg, T, G, D).transpose(0, 2, 3, 1, 4, 5)
        .reshape(B, T, H, D))
   lse = (lse[:, :, :rows].reshape(P, K, Bg, T, G).transpose(0, 2, 3, 1, 4).reshape(B, T, H))
@@ -436,10 +449,10 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
       reference on CPU; True: the portable kernel in Pallas interpret mode (any
       backend); False: as None.
     block_sizes: ``PrefixAttentionBlockSizes`` (None: defaults), or on TPU a
-      ``TPUPrefixBlockSizes``, or a ``hopper.HopperBlockSizes`` to ask for the experimental
-      Hopper (Mosaic GPU, wgmma) kernel (bf16/f16, D % 64 == 0; with ``interpret=True`` it
-      runs in the Mosaic GPU interpreter). It is opt-in only: still slower than the
-      Triton-lowered kernel on an H100.
+      ``TPUPrefixBlockSizes``, or a ``hopper.HopperBlockSizes`` for the Hopper (Mosaic GPU,
+      wgmma) kernel (bf16/f16, D % 64 == 0, L % 8 == 0; with ``interpret=True`` it runs in
+      the Mosaic GPU interpreter). None on a Hopper GPU picks that kernel for groups of at
+      least ``HOPPER_MIN_ROWS`` query rows per KV head.
 
   Returns:
     ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; queries of a group
@@ -461,10 +474,9 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
   lengths = _lengths(prefix_lengths, *k_prefix.shape[-4:-2])
   if not use_kernel:
     return _reference(q, *_layer_slice(k_prefix, v_prefix, layer), lengths, sm_scale=sm_scale)
-  hop = _hopper_choice(q, k_prefix, block_sizes, interpret=bool(interpret))
+  hop = _hopper_choice(q, k_prefix, block_sizes, interpret=bool(interpret), on_gpu=on_gpu)
   if hop is not None:
-    k_prefix, v_prefix = _layer_slice(k_prefix, v_prefix, layer)
-    return _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, sm_scale=sm_scale,
+    return _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, layer, sm_scale=sm_scale,
                                     hopper_sizes=hop, interpret=bool(interpret))
   if block_sizes is None or isinstance(block_sizes, _hopper.HopperBlockSizes):
     block_sizes = _GPU_DEFAULTS

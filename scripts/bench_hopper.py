@@ -2,21 +2,21 @@
 """Checks and times the Hopper (Mosaic GPU, wgmma) attention kernel of pallas_kernels/hopper.py.
 
 On an NVIDIA Hopper GPU, in one run:
-  * correctness: ``hopper.rows_attention`` (both K/V layouts, ragged lengths incl. 0, NaN
-    garbage past the lengths, several splits) and ``prefix_attention`` through it, against
-    the plain-jnp references in float32;
+  * correctness against float32 jnp references, with NaN garbage past every valid slot:
+    ``hopper.attention`` in both K/V layouts for each timed variant (ragged lengths incl. 0
+    and a length past the last whole block, 2 splits, a starting state), and
+    ``decode_attention`` / ``prefix_attention`` through the kernel (tree masks, T_new > T,
+    stacked layers, ragged prefix lengths);
   * ceilings: copy bandwidth and the bf16 matmul rate (``bench_prefix.ceilings``);
-  * the shared-prefix shape of benchmarks/prefix_attention*.md (B=64, P=1, L=16384, K=8, G=4,
-    D=128, bf16, T in {1, 5}; and P=4 at T=1): the Triton kernel, the Hopper kernel with
-    its defaults and a sweep of (block_kv, stages, splits), and jax's own FlashAttention-3
-    port (``jax.experimental.pallas.ops.gpu.attention_mgpu``, float16 only, no length
-    masking; q folded into rows, key splits as its batch axis, no merge) as a peer;
-  * T=64 verification of the decode shape (B=64, S=8192, K=8, G=4): context attention of the
-    256 rows per (sequence, KV head) through the Hopper kernel in the cache layout, vs the
-    Triton ``decode_attention`` (which also does the causal new-token part).
+  * verification (``decode_attention``'s contract, new tokens included) at B=64, S=8192
+    (lengths in [S/2, S-T]), K=8, G=4, D=128, bf16, for T in {16, 32, 64, 128} (T=64 also
+    with a random token-tree mask): the Triton kernel vs the Hopper kernel's variants; at
+    T=64 also the kernel alone and jax's FlashAttention-3 port (``attention_mgpu``, f16, all
+    sequences at the mean context, no masking) as a peer;
+  * the shared-prefix shape (B=64, P=1, L=16384, T in {1, 5}): Triton vs Hopper variants.
 
 Writes ``<out>.json`` and ``<out>.md``. Usage:
-  python scripts/bench_hopper.py [--out benchmarks/hopper_attention_h100] [--inner 20 --reps 5]
+  python scripts/bench_hopper.py [--out benchmarks/hopper_attention_h100_s9] [--inner 10 --reps 5]
 """
 import argparse
 import json
@@ -37,93 +37,206 @@ import numpy as np  # noqa: E402
 from benchutil import log, timeit  # noqa: E402
 
 K, G, D = 8, 4, 128
+# (rows_per_wg, block_kv, stages, pingpong)
+VARIANTS = [(64, 128, 2, True), (128, 64, 2, True), (64, 128, 2, False), (64, 64, 3, True),
+            (128, 64, 4, True)]
+
+
+def hb_of(v, splits=None):
+  from pallas_kernels import hopper
+  rw, bkv, st, pp = v
+  return hopper.HopperBlockSizes(block_kv=bkv, stages=st, rows_per_wg=rw, pingpong=pp,
+                                 splits=splits)
+
+
+def name(v):
+  rw, bkv, st, pp = v
+  return f"hopper rw={rw} bkv={bkv} st={st} pp={int(pp)}"
+
+
+def _rows_reference(q, k, v, lengths, layout):
+  kk = jnp.swapaxes(k, 1, 2) if layout == "PLKD" else k
+  vv = jnp.swapaxes(v, 1, 2) if layout == "PLKD" else v
+  s = jnp.einsum("abrd,absd->abrs", q.astype(jnp.float32), kk.astype(jnp.float32),
+                 precision="highest") / math.sqrt(D)
+  valid = jnp.arange(kk.shape[2])[None, None, None, :] < lengths[:, None, None, None]
+  s = jnp.where(valid, s, -jnp.inf)
+  rl = jax.nn.logsumexp(s, -1)
+  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(rl), rl, 0)[..., None]), 0)
+  vvalid = jnp.arange(kk.shape[2])[None, None, :, None] < lengths[:, None, None, None]
+  ro = jnp.einsum("abrs,absd->abrd", p, jnp.where(vvalid, vv.astype(jnp.float32), 0),
+                  precision="highest")
+  return ro, rl
 
 
 def check(results):
-  """Float32 references vs the kernel on random shapes; records max errors."""
-  from pallas_kernels import hopper, prefix_attention, prefix_attention_reference
+  from pallas_kernels import (decode_attention, decode_attention_reference, hopper,
+                              prefix_attention, prefix_attention_reference)
   rng = np.random.default_rng(0)
   ok = True
-  for layout in ("PLKD", "BKSD"):
-    for (N1, N2, R, L, bkv, st, sp) in ((3, 2, 128, 1000, 64, 2, 3), (2, 4, 256, 4096, 64, 3, None),
-                                        (5, 1, 384, 704, 128, 2, 2)):
-      lengths = rng.integers(1, L + 1, N1)
-      lengths[0] = 0
-      lengths[-1] = L
+
+  def note(what, o, ro, lse, rl):
+    nonlocal ok
+    fin = jnp.isfinite(rl)
+    e_o = float(jnp.max(jnp.abs(o.astype(jnp.float32) - ro)))
+    e_l = float(jnp.max(jnp.where(fin, jnp.abs(lse - rl), 0)))
+    good = (e_o < 2e-2 and e_l < 1e-3 and bool(jnp.all(fin == jnp.isfinite(lse)))
+            and not bool(jnp.any(jnp.isnan(o))))
+    ok &= good
+    results.append(dict(kind="check", what=what, max_err_out=e_o, max_err_lse=e_l, ok=good))
+    log(results[-1])
+
+  for v in VARIANTS:
+    for layout in ("PLKD", "BKSD"):
+      N1, N2, R, L = 4, 2, 2 * v[0] * 2, 1000
+      lengths = jnp.asarray([0, 777, 1000, 960 + 3], jnp.int32)
       q = jnp.asarray(rng.standard_normal((N1, N2, R, D)), jnp.bfloat16)
       shape = (N1, L, N2, D) if layout == "PLKD" else (N1, N2, L, D)
       k = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-      v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-      pos = (np.arange(L)[None, :, None, None] if layout == "PLKD"
-             else np.arange(L)[None, None, :, None])
-      bad = jnp.asarray(pos >= lengths[:, None, None, None])
-      kg, vg = jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.nan, v)
-      o, lse = hopper.attention_with_tail(
-          q, kg.astype(jnp.bfloat16), vg.astype(jnp.bfloat16), jnp.asarray(lengths, jnp.int32),
-          kv_layout=layout, sm_scale=1 / math.sqrt(D),
-          block_sizes=hopper.HopperBlockSizes(block_kv=bkv, stages=st, splits=sp),
-          out_dtype=jnp.float32)
-      kk = jnp.swapaxes(k, 1, 2) if layout == "PLKD" else k
-      vv = jnp.swapaxes(v, 1, 2) if layout == "PLKD" else v
-      s = jnp.einsum("abrd,absd->abrs", q.astype(jnp.float32), kk.astype(jnp.float32),
-                     precision="highest") / math.sqrt(D)
-      valid = jnp.arange(L)[None, None, None, :] < jnp.asarray(lengths)[:, None, None, None]
-      s = jnp.where(valid, s, -jnp.inf)
-      rl = jax.nn.logsumexp(s, -1)
-      p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(rl), rl, 0)[..., None]), 0)
-      ro = jnp.einsum("abrs,absd->abrd", p, vv.astype(jnp.float32), precision="highest")
-      fin = jnp.isfinite(rl)
-      e_o = float(jnp.max(jnp.abs(o - ro)))
-      e_l = float(jnp.max(jnp.where(fin, jnp.abs(lse - rl), 0)))
-      inf_ok = bool(jnp.all(fin == jnp.isfinite(lse))) and not bool(jnp.any(jnp.isnan(o)))
-      good = e_o < 2e-2 and e_l < 1e-2 and inf_ok
-      ok &= good
-      results.append(dict(kind="check", what=f"rows_attention {layout} N1={N1} N2={N2} R={R} "
-                          f"L={L} bkv={bkv} stages={st} splits={sp}",
-                          max_err_out=e_o, max_err_lse=e_l, inf_ok=inf_ok, ok=good))
-      log(results[-1])
-  for (B, T, P, L, lens) in ((64, 1, 1, 5000, [5000]), (32, 5, 4, 3000, [3000, 0, 700, 129]),
-                             (16, 3, 2, 600, [597, 40])):
+      vv = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+      pos = (jnp.arange(L)[None, :, None, None] if layout == "PLKD"
+             else jnp.arange(L)[None, None, :, None])
+      bad = pos >= lengths[:, None, None, None]
+      what = f"{name(v)} {layout} splits=2"
+      try:
+        o, lse = hopper.attention(
+            q, jnp.where(bad, jnp.nan, k).astype(jnp.bfloat16),
+            jnp.where(bad, jnp.nan, vv).astype(jnp.bfloat16), lengths, kv_layout=layout,
+            sm_scale=1 / math.sqrt(D), block_sizes=hb_of(v, 2), out_dtype=jnp.float32)
+      except Exception as e:  # noqa: BLE001
+        log(what, "FAILED", type(e).__name__, str(e)[:800])
+        results.append(dict(kind="check", what=what, error=str(e)[:400], ok=False))
+        ok = False
+        continue
+      ro, rl = _rows_reference(q, k, vv, lengths, layout)
+      note(what, o, ro, lse, rl)
+
+  for (B, T, Tn, Kc, Gc, S, tree, layered) in ((4, 64, 64, 8, 4, 1000, True, False),
+                                               (3, 40, 48, 2, 8, 2056, False, True),
+                                               (2, 7, 9, 4, 1, 512, True, True)):
+    q = jnp.asarray(rng.standard_normal((B, T, Kc * Gc, D)), jnp.bfloat16)
+    shp = ((2,) if layered else ()) + (B, Kc, S, D)
+    k = jnp.asarray(rng.standard_normal(shp), jnp.bfloat16)
+    vv = jnp.asarray(rng.standard_normal(shp), jnp.bfloat16)
+    lengths = jnp.asarray(rng.integers(0, S - Tn + 1, B), jnp.int32).at[0].set(S - Tn)
+    bad = jnp.arange(S)[None, None, :, None] >= (lengths + Tn)[:, None, None, None]
+    kg = jnp.where(bad, jnp.nan, k).astype(jnp.bfloat16)
+    vg = jnp.where(bad, jnp.nan, vv).astype(jnp.bfloat16)
+    tm = None
+    if tree:
+      tm = jnp.asarray(rng.random((B, T, Tn)) < 0.3)
+      tm = tm.at[:, jnp.arange(T), jnp.arange(T) + Tn - T].set(True)
+    kw = dict(layer=jnp.int32(1)) if layered else {}
+    nn = None if tree else Tn
+    for v, sp in ((VARIANTS[0], None), (VARIANTS[1], 3)):
+      what = (f"decode_attention {name(v)} splits={sp} B={B} T={T} T_new={Tn} G={Gc} S={S} "
+              f"tree={tree} layered={layered}")
+      try:
+        o, lse = decode_attention(q, kg, vg, lengths, tm, num_new=nn, block_sizes=hb_of(v, sp),
+                                  **kw)
+      except Exception as e:  # noqa: BLE001
+        log(what, "FAILED", type(e).__name__, str(e)[:800])
+        results.append(dict(kind="check", what=what, error=str(e)[:400], ok=False))
+        ok = False
+        continue
+      ro, rl = decode_attention_reference(q.astype(jnp.float32), kg.astype(jnp.float32),
+                                          vg.astype(jnp.float32), lengths, tm, num_new=nn, **kw)
+      note(what, o, ro, lse, rl)
+
+  for (B, T, P, L, lens) in ((64, 1, 1, 5000, [4999]), (32, 5, 4, 3000, [3000, 0, 700, 129])):
     q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.bfloat16)
     kp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
     vp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
     pl_ = jnp.asarray(lens, jnp.int32)
-    o, l = prefix_attention(q, kp, vp, pl_, block_sizes=hopper.HopperBlockSizes())
-    ro, rl = prefix_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
-                                        vp.astype(jnp.float32), pl_)
-    fin = jnp.isfinite(rl)
-    e_o = float(jnp.max(jnp.abs(o.astype(jnp.float32) - ro)))
-    e_l = float(jnp.max(jnp.where(fin, jnp.abs(l - rl), 0)))
-    good = e_o < 2e-2 and e_l < 1e-2 and bool(jnp.all(fin == jnp.isfinite(l)))
-    ok &= good
-    results.append(dict(kind="check", what=f"prefix_attention hopper B={B} T={T} P={P} L={L} "
-                        f"lengths={lens}", max_err_out=e_o, max_err_lse=e_l, ok=good))
-    log(results[-1])
+    bad = jnp.arange(L)[None, :, None, None] >= pl_[:, None, None, None]
+    for v in VARIANTS[:2]:
+      o, lse = prefix_attention(q, jnp.where(bad, jnp.nan, kp).astype(jnp.bfloat16),
+                                jnp.where(bad, jnp.nan, vp).astype(jnp.bfloat16), pl_,
+                                block_sizes=hb_of(v))
+      ro, rl = prefix_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
+                                          vp.astype(jnp.float32), pl_)
+      note(f"prefix_attention {name(v)} B={B} T={T} P={P} L={L} lengths={lens}", o, ro, lse, rl)
   return ok
 
 
 def bench(results, ceil, inner, reps):
   from jax.experimental.pallas.ops.gpu import attention_mgpu as am
   from pallas_kernels import decode_attention, hopper, prefix_attention
+  from pallas_kernels.decode_attention import _GPU_DEFAULTS as DEC_DEFAULTS
+  from pallas_kernels.prefix_attention import _GPU_DEFAULTS
   mm, bw = ceil["matmul_TFLOPs"], ceil["copy_TBps"]
 
-  def record(shape, name, step, arrays, flops, nbytes):
+  def record(shape, impl, step, arrays, flops, nbytes):
     try:
       sec = timeit(step, arrays, inner=inner, reps=reps)[0]
     except Exception as e:  # noqa: BLE001
-      log(f"{shape} {name} FAILED {type(e).__name__}: {str(e)[:400]}")
-      results.append(dict(kind="time", shape=shape, impl=name, error=f"{type(e).__name__}"))
+      log(f"{shape} {impl} FAILED {type(e).__name__}: {str(e)[:600]}")
+      results.append(dict(kind="time", shape=shape, impl=impl, error=f"{type(e).__name__}"))
       return
     roof = max(flops / mm / 1e12, nbytes / bw / 1e12)
-    r = dict(kind="time", shape=shape, impl=name, us=sec * 1e6, TFLOPs=flops / sec / 1e12,
-             roof_us=roof * 1e6, x_roof=sec / roof)
-    results.append(r)
-    log(f"{shape:32s} {name:52s} {r['us']:8.1f} us {r['TFLOPs']:6.0f} TFLOP/s "
-        f"x roof {r['x_roof']:5.2f}")
+    results.append(dict(kind="time", shape=shape, impl=impl, us=sec * 1e6,
+                        TFLOPs=flops / sec / 1e12, KV_TBps=nbytes / sec / 1e12,
+                        roof_us=roof * 1e6, x_roof=sec / roof))
+    log(f"{shape:34s} {impl:52s} {sec * 1e6:8.1f} us {flops / sec / 1e12:5.0f} TFLOP/s "
+        f"{nbytes / sec / 1e12:5.2f} TB/s x roof {sec / roof:5.2f}")
 
   ks = jax.random.split(jax.random.key(0), 3)
+  B, S = 64, 8192
+  kc = jax.random.normal(ks[1], (B, K, S, D), jnp.bfloat16)
+  vc = jax.random.normal(ks[2], (B, K, S, D), jnp.bfloat16)
+  rng = np.random.default_rng(1)
+  for T, tree in ((1, False), (16, False), (32, False), (64, False), (64, True), (128, False)):
+    shape = f"verify B={B} T={T} S={S}" + (" tree" if tree else "")
+    lengths = jnp.asarray(rng.integers(S // 2, S - T + 1, B), jnp.int32)
+    q = jax.random.normal(ks[0], (B, T, K * G, D), jnp.bfloat16)
+    tm = None
+    if tree:  # a random tree: each node's parent is an earlier node
+      par = np.concatenate([[-1], [rng.integers(0, i) for i in range(1, T)]])
+      anc = np.eye(T, dtype=bool)
+      for i in range(1, T):
+        anc[i] |= anc[par[i]]
+      tm = jnp.asarray(anc)
+    ctx = float(jnp.sum(lengths))
+    flops, nbytes = 4 * T * K * G * D * ctx, 2 * K * D * 2 * ctx
+
+    def dec(bs):
+      def step(i, q, kc, vc, lengths):
+        o, l = decode_attention(q, kc, vc, lengths - (i % 2), tm, block_sizes=bs)
+        return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
+      return step
+    record(shape, "triton decode_attention", dec(DEC_DEFAULTS), (q, kc, vc, lengths), flops,
+           nbytes)
+    for v in VARIANTS:
+      if T * G < 2 * v[0]:
+        continue
+      record(shape, name(v), dec(hb_of(v)), (q, kc, vc, lengths), flops, nbytes)
+    if T == 64 and not tree:
+      for v in VARIANTS[:2]:
+        def kern(i, q, kc, vc, lengths, hb=hb_of(v)):
+          qr = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
+          o, l2 = hopper.rows_attention(qr, kc, vc, lengths - (i % 2), kv_layout="BKSD",
+                                        sm_scale=1 / math.sqrt(D), block_sizes=hb)
+          return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
+        record(shape, name(v) + " kernel only (context)", kern, (q, kc, vc, lengths), flops,
+               nbytes)
+      Sm = int(ctx / B) // 128 * 128
+      qa = jax.random.normal(ks[0], (B, T * G, K, D), jnp.float16)
+      ka = jax.random.normal(ks[1], (B, Sm, K, D), jnp.float16)
+      va = jax.random.normal(ks[2], (B, Sm, K, D), jnp.float16)
+      for bq, bkv, st in ((64, 128, 2), (128, 64, 2)):
+        cfg = am.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=st)
+
+        def mg(i, q, k, v, cfg=cfg):
+          o, (lse,) = am.attention(q, k, v, cfg, save_residuals=True)
+          return o[0, 0, 0, 0].astype(jnp.float32) + lse[-1, -1, -1]
+        record(shape, f"jax attention_mgpu f16 bq={bq} bkv={bkv} st={st} (mean S={Sm})", mg,
+               (qa, ka, va), 4 * B * T * K * G * D * Sm, 2 * B * K * D * 2 * Sm)
+      del qa, ka, va
+  del kc, vc
+
   B, L = 64, 16384
-  for T, P in ((1, 1), (5, 1), (1, 4)):
+  for T in (1, 5):
+    P = 1
     shape = f"prefix B={B} T={T} P={P} L={L}"
     q = jax.random.normal(ks[0], (B, T, K * G, D), jnp.bfloat16)
     kp = jax.random.normal(ks[1], (P, L, K, D), jnp.bfloat16)
@@ -136,62 +249,18 @@ def bench(results, ceil, inner, reps):
         o, l = prefix_attention(q, kp, vp, plen - (i % 2), block_sizes=bs)
         return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
       return step
-    from pallas_kernels.prefix_attention import _GPU_DEFAULTS
     record(shape, "triton prefix kernel", pstep(_GPU_DEFAULTS), (q, kp, vp, plen), flops, nbytes)
-    for bkv, st, sp in ((128, 2, None), (64, 2, None), (64, 4, None),
-                        (128, 2, 4), (128, 2, 8), (128, 2, 16), (64, 3, 8)):
-      hb = hopper.HopperBlockSizes(block_kv=bkv, stages=st, splits=sp)
-      record(shape, f"hopper bkv={bkv} stages={st} splits={sp or 'auto'}", pstep(hb),
-             (q, kp, vp, plen), flops, nbytes)
-    R = (B // P) * T * G
-    kp16, vp16 = kp.astype(jnp.float16), vp.astype(jnp.float16)
-    for ns in (8, 16):
-      cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
-
-      def mg(i, q, kp, vp, ns=ns, cfg=cfg):
-        qr = (q * (1 / math.sqrt(D))).reshape(P, B // P, T, K, G, D).transpose(0, 1, 2, 4, 3, 5)
-        qr = jnp.broadcast_to(qr.reshape(P, 1, R, K, D), (P, ns, R, K, D)).reshape(P * ns, R, K, D)
-        o, (lse,) = am.attention(qr.astype(jnp.float16), kp.reshape(P * ns, L // ns, K, D),
-                                 vp.reshape(P * ns, L // ns, K, D), cfg, save_residuals=True)
-        return o[0, 0, 0, 0].astype(jnp.float32) + lse[-1, -1, -1]
-      if R % 128 == 0:
-        record(shape, f"jax attention_mgpu f16 splits={ns} (no merge)", mg, (q, kp16, vp16),
-               flops, nbytes)
-    del kp, vp, kp16, vp16
-
-  B, T, S = 64, 64, 8192
-  shape = f"verify B={B} T={T} S={S}"
-  rng = np.random.default_rng(1)
-  lengths = jnp.asarray(rng.integers(S // 2, S - T + 1, B), jnp.int32)
-  q = jax.random.normal(ks[0], (B, T, K * G, D), jnp.bfloat16)
-  kc = jax.random.normal(ks[1], (B, K, S, D), jnp.bfloat16)
-  vc = jax.random.normal(ks[2], (B, K, S, D), jnp.bfloat16)
-  ctx = float(jnp.sum(lengths))
-  flops, nbytes = 4 * T * K * G * D * ctx, 2 * K * D * 2 * ctx
-
-  def dec(i, q, kc, vc, lengths):
-    o, l = decode_attention(q, kc, vc, lengths - (i % 2))
-    return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
-  record(shape, "triton decode_attention (context + new tokens)", dec, (q, kc, vc, lengths),
-         flops, nbytes)
-  for bkv, st in ((128, 2), (64, 2), (64, 4)):
-    hb = hopper.HopperBlockSizes(block_kv=bkv, stages=st)
-
-    def hs(i, q, kc, vc, lengths, hb=hb):
-      qr = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
-      o, l2 = hopper.attention_with_tail(qr, kc, vc, lengths - (i % 2), kv_layout="BKSD",
-                                         sm_scale=1 / math.sqrt(D), block_sizes=hb)
-      return o[0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1]
-    record(shape, f"hopper attention_with_tail, context only, bkv={bkv} stages={st}", hs,
-           (q, kc, vc, lengths), flops, nbytes)
+    for v in VARIANTS[:3]:
+      for sp in (None, 8, 16):
+        record(shape, name(v) + f" splits={sp or 'auto'}", pstep(hb_of(v, sp)),
+               (q, kp, vp, plen), flops, nbytes)
 
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="benchmarks/hopper_attention_h100")
-  ap.add_argument("--inner", type=int, default=20)
+  ap.add_argument("--out", default="benchmarks/hopper_attention_h100_s9")
+  ap.add_argument("--inner", type=int, default=10)
   ap.add_argument("--reps", type=int, default=5)
-  ap.add_argument("--skip-check", action="store_true")
   ap.add_argument("--check-only", action="store_true")
   a = ap.parse_args()
   from bench_prefix import ceilings
@@ -200,37 +269,37 @@ def main():
              command="python3 " + " ".join(sys.argv))
   log(env)
   results = []
-  ok = True
-  if not a.skip_check:
-    try:
-      ok = check(results)
-    except Exception:  # noqa: BLE001
-      traceback.print_exc()
-      ok = False
+  try:
+    ok = check(results)
+  except Exception:  # noqa: BLE001
+    traceback.print_exc()
+    ok = False
+  log("checks", "pass" if ok else "FAILED")
   if a.check_only:
-    log("checks", "pass" if ok else "FAILED")
     sys.exit(0 if ok else 1)
   ceil = ceilings(1 << 30, 10, 3)
   log(f"copy {ceil['copy_TBps']:.3f} TB/s, matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
   bench(results, ceil, a.inner, a.reps)
   with open(a.out + ".json", "w") as f:
     json.dump(dict(env=env, ceilings=ceil, checks_ok=ok, results=results), f, indent=1)
-  lines = [f"# Hopper (Mosaic GPU) attention kernel\n",
+  lines = ["# Hopper (Mosaic GPU) attention kernel\n",
            f"- device: {env['device']}, jax {env['jax']}, python {env['python']}",
            f"- command: `{env['command']}`",
            f"- ceilings in this run: copy {ceil['copy_TBps']:.3f} TB/s, bf16 matmul "
            f"{ceil['matmul_TFLOPs']:.0f} TFLOP/s; roofline = max(FLOPs / matmul, K/V bytes / copy)",
-           f"- correctness checks (float32 references, NaN garbage past lengths): "
+           f"- correctness checks (float32 references, NaN garbage past the valid slots): "
            f"{'all pass' if ok else 'FAILED'}\n",
-           "| shape | implementation | time (us) | TFLOP/s | x roofline |", "|---|---|---|---|---|"]
+           "| shape | implementation | time (us) | TFLOP/s | KV TB/s | x roofline |",
+           "|---|---|---|---|---|---|"]
   for r in results:
     if r["kind"] == "time" and "us" in r:
       lines.append(f"| {r['shape']} | {r['impl']} | {r['us']:.1f} | {r['TFLOPs']:.0f} | "
-                   f"{r['x_roof']:.2f} |")
+                   f"{r['KV_TBps']:.2f} | {r['x_roof']:.2f} |")
   lines += ["", "| check | max err out | max err lse | ok |", "|---|---|---|---|"]
   for r in results:
     if r["kind"] == "check":
-      lines.append(f"| {r['what']} | {r['max_err_out']:.2e} | {r['max_err_lse']:.2e} | {r['ok']} |")
+      lines.append(f"| {r['what']} | {r.get('max_err_out', float('nan')):.2e} | "
+                   f"{r.get('max_err_lse', float('nan')):.2e} | {r['ok']} |")
   with open(a.out + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   log("wrote", a.out)

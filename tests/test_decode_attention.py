@@ -450,6 +450,9 @@ GPU_DEFAULT_CASES = [
          sink=16, window=496),
     Case(4, 5, 8, 2, 128, 2048, (2000, 17, 1000, 600), sink=4, window=100),
     Case(2, 512, 4, 2, 128, 2048, (1000, 0), dtype="bfloat16"),
+    # >= 128 rows per KV head in bf16: the Hopper kernel on an H100/H200 (tree, T_new > T)
+    Case(4, 40, 4, 2, 128, 4096, (4000, 17, 2049, 0), dtype="bfloat16", mask="tree_b",
+         T_new=48),
     # token-tree levels: the last T of T_new new tokens
     Case(8, 4, 6, 2, 128, 4096, (4000, 17, 2049, 0, 4000, 1000, 3333, 64), dtype="bfloat16",
          mask="tree_b", T_new=7),

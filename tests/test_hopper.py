@@ -2,9 +2,11 @@
 
 The interpreter simulates the kernel's warpgroups, barriers and TMA copies (the two matrix
 products run as jnp dots there), so these tests check the pipeline logic: the ring of K/V
-stages, splits of the key range, whole blocks plus the jnp tail, ragged lengths incl. 0
-and below one block, NaN garbage past the lengths. Compared with plain-jnp float32
-attention. Interpretation is slow (about 2 s per program), so shapes are small.
+stages, the ping-pong turns of the two consumer warpgroups, splits of the key range, the
+ragged last block (masked scores, value rows zeroed by the producer), the new-token mask
+tiles of a verification, stacked layers, ragged lengths incl. 0 and below one block, NaN
+garbage past every valid slot. Compared with plain-jnp float32 attention. Interpretation is
+slow (about 2 s per program), so shapes are small.
 """
 import math
 
@@ -13,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import hopper, prefix_attention, prefix_attention_reference
+from pallas_kernels import (decode_attention, decode_attention_reference, hopper,
+                            prefix_attention, prefix_attention_reference)
 
 pytestmark = pytest.mark.skipif(hopper.plgpu is None, reason="jax without Mosaic GPU")
 
@@ -30,13 +33,17 @@ def _reference(q, k, v, lengths, layout, scale):
   return jnp.einsum("abrs,absd->abrd", p, vv.astype(jnp.float32), precision="highest"), lse
 
 
-@pytest.mark.parametrize("layout,lengths,splits,stages", [
-    ("PLKD", [200, 50, 0], 2, 2),     # ragged: blocks + tail, tail only, empty
-    ("BKSD", [320, 64, 130], None, 3),  # whole blocks only, exactly one block, deeper ring
+@pytest.mark.parametrize("layout,lengths,splits,stages,rows_per_wg,pingpong", [
+    ("PLKD", [200, 50, 0], 2, 2, 64, True),      # ragged: blocks + tail, tail only, empty
+    ("BKSD", [320, 64, 130], None, 3, 64, False),  # whole blocks, one block, deeper ring
+    ("BKSD", [327, 1], 1, 2, 128, True),         # 128-row tiles; a last block past L
 ])
-def test_rows_attention_matches_reference(layout, lengths, splits, stages):
+def test_rows_attention_matches_reference(layout, lengths, splits, stages, rows_per_wg,
+                                          pingpong):
   rng = np.random.default_rng(len(lengths) + (splits or 0))
-  N1, N2, R, D, L = len(lengths), 2, 128, 64, 320
+  N1, N2, R, D, L = len(lengths), 2 if rows_per_wg == 64 else 1, 2 * rows_per_wg, 64, 320
+  if rows_per_wg == 128:
+    L = 328  # a multiple of 8 (Mosaic's TMA tiles) but not of block_kv
   lengths = jnp.asarray(lengths, jnp.int32)
   shape = (N1, L, N2, D) if layout == "PLKD" else (N1, N2, L, D)
   q = jnp.asarray(rng.standard_normal((N1, N2, R, D)), jnp.bfloat16)
@@ -48,9 +55,10 @@ def test_rows_attention_matches_reference(layout, lengths, splits, stages):
   kg = jnp.where(bad, jnp.nan, k).astype(jnp.bfloat16)
   vg = jnp.where(bad, jnp.nan, v).astype(jnp.bfloat16)
   scale = 1 / math.sqrt(D)
-  o, lse = hopper.attention_with_tail(
+  o, lse = hopper.attention(
       q, kg, vg, lengths, kv_layout=layout, sm_scale=scale,
-      block_sizes=hopper.HopperBlockSizes(block_kv=64, stages=stages, splits=splits),
+      block_sizes=hopper.HopperBlockSizes(block_kv=64, stages=stages, splits=splits,
+                                          rows_per_wg=rows_per_wg, pingpong=pingpong),
       interpret=True, out_dtype=jnp.float32)
   ro, rl = _reference(q, k, v, lengths, layout, scale)
   assert not bool(jnp.any(jnp.isnan(o)))
@@ -64,6 +72,7 @@ def test_rows_attention_matches_reference(layout, lengths, splits, stages):
 
 
 def test_prefix_attention_through_hopper_kernel():
+  """Stacked layers [layers, P, L, K, D], one read in place."""
   rng = np.random.default_rng(7)
   B, T, K, G, D, P, L = 16, 2, 2, 4, 64, 2, 152
   q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.bfloat16)
@@ -73,7 +82,9 @@ def test_prefix_attention_through_hopper_kernel():
   bad = jnp.arange(L)[None, :, None, None] >= lengths[:, None, None, None]
   kg = jnp.where(bad, jnp.nan, kp).astype(jnp.bfloat16)
   vg = jnp.where(bad, jnp.nan, vp).astype(jnp.bfloat16)
-  o, lse = prefix_attention(q, kg, vg, lengths, interpret=True,
+  other = jnp.full_like(kg, jnp.nan)  # layer 0: must not be read
+  o, lse = prefix_attention(q, jnp.stack([other, kg]), jnp.stack([other, vg]), lengths,
+                            interpret=True, layer=jnp.int32(1),
                             block_sizes=hopper.HopperBlockSizes(block_kv=64, splits=1))
   ro, rl = prefix_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
                                       vp.astype(jnp.float32), lengths)
@@ -81,7 +92,47 @@ def test_prefix_attention_through_hopper_kernel():
   np.testing.assert_allclose(o.astype(jnp.float32), ro, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("tree,T,T_new,G,splits,lengths,layered", [
+    (True, 9, 12, 4, 2, [60, 180, 0], False),   # [B, T, T_new] tree, T_new > T, 2 splits
+    (False, 3, 70, 2, None, [130, 7], True),    # causal; 70 new tokens over 2-3 blocks
+])
+def test_verification_through_hopper_kernel(tree, T, T_new, G, splits, lengths, layered):
+  """decode_attention's contract (context + new tokens under a causal or tree mask) through
+  the Hopper kernel's new-token mask tiles, against the float32 reference."""
+  rng = np.random.default_rng(T + T_new)
+  B, K, D, S = len(lengths), 1, 64, 320
+  q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.bfloat16)
+  shape = ((2,) if layered else ()) + (B, K, S, D)
+  k = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  lens = jnp.asarray(lengths, jnp.int32)
+  bad = jnp.arange(S)[:, None] >= (lens + T_new)[:, None, None, None]
+  kg = jnp.where(bad, jnp.nan, k).astype(jnp.bfloat16)
+  vg = jnp.where(bad, jnp.nan, v).astype(jnp.bfloat16)
+  tm = None
+  if tree:
+    tm = jnp.asarray(rng.random((B, T, T_new)) < 0.4)
+    tm = tm.at[:, jnp.arange(T), jnp.arange(T) + T_new - T].set(True)  # each sees itself
+  kw = dict(layer=jnp.int32(1)) if layered else {}
+  nn = None if tree else T_new
+  o, lse = decode_attention(q, kg, vg, lens, tm, num_new=nn, interpret=True,
+                            block_sizes=hopper.HopperBlockSizes(block_kv=64, splits=splits),
+                            **kw)
+  ro, rl = decode_attention_reference(q.astype(jnp.float32), kg.astype(jnp.float32),
+                                      vg.astype(jnp.float32), lens, tm, num_new=nn, **kw)
+  assert not bool(jnp.any(jnp.isnan(o)))
+  np.testing.assert_allclose(lse, rl, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(o.astype(jnp.float32), ro, atol=2e-2, rtol=2e-2)
+
+
 def test_hopper_block_sizes_and_inputs_are_checked():
+  with pytest.raises(ValueError, match="rows_per_wg"):
+    hopper.HopperBlockSizes(rows_per_wg=96)
+  with pytest.raises(ValueError, match="sink / window"):
+    decode_attention(jnp.zeros((1, 1, 4, 64), jnp.bfloat16), jnp.zeros((1, 1, 64, 64),
+                     jnp.bfloat16), jnp.zeros((1, 1, 64, 64), jnp.bfloat16),
+                     jnp.zeros((1,), jnp.int32), window=8, interpret=True,
+                     block_sizes=hopper.HopperBlockSizes())
   with pytest.raises(ValueError, match="multiple of 64"):
     hopper.HopperBlockSizes(block_kv=96)
   with pytest.raises(ValueError, match="stages"):

@@ -211,8 +211,11 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layer
         s = jnp.where(iota((RW, block_kv), 1) < hi - block_start(i), s, -jnp.inf)
       # m is kept in scaled base-2 units, so p is one fused multiply-add and an exp2.
       m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      # In a masked block a row may have seen no key yet (m_new = -inf: e.g. a split of
+      # new tokens it does not see); shift by 0 then, so that exp2 gives 0, not NaN.
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+      alpha = jnp.exp2(m - m_use)
+      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l = l * alpha + p.sum(axis=1)
       p16 = p.astype(dtype)

@@ -94,6 +94,8 @@ def test_prefix_attention_through_hopper_kernel():
 
 @pytest.mark.parametrize("tree,T,T_new,G,splits,lengths,layered", [
     (True, 9, 12, 4, 2, [60, 180, 0], False),   # [B, T, T_new] tree, T_new > T, 2 splits
+    # a sparse tree over 2 blocks with no context: rows that see no key of a whole block
+    (True, 70, 72, 1, 2, [0, 180], False),
     (False, 3, 70, 2, None, [130, 7], True),    # causal; 70 new tokens over 2-3 blocks
 ])
 def test_verification_through_hopper_kernel(tree, T, T_new, G, splits, lengths, layered):
@@ -111,7 +113,7 @@ def test_verification_through_hopper_kernel(tree, T, T_new, G, splits, lengths, 
   vg = jnp.where(bad, jnp.nan, v).astype(jnp.bfloat16)
   tm = None
   if tree:
-    tm = jnp.asarray(rng.random((B, T, T_new)) < 0.4)
+    tm = jnp.asarray(rng.random((B, T, T_new)) < (0.4 if T < 64 else 0.02))
     tm = tm.at[:, jnp.arange(T), jnp.arange(T) + T_new - T].set(True)  # each sees itself
   kw = dict(layer=jnp.int32(1)) if layered else {}
   nn = None if tree else T_new

@@ -280,9 +280,10 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layer
 
       @pl.when(i >= nfull)
       def _():
-        # The ragged last block: its value rows at or past hi may hold anything (NaN
-        # included), and a probability of 0 times NaN is NaN in the PV product. So the
-        # rows are zeroed here before the consumers are told the block is ready.
+        # A masked block (the ragged last one, those holding new tokens): its value rows at
+        # or past hi may hold anything (NaN included), and a probability of 0 times NaN is
+        # NaN in the PV product. So those rows are zeroed here before the consumers are told
+        # the block is ready.
         plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_tail)
         plgpu.barrier_wait(v_tail)
         nvalid = hi - start

@@ -407,11 +407,9 @@ def _hopper_choice(q, k_cache, T_new, block_sizes, *, sink, window, interpret, o
   if isinstance(block_sizes, _hopper.HopperBlockSizes):
     if sink or window:
       raise ValueError("the Hopper kernel does dense attention only (no sink / window)")
-    if not fits:
-      raise ValueError(f"the Hopper kernel takes bf16/f16 q and cache of one dtype, D % 64 "
-                       f"== 0 and S % 8 == 0; got {q.dtype}/{k_cache.dtype}, D={D}, S={S}")
-    if not (interpret or _hopper.available()):
-      raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
+    _hopper.check_requested(fits, f"bf16/f16 q and cache of one dtype, D % 64 == 0 and "
+                            f"S % 8 == 0; got {q.dtype}/{k_cache.dtype}, D={D}, S={S}",
+                            interpret)
     return block_sizes
   if (block_sizes is None and on_gpu and not interpret and not sink and not window and fits
       and T * (H // K) >= HOPPER_MIN_ROWS and _hopper.available()):

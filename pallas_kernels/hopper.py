@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +113,15 @@ def available() -> bool:
 
 def supports(dtype, D: int) -> bool:
   return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and D % 64 == 0
+
+
+def check_requested(fits: bool, need: str, interpret) -> None:
+  """For a caller that asked for this kernel by passing ``HopperBlockSizes``: raises unless
+  the inputs fit it (``fits``; ``need`` says what it takes) and it can run here."""
+  if not fits:
+    raise ValueError(f"the Hopper kernel takes {need}")
+  if not (interpret or available()):
+    raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
 
 
 def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layered, N2,

@@ -357,12 +357,9 @@ def _hopper_choice(q, k_prefix, block_sizes, *, interpret, on_gpu):
   P, L, K = k_prefix.shape[-4:-1]
   fits = (_hopper.supports(q.dtype, D) and k_prefix.dtype == q.dtype and L % 8 == 0)
   if isinstance(block_sizes, _hopper.HopperBlockSizes):
-    if not fits:
-      raise ValueError(f"the Hopper kernel takes bf16/f16 q and prefix of one dtype with "
-                       f"D % 64 == 0 and L % 8 == 0; got {q.dtype}/{k_prefix.dtype}, D={D}, "
-                       f"L={L}")
-    if not (interpret or _hopper.available()):
-      raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
+    _hopper.check_requested(fits, f"bf16/f16 q and prefix of one dtype with D % 64 == 0 and "
+                            f"L % 8 == 0; got {q.dtype}/{k_prefix.dtype}, D={D}, L={L}",
+                            interpret)
     return block_sizes
   if (block_sizes is None and on_gpu and not interpret and fits
       and (B // P) * T * (H // K) >= HOPPER_MIN_ROWS and _hopper.available()):

@@ -5,7 +5,7 @@ the row thresholds pick it) against the Triton kernels at the engine's shapes: Q
 cache. Prints one line per shape; writes <out>.json.
 Usage: python scripts/probe_hopper_default.py [--out /tmp/probe_default]
 """
-import argparse, json, os, platform, sys
+import argparse, json, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE)); sys.path.insert(0, HERE)
 import jax, jax.numpy as jnp, numpy as np  # noqa: E401,E402

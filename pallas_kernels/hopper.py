@@ -126,7 +126,7 @@ def check_requested(fits: bool, need: str, interpret) -> None:
 
 def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layered, N2,
             split_size, block_kv, stages, scale_log2, dtype, D, RW, pingpong, num_new,
-            compiled):
+            q_groups, compiled):
   if num_new:
     mask_ref, *refs = refs
   (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, mask_smem, k_ready, v_ready, q_ready,
@@ -182,7 +182,14 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layer
     m = lay(jnp.full((RW,), -jnp.inf, jnp.float32), row_layout)
     l = lay(jnp.full((RW,), 0.0, jnp.float32), row_layout)
     acc = lay(jnp.zeros((RW, D), jnp.float32), plgpu.Layout.WGMMA)
-    plgpu.copy_gmem_to_smem(q_ref.at[n1, n2, pl.ds(row0, RW)], qo, q_ready.at[wg])
+    if q_groups:  # q[B, T, H, D] read in place: G strided boxes of Tt tokens, rows (g, t)
+      Tt = RW // q_groups
+      t0 = (r_tile * CONSUMERS + wg) * Tt
+      for g in range(q_groups):
+        plgpu.copy_gmem_to_smem(q_ref.at[n1, pl.ds(t0, Tt), n2 * q_groups + g],
+                                qo.at[pl.ds(g * Tt, Tt)], q_ready.at[wg])
+    else:
+      plgpu.copy_gmem_to_smem(q_ref.at[n1, n2, pl.ds(row0, RW)], qo, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
 
     @pl.when(nblocks > 0)
@@ -260,7 +267,12 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layer
     qo[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
     lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo, out_ref.at[split, n1, n2, pl.ds(row0, RW)])
+    if q_groups:  # out[splits, B, T, H, D] written in place (rows past T are clipped by TMA)
+      for g in range(q_groups):
+        plgpu.copy_smem_to_gmem(qo.at[pl.ds(g * Tt, Tt)],
+                                out_ref.at[split, n1, pl.ds(t0, Tt), n2 * q_groups + g])
+    else:
+      plgpu.copy_smem_to_gmem(qo, out_ref.at[split, n1, n2, pl.ds(row0, RW)])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, n1, n2, pl.ds(row0, RW)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -344,14 +356,27 @@ def plan_splits(programs: int, max_len: int, bs: HopperBlockSizes) -> int:
   return best
 
 
+def q_groups_in_place(G: int, bs: HopperBlockSizes) -> bool:
+  """Whether ``rows_attention`` can read q[B, T, H, D] in place for G query heads per KV
+  head: a warpgroup's rows are G boxes of ``rows_per_wg // G`` tokens, whole 8-row tiles."""
+  return bs.rows_per_wg % G == 0 and (bs.rows_per_wg // G) % 8 == 0
+
+
 def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
                    block_sizes: HopperBlockSizes | None = None, new_mask=None,
-                   layer=None, num_new: int = 0, interpret: bool = False):
+                   layer=None, num_new: int = 0, q_layout: str = "rows",
+                   interpret: bool = False):
   """Partial attentions of the rows of each stream over each split of its keys.
 
   ``q_N1N2RD[N1, N2, R, D]`` (R a multiple of ``block_sizes.rows_per_program``), ``k``/``v``
   in ``kv_layout`` with the same N1, N2 (see module doc), ``lengths[N1]`` int32 in
   ``[0, L]``: stream ``n`` sees keys ``[0, lengths[n // N2])``.
+  ``q_layout="BTHD"`` (with ``kv_layout="BKSD"``, G query heads per KV head such that
+  ``q_groups_in_place``): q is ``[B, T, H = N2 * G, D]`` and is read in place, as is the
+  output written: a warpgroup's ``RW`` rows are the G heads x ``Tt = RW // G`` tokens
+  ``(g, t)`` (row ``r`` of stream ``(b, k)`` in tile ``i = r // RW`` is token
+  ``i * Tt + r % Tt`` and head ``k * G + (r % RW) // Tt``), R rounds ``T * G`` up to whole
+  programs, and the output is ``out[splits, B, T, H, D]`` (``lse2`` stays per row).
   ``new_mask``, optional, ``[N1, nb, R, block_kv]`` in q's dtype, adds ``T_new`` keys after
   each length (the new tokens of a verification, ``T_new = nb * block_kv`` at most): row
   ``r`` of stream ``n`` sees slot ``s >= lengths[n1] // block_kv * block_kv`` iff
@@ -363,9 +388,30 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   in base 2 (``-inf`` for an empty split); ``merge.merge_stacked`` combines the splits.
   """
   bs = block_sizes or HopperBlockSizes()
-  N1, N2, R, D = q_N1N2RD.shape
   RW = bs.rows_per_wg
   layered = layer is not None
+  q_groups, T_q, pad_t = 0, 0, 0
+  if q_layout == "BTHD":
+    if kv_layout != "BKSD":
+      raise ValueError("q_layout='BTHD' goes with kv_layout='BKSD'")
+    B_q, T_q, H_q, D = q_N1N2RD.shape
+    N1, N2 = B_q, k.shape[-3]
+    q_groups = H_q // N2
+    if H_q % N2 or not q_groups_in_place(q_groups, bs):
+      raise ValueError(f"q_layout='BTHD' needs H ({H_q}) = G x K ({N2}) with rows_per_wg "
+                       f"({RW}) / G a multiple of 8")
+    per_program = CONSUMERS * (RW // q_groups)  # tokens per program
+    T_run = -(-T_q // per_program) * per_program
+    R = T_run * q_groups
+    # On the GPU, TMA zero-fills loads and clips stores past T; the interpreter refuses an
+    # out-of-bounds copy (and a box must fit the array), so pad T there.
+    if interpret or T_q < RW // q_groups:
+      pad_t = T_run - T_q
+      q_N1N2RD = jnp.pad(q_N1N2RD, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+  elif q_layout == "rows":
+    N1, N2, R, D = q_N1N2RD.shape
+  else:
+    raise ValueError(f"unknown q_layout {q_layout!r}")
   kshape = k.shape[1:] if layered else k.shape
   if layered and k.ndim != 5:
     raise ValueError(f"with a layer, k/v must be stacked [layers, ...] caches, got {k.shape}")
@@ -418,7 +464,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
                  transforms=tiled),                                # new-token mask tiles
       plgpu.Barrier(num_barriers=stages),                          # k_ready
       plgpu.Barrier(num_barriers=stages),                          # v_ready
-      plgpu.Barrier(num_barriers=CONSUMERS),                       # q_ready
+      plgpu.Barrier(num_arrivals=max(q_groups, 1), num_barriers=CONSUMERS),  # q_ready
       plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # k_free
       plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # v_free
       plgpu.Barrier(num_arrivals=CONSUMERS),  # turn: the consumers' turn on the tensor cores
@@ -428,7 +474,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   body = functools.partial(
       _kernel, kv_layout=kv_layout, layered=layered, N2=N2, split_size=split_size,
       block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype, D=D, RW=RW,
-      pingpong=bs.pingpong, num_new=num_new, compiled=not interpret)
+      pingpong=bs.pingpong, num_new=num_new, q_groups=q_groups, compiled=not interpret)
   kw = {}
   if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA and wgmma simulated on CPU)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -444,9 +490,11 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   args = (lengths.astype(jnp.int32), layer_arr, q_N1N2RD, k, v)
   if num_new:
     args += (new_mask,)
+  out_shape = ((splits, N1, T_q + pad_t, N2 * q_groups, D) if q_groups
+               else (splits, N1, N2, R, D))
   out, lse2 = plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((splits, N1, N2, R, D), dtype),
+      out_type=(jax.ShapeDtypeStruct(out_shape, dtype),
                 jax.ShapeDtypeStruct((splits, N1, N2, R), jnp.float32)),
       scratch_types=scratch,
       # Mosaic GPU launches the last grid axis fastest: the row tiles of one stream run
@@ -458,19 +506,33 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kw,
   )(*args)
+  if pad_t:
+    out = out[:, :, :T_q]
   return out, lse2
+
+
+def _bthd_lse(lse2, T: int, G: int, Tt: int):
+  """``rows_attention``'s per-row ``lse2[S, B, K, R]`` of the BTHD layout (rows ``(tile, g,
+  t)``) as ``[S, B, T, K * G]``."""
+  S, B, K, R = lse2.shape
+  x = lse2.reshape(S, B, K, R // (G * Tt), G, Tt).transpose(0, 1, 3, 5, 2, 4)
+  return x.reshape(S, B, R // G, K * G)[:, :, :T]
 
 
 def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
               block_sizes: HopperBlockSizes | None = None, new_mask=None, num_new: int = 0,
-              layer=None, interpret: bool = False, out_dtype=None):
+              layer=None, q_layout: str = "rows", interpret: bool = False, out_dtype=None):
   """Attention of each stream's rows over all of ``[0, length)`` (and the new tokens, see
   ``rows_attention``): the splits merged by log-sum-exp. Returns ``(out[N1, N2, R, D],
-  lse[N1, N2, R] float32, natural log)``."""
+  lse[N1, N2, R] float32, natural log)``; with ``q_layout="BTHD"``, ``(out[B, T, H, D],
+  lse[B, T, H])``."""
   from .merge import merge_stacked
   o, lse2 = rows_attention(q_N1N2RD, k, v, lengths, kv_layout=kv_layout, sm_scale=sm_scale,
                            block_sizes=block_sizes, new_mask=new_mask, num_new=num_new,
-                           layer=layer, interpret=interpret)
+                           layer=layer, q_layout=q_layout, interpret=interpret)
+  if q_layout == "BTHD":
+    G = q_N1N2RD.shape[2] // k.shape[-3]
+    lse2 = _bthd_lse(lse2, q_N1N2RD.shape[1], G, (block_sizes or HopperBlockSizes()).rows_per_wg // G)
   out_dtype = out_dtype or q_N1N2RD.dtype
   if o.shape[0] == 1:
     return o[0].astype(out_dtype), lse2[0] * _LN2
@@ -478,12 +540,14 @@ def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
 
 
 def new_token_mask(lengths, tree_mask, *, T: int, T_new: int, G: int, rows: int,
-                   block_kv: int, dtype):
+                   block_kv: int, dtype, tokens_per_tile: int | None = None):
   """The new-token mask tiles of ``rows_attention`` for a verification: ``[B, nb, rows,
   block_kv]``, 0 where a row sees a slot and -inf where not. Rows are ``(t, g)`` pairs
-  (``t * G + g``; rows past ``T * G`` are padding and see the context only). Query ``t`` is
-  new token ``T_new - T + t``; it sees new token ``j`` iff ``tree_mask[(b,) t, j]`` (None:
-  causal, ``j <= T_new - T + t``), and every context slot."""
+  (``t * G + g``; rows past ``T * G`` are padding and see the context only), or with
+  ``tokens_per_tile=Tt`` (q read in place, ``q_layout="BTHD"``) tiles of ``G * Tt`` rows
+  ``(g, t)``: row ``r`` is token ``r // (G * Tt) * Tt + r % Tt`` (tokens past T are padding).
+  Query ``t`` is new token ``T_new - T + t``; it sees new token ``j`` iff ``tree_mask[(b,) t,
+  j]`` (None: causal, ``j <= T_new - T + t``), and every context slot."""
   B = lengths.shape[0]
   nb = -(-(block_kv - 1 + T_new) // block_kv)
   base = lengths // block_kv * block_kv                                    # [B]
@@ -498,23 +562,36 @@ def new_token_mask(lengths, tree_mask, *, T: int, T_new: int, G: int, rows: int,
   new_vis = jnp.take_along_axis(jnp.broadcast_to(tm, (B, T, T_new)),
                                 jnp.broadcast_to(jj[:, None, :], (B, T, jj.shape[1])), axis=2)
   vis = (j[:, None, :] < 0) | ((j[:, None, :] < T_new) & new_vis)          # [B, T, nb*bkv]
-  vis = jnp.repeat(vis, G, axis=1)                                         # rows (t, g)
-  vis = jnp.pad(vis, ((0, 0), (0, rows - T * G), (0, 0)))
-  vis = vis | ((jnp.arange(rows) >= T * G)[None, :, None] & (j[:, None, :] < 0))
+  if tokens_per_tile:
+    Tt = tokens_per_tile
+    vis = jnp.pad(vis, ((0, 0), (0, rows // G - T), (0, 0)))
+    vis = vis | ((jnp.arange(rows // G) >= T)[None, :, None] & (j[:, None, :] < 0))
+    vis = jnp.broadcast_to(vis.reshape(B, rows // (G * Tt), 1, Tt, -1),
+                           (B, rows // (G * Tt), G, Tt, vis.shape[-1]))    # rows (g, t)
+    vis = vis.reshape(B, rows, -1)
+  else:
+    vis = jnp.repeat(vis, G, axis=1)                                       # rows (t, g)
+    vis = jnp.pad(vis, ((0, 0), (0, rows - T * G), (0, 0)))
+    vis = vis | ((jnp.arange(rows) >= T * G)[None, :, None] & (j[:, None, :] < 0))
   bias = jnp.where(vis, 0.0, -jnp.inf).astype(dtype)
   return bias.reshape(B, rows, nb, block_kv).transpose(0, 2, 1, 3)
 
 
 def verify_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
                      sm_scale: float, num_new: int | None = None,
-                     block_sizes: HopperBlockSizes | None = None, interpret: bool = False):
+                     block_sizes: HopperBlockSizes | None = None,
+                     q_in_place: bool | None = None, interpret: bool = False):
   """``decode_attention``'s contract (see decode_attention.py) through the Hopper kernel, for
   many query rows per KV head (long verification blocks, token trees).
 
   One kernel pass per (sequence, KV head, row tile): the T x G query rows as one matrix
   against the context in whole blocks, then the few blocks holding the T_new new tokens
   (slots ``lengths[b] + [0, T_new)``) under the causal or tree mask, given as per-block
-  mask tiles (``new_token_mask``). Returns ``(out[B, T, H, D], lse[B, T, H])``.
+  mask tiles (``new_token_mask``). Where G allows (``q_groups_in_place``: G in {1, 2, 4, 8}
+  at 64-row warpgroups) the kernel reads q and writes out in place (``q_layout="BTHD"``);
+  otherwise, or with ``q_in_place=False``, q goes in as transposed rows [B, K, T x G, D]
+  and out comes back the same way (two transposes of q's size: about 5% of a 64 x 8k
+  verification at T=64). Returns ``(out[B, T, H, D], lse[B, T, H])``.
   """
   bs = block_sizes or HopperBlockSizes()
   B, T, H, D = q.shape
@@ -524,6 +601,16 @@ def verify_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
   if tree_mask is not None:
     T_new = tree_mask.shape[-1]
   lengths = lengths.astype(jnp.int32)
+  if q_in_place is None:
+    q_in_place = q_groups_in_place(G, bs)
+  if q_in_place:  # q and out read and written in place, no transposes
+    Tt = bs.rows_per_wg // G
+    T_run = -(-T // (CONSUMERS * Tt)) * (CONSUMERS * Tt)
+    mask = new_token_mask(lengths, tree_mask, T=T, T_new=T_new, G=G, rows=T_run * G,
+                          block_kv=bs.block_kv, dtype=q.dtype, tokens_per_tile=Tt)
+    return attention(q, k_cache, v_cache, lengths, kv_layout="BKSD", sm_scale=sm_scale,
+                     block_sizes=bs, new_mask=mask, num_new=T_new, layer=layer,
+                     q_layout="BTHD", interpret=interpret)
   rows = T * G
   tile = bs.rows_per_program
   rows_pad = -(-rows // tile) * tile

@@ -16,7 +16,7 @@ On an NVIDIA Hopper GPU, in one run:
   * the shared-prefix shape (B=64, P=1, L=16384, T in {1, 5}): Triton vs Hopper variants.
 
 Writes ``<out>.json`` and ``<out>.md``. Usage:
-  python scripts/bench_hopper.py [--out benchmarks/hopper_attention_h100_s9] [--inner 10 --reps 5]
+  python scripts/bench_hopper.py [--out benchmarks/hopper_attention_h100_s10] [--inner 10 --reps 5]
 """
 import argparse
 import json
@@ -113,7 +113,8 @@ def check(results):
 
   for (B, T, Tn, Kc, Gc, S, tree, layered) in ((4, 64, 64, 8, 4, 1000, True, False),
                                                (3, 40, 48, 2, 8, 2056, False, True),
-                                               (2, 7, 9, 4, 1, 512, True, True)):
+                                               (2, 7, 9, 4, 1, 512, True, True),
+                                               (2, 40, 40, 2, 6, 640, False, False)):
     q = jnp.asarray(rng.standard_normal((B, T, Kc * Gc, D)), jnp.bfloat16)
     shp = ((2,) if layered else ()) + (B, Kc, S, D)
     k = jnp.asarray(rng.standard_normal(shp), jnp.bfloat16)
@@ -210,7 +211,26 @@ def bench(results, ceil, inner, reps):
       if T * G < 2 * v[0]:
         continue
       record(shape, name(v), dec(hb_of(v)), (q, kc, vc, lengths), flops, nbytes)
+    if T == 64:  # the same default kernel with q / out transposed around it (session 9)
+      def dec_t(i, q, kc, vc, lengths):
+        o, l = hopper.verify_attention(q, kc, vc, lengths - (i % 2), tm,
+                                       sm_scale=1 / math.sqrt(D), q_in_place=False)
+        return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
+      record(shape, name(VARIANTS[0]) + " q/out transposed", dec_t, (q, kc, vc, lengths),
+             flops, nbytes)
+
+      def mask_only(i, lengths):
+        m = hopper.new_token_mask(lengths - (i % 2), tm, T=T, T_new=T, G=G, rows=T * G,
+                                  block_kv=128, dtype=jnp.bfloat16, tokens_per_tile=64 // G)
+        return m[0, 0, 0, 0].astype(jnp.float32) + m[-1, -1, -1, -1]
+      record(shape, "new_token_mask alone", mask_only, (lengths,), flops, nbytes)
     if T == 64 and not tree:
+      def kern_ip(i, q, kc, vc, lengths):
+        o, l2 = hopper.rows_attention(q, kc, vc, lengths - (i % 2), kv_layout="BKSD",
+                                      sm_scale=1 / math.sqrt(D), q_layout="BTHD")
+        return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
+      record(shape, name(VARIANTS[0]) + " kernel only (context), q in place", kern_ip,
+             (q, kc, vc, lengths), flops, nbytes)
       for v in VARIANTS[:2]:
         def kern(i, q, kc, vc, lengths, hb=hb_of(v)):
           qr = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
@@ -258,7 +278,7 @@ def bench(results, ceil, inner, reps):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="benchmarks/hopper_attention_h100_s9")
+  ap.add_argument("--out", default="benchmarks/hopper_attention_h100_s10")
   ap.add_argument("--inner", type=int, default=10)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--check-only", action="store_true")

@@ -98,11 +98,14 @@ def test_prefix_attention_through_hopper_kernel():
     (True, 9, 12, 4, 2, [60, 180, 0], False),   # [B, T, T_new] tree, T_new > T, 2 splits
     # a sparse tree over 2 blocks with no context: rows that see no key of a whole block
     (True, 70, 72, 1, 2, [0, 180], False),
-    (False, 3, 70, 2, None, [130, 7], True),    # causal; 70 new tokens over 2-3 blocks
+    # causal; 70 new tokens over 2-3 blocks; G=3 takes the transposed q (not in place)
+    (False, 3, 70, 3, None, [130, 7], True),
 ])
 def test_verification_through_hopper_kernel(tree, T, T_new, G, splits, lengths, layered):
   """decode_attention's contract (context + new tokens under a causal or tree mask) through
-  the Hopper kernel's new-token mask tiles, against the float32 reference."""
+  the Hopper kernel's new-token mask tiles, against the float32 reference. G in {1, 2, 4, 8}
+  reads q[B, T, H, D] and writes out in place (G boxes of tokens per warpgroup; T padded to
+  whole programs in the interpreter), other G through transposed rows."""
   rng = np.random.default_rng(T + T_new)
   B, K, D, S = len(lengths), 1, 64, 320
   q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.bfloat16)
@@ -159,6 +162,17 @@ def test_hopper_block_sizes_and_inputs_are_checked():
     hopper.rows_attention(qb, qb, qb, jnp.ones((1,), jnp.int32), kv_layout="BKSD",
                           sm_scale=1.0, block_sizes=hopper.HopperBlockSizes(block_kv=256,
                                                                             stages=4))
+  qt = jnp.zeros((1, 16, 3, 64), jnp.bfloat16)  # [B, T, H, D], G = 3 (not in place)
+  kt = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="rows_per_wg"):
+    hopper.rows_attention(qt, kt, kt, jnp.ones((1,), jnp.int32), kv_layout="BKSD",
+                          sm_scale=1.0, q_layout="BTHD")
+  with pytest.raises(ValueError, match="goes with"):
+    hopper.rows_attention(qt, kt, kt, jnp.ones((1,), jnp.int32), kv_layout="PLKD",
+                          sm_scale=1.0, q_layout="BTHD")
+  with pytest.raises(ValueError, match="q_layout"):
+    hopper.rows_attention(qt, kt, kt, jnp.ones((1,), jnp.int32), kv_layout="BKSD",
+                          sm_scale=1.0, q_layout="BHTD")
   with pytest.raises(ValueError, match="bf16/f16"):
     prefix_attention(jnp.zeros((2, 1, 4, 64)), jnp.zeros((1, 8, 2, 64)),
                      jnp.zeros((1, 8, 2, 64)), interpret=True,

@@ -126,8 +126,8 @@ def check_requested(fits: bool, need: str, interpret) -> None:
 
 def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layered, N2,
             split_size, block_kv, stages, scale_log2, dtype, D, RW, pingpong, num_new,
-            q_groups, compiled):
-  if num_new:
+            q_groups, q_tokens, mask_tiles, compiled):
+  if mask_tiles:
     mask_ref, *refs = refs
   (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, mask_smem, k_ready, v_ready, q_ready,
    k_free, v_free, turn, v_tail, mask_ready) = refs
@@ -213,15 +213,25 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layer
         rendezvous()
       plgpu.barrier_arrive(k_free.at[slot])
       if masked:
-        if num_new:  # this block's tile of the new-token mask (0 seen, -inf hidden)
+        if mask_tiles:  # this block's tile of the new-token mask (0 seen, -inf hidden)
           rel = lax.div(block_start(i), jnp.int32(block_kv)) - first_new_block
-          plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(row0, RW)], mask_smem.at[wg],
-                                  mask_ready.at[wg])
+          if q_groups:  # a tile per token: the G heads of a token share its row
+            for g in range(q_groups):
+              plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(t0, Tt)],
+                                      mask_smem.at[wg, pl.ds(g * Tt, Tt)], mask_ready.at[wg])
+          else:
+            plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(row0, RW)], mask_smem.at[wg],
+                                    mask_ready.at[wg])
           plgpu.barrier_wait(mask_ready.at[wg])
           bias = mask_smem.at[wg][...].astype(jnp.float32)
           if compiled:
             bias = lay(bias, plgpu.Layout.WGMMA)
           s = s + bias
+        elif num_new:  # causal over the new tokens, from indices: token t is new token
+          # num_new - q_tokens + t and sees new token j <= that (and all context, j < 0)
+          t = t0 + lax.rem(iota((RW, block_kv), 0), jnp.int32(Tt))
+          j = iota((RW, block_kv), 1) + (block_start(i) - length)
+          s = jnp.where((j < 0) | (j <= t + (num_new - q_tokens)), s, -jnp.inf)
         # keys at or past hi are nobody's (garbage, NaN included)
         s = jnp.where(iota((RW, block_kv), 1) < hi - block_start(i), s, -jnp.inf)
       # m is kept in scaled base-2 units, so p is one fused multiply-add and an exp2.
@@ -377,11 +387,14 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   ``(g, t)`` (row ``r`` of stream ``(b, k)`` in tile ``i = r // RW`` is token
   ``i * Tt + r % Tt`` and head ``k * G + (r % RW) // Tt``), R rounds ``T * G`` up to whole
   programs, and the output is ``out[splits, B, T, H, D]`` (``lse2`` stays per row).
-  ``new_mask``, optional, ``[N1, nb, R, block_kv]`` in q's dtype, adds ``T_new`` keys after
-  each length (the new tokens of a verification, ``T_new = nb * block_kv`` at most): row
-  ``r`` of stream ``n`` sees slot ``s >= lengths[n1] // block_kv * block_kv`` iff
-  ``new_mask[n1, s // block_kv - lengths[n1] // block_kv, r, s % block_kv] == 0`` (it is
-  ``-inf`` elsewhere) and ``s < lengths[n1] + T_new``; pass ``T_new`` as ``num_new``.
+  ``num_new = T_new > 0`` adds T_new keys after each length (the new tokens of a
+  verification) under ``new_mask``, ``[N1, nb, R, block_kv]`` in q's dtype
+  (``nb = ceil((block_kv - 1 + T_new) / block_kv)``): row ``r`` of stream ``n`` sees slot
+  ``s >= lengths[n1] // block_kv * block_kv`` iff ``new_mask[n1, s // block_kv -
+  lengths[n1] // block_kv, r, s % block_kv] == 0`` (it is ``-inf`` elsewhere) and
+  ``s < lengths[n1] + T_new``. With ``q_layout="BTHD"`` the mask is per token,
+  ``[N1, nb, T_run, block_kv]`` (T_run: T rounded up to whole programs), or None: causal,
+  token t sees new token ``j <= T_new - T + t`` (computed in the kernel, no mask array).
   ``layer``, optional (an int or a traced int32 scalar): k/v are stacked ``[layers, ...]``
   caches and the kernel reads layer ``layer`` of them in place.
   Returns ``out[splits, N1, N2, R, D]`` (q's dtype) and ``lse2[splits, N1, N2, R]`` float32
@@ -434,17 +447,23 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   if not supports(k.dtype, D):
     raise ValueError(f"the Hopper kernel takes bf16/f16 with D % 64 == 0, got {k.dtype}, D={D}")
   num_new = int(num_new or 0)
-  if (new_mask is None) != (num_new == 0):
-    raise ValueError("new_mask and num_new > 0 come together")
+  if new_mask is not None and not num_new:
+    raise ValueError("a new_mask needs num_new > 0")
+  if num_new and new_mask is None and not q_groups:
+    raise ValueError("the rows layout needs a new_mask for num_new > 0 (causal without one "
+                     "is for q_layout='BTHD')")
+  if num_new and T_q > num_new:
+    raise ValueError(f"{T_q} query tokens but only num_new={num_new} new tokens")
   if new_mask is not None:
     nb = -(-(bs.block_kv - 1 + num_new) // bs.block_kv)
-    if new_mask.shape != (N1, nb, R, bs.block_kv) or new_mask.dtype != q_N1N2RD.dtype:
-      raise ValueError(f"new_mask must be {(N1, nb, R, bs.block_kv)} {q_N1N2RD.dtype}, got "
+    want = (N1, nb, R // q_groups if q_groups else R, bs.block_kv)
+    if new_mask.shape != want or new_mask.dtype != q_N1N2RD.dtype:
+      raise ValueError(f"new_mask must be {want} {q_N1N2RD.dtype}, got "
                        f"{new_mask.shape} {new_mask.dtype}")
   itemsize = jnp.dtype(k.dtype).itemsize
   smem = ((CONSUMERS * RW + 2 * bs.stages * bs.block_kv) * D * itemsize
           + CONSUMERS * RW * 4 + 1024
-          + (CONSUMERS * RW * bs.block_kv * itemsize if num_new else 0))
+          + (CONSUMERS * RW * bs.block_kv * itemsize if new_mask is not None else 0))
   if smem > SMEM_BYTES:
     raise ValueError(f"block_kv={bs.block_kv} x stages={bs.stages} at D={D} needs about "
                      f"{smem} bytes of shared memory; an H100/H200 block has {SMEM_BYTES}")
@@ -460,8 +479,8 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       plgpu.SMEM((stages, bs.block_kv, D), dtype, transforms=tiled),
       plgpu.SMEM((stages, bs.block_kv, D), dtype, transforms=tiled),
       plgpu.SMEM((CONSUMERS, RW), jnp.float32),
-      plgpu.SMEM((CONSUMERS, RW, bs.block_kv) if num_new else (CONSUMERS, 8, 64), dtype,
-                 transforms=tiled),                                # new-token mask tiles
+      plgpu.SMEM((CONSUMERS, RW, bs.block_kv) if new_mask is not None else (CONSUMERS, 8, 64),
+                 dtype, transforms=tiled),                         # new-token mask tiles
       plgpu.Barrier(num_barriers=stages),                          # k_ready
       plgpu.Barrier(num_barriers=stages),                          # v_ready
       plgpu.Barrier(num_arrivals=max(q_groups, 1), num_barriers=CONSUMERS),  # q_ready
@@ -469,12 +488,13 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # v_free
       plgpu.Barrier(num_arrivals=CONSUMERS),  # turn: the consumers' turn on the tensor cores
       plgpu.Barrier(),                                             # v_tail
-      plgpu.Barrier(num_barriers=CONSUMERS),                       # mask_ready
+      plgpu.Barrier(num_arrivals=max(q_groups, 1), num_barriers=CONSUMERS),  # mask_ready
   )
   body = functools.partial(
       _kernel, kv_layout=kv_layout, layered=layered, N2=N2, split_size=split_size,
       block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype, D=D, RW=RW,
-      pingpong=bs.pingpong, num_new=num_new, q_groups=q_groups, compiled=not interpret)
+      pingpong=bs.pingpong, num_new=num_new, q_groups=q_groups, q_tokens=T_q,
+      mask_tiles=new_mask is not None, compiled=not interpret)
   kw = {}
   if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA and wgmma simulated on CPU)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -488,7 +508,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     k, v = jnp.pad(k, widths), jnp.pad(v, widths)
   layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
   args = (lengths.astype(jnp.int32), layer_arr, q_N1N2RD, k, v)
-  if num_new:
+  if new_mask is not None:
     args += (new_mask,)
   out_shape = ((splits, N1, T_q + pad_t, N2 * q_groups, D) if q_groups
                else (splits, N1, N2, R, D))
@@ -540,14 +560,13 @@ def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
 
 
 def new_token_mask(lengths, tree_mask, *, T: int, T_new: int, G: int, rows: int,
-                   block_kv: int, dtype, tokens_per_tile: int | None = None):
+                   block_kv: int, dtype):
   """The new-token mask tiles of ``rows_attention`` for a verification: ``[B, nb, rows,
   block_kv]``, 0 where a row sees a slot and -inf where not. Rows are ``(t, g)`` pairs
-  (``t * G + g``; rows past ``T * G`` are padding and see the context only), or with
-  ``tokens_per_tile=Tt`` (q read in place, ``q_layout="BTHD"``) tiles of ``G * Tt`` rows
-  ``(g, t)``: row ``r`` is token ``r // (G * Tt) * Tt + r % Tt`` (tokens past T are padding).
-  Query ``t`` is new token ``T_new - T + t``; it sees new token ``j`` iff ``tree_mask[(b,) t,
-  j]`` (None: causal, ``j <= T_new - T + t``), and every context slot."""
+  (``t * G + g``; rows past ``T * G`` are padding and see the context only); ``G=1`` gives
+  the per-token mask of ``q_layout="BTHD"``. Query ``t`` is new token ``T_new - T + t``; it
+  sees new token ``j`` iff ``tree_mask[(b,) t, j]`` (None: causal, ``j <= T_new - T + t``),
+  and every context slot."""
   B = lengths.shape[0]
   nb = -(-(block_kv - 1 + T_new) // block_kv)
   base = lengths // block_kv * block_kv                                    # [B]
@@ -562,17 +581,9 @@ def new_token_mask(lengths, tree_mask, *, T: int, T_new: int, G: int, rows: int,
   new_vis = jnp.take_along_axis(jnp.broadcast_to(tm, (B, T, T_new)),
                                 jnp.broadcast_to(jj[:, None, :], (B, T, jj.shape[1])), axis=2)
   vis = (j[:, None, :] < 0) | ((j[:, None, :] < T_new) & new_vis)          # [B, T, nb*bkv]
-  if tokens_per_tile:
-    Tt = tokens_per_tile
-    vis = jnp.pad(vis, ((0, 0), (0, rows // G - T), (0, 0)))
-    vis = vis | ((jnp.arange(rows // G) >= T)[None, :, None] & (j[:, None, :] < 0))
-    vis = jnp.broadcast_to(vis.reshape(B, rows // (G * Tt), 1, Tt, -1),
-                           (B, rows // (G * Tt), G, Tt, vis.shape[-1]))    # rows (g, t)
-    vis = vis.reshape(B, rows, -1)
-  else:
-    vis = jnp.repeat(vis, G, axis=1)                                       # rows (t, g)
-    vis = jnp.pad(vis, ((0, 0), (0, rows - T * G), (0, 0)))
-    vis = vis | ((jnp.arange(rows) >= T * G)[None, :, None] & (j[:, None, :] < 0))
+  vis = jnp.repeat(vis, G, axis=1)                                         # rows (t, g)
+  vis = jnp.pad(vis, ((0, 0), (0, rows - T * G), (0, 0)))
+  vis = vis | ((jnp.arange(rows) >= T * G)[None, :, None] & (j[:, None, :] < 0))
   bias = jnp.where(vis, 0.0, -jnp.inf).astype(dtype)
   return bias.reshape(B, rows, nb, block_kv).transpose(0, 2, 1, 3)
 
@@ -604,10 +615,12 @@ def verify_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
   if q_in_place is None:
     q_in_place = q_groups_in_place(G, bs)
   if q_in_place:  # q and out read and written in place, no transposes
-    Tt = bs.rows_per_wg // G
-    T_run = -(-T // (CONSUMERS * Tt)) * (CONSUMERS * Tt)
-    mask = new_token_mask(lengths, tree_mask, T=T, T_new=T_new, G=G, rows=T_run * G,
-                          block_kv=bs.block_kv, dtype=q.dtype, tokens_per_tile=Tt)
+    # causal: computed in the kernel; a tree: one mask row per token (its G heads share it)
+    per_program = CONSUMERS * (bs.rows_per_wg // G)
+    T_run = -(-T // per_program) * per_program
+    mask = None if tree_mask is None else new_token_mask(
+        lengths, tree_mask, T=T, T_new=T_new, G=1, rows=T_run, block_kv=bs.block_kv,
+        dtype=q.dtype)
     return attention(q, k_cache, v_cache, lengths, kv_layout="BKSD", sm_scale=sm_scale,
                      block_sizes=bs, new_mask=mask, num_new=T_new, layer=layer,
                      q_layout="BTHD", interpret=interpret)

@@ -160,7 +160,7 @@ def check(results):
   return ok
 
 
-def bench(results, ceil, inner, reps):
+def bench(results, ceil, inner, reps, prefix=True):
   from jax.experimental.pallas.ops.gpu import attention_mgpu as am
   from pallas_kernels import decode_attention, hopper, prefix_attention
   from pallas_kernels.decode_attention import _GPU_DEFAULTS as DEC_DEFAULTS
@@ -220,10 +220,10 @@ def bench(results, ceil, inner, reps):
              flops, nbytes)
 
       def mask_only(i, lengths):
-        m = hopper.new_token_mask(lengths - (i % 2), tm, T=T, T_new=T, G=G, rows=T * G,
-                                  block_kv=128, dtype=jnp.bfloat16, tokens_per_tile=64 // G)
+        m = hopper.new_token_mask(lengths - (i % 2), tm, T=T, T_new=T, G=1, rows=T,
+                                  block_kv=128, dtype=jnp.bfloat16)
         return m[0, 0, 0, 0].astype(jnp.float32) + m[-1, -1, -1, -1]
-      record(shape, "new_token_mask alone", mask_only, (lengths,), flops, nbytes)
+      record(shape, "new_token_mask alone (per token: trees)", mask_only, (lengths,), flops, nbytes)
     if T == 64 and not tree:
       def kern_ip(i, q, kc, vc, lengths):
         o, l2 = hopper.rows_attention(q, kc, vc, lengths - (i % 2), kv_layout="BKSD",
@@ -253,6 +253,8 @@ def bench(results, ceil, inner, reps):
                (qa, ka, va), 4 * B * T * K * G * D * Sm, 2 * B * K * D * 2 * Sm)
       del qa, ka, va
   del kc, vc
+  if not prefix:
+    return
 
   B, L = 64, 16384
   for T in (1, 5):
@@ -282,6 +284,7 @@ def main():
   ap.add_argument("--inner", type=int, default=10)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--check-only", action="store_true")
+  ap.add_argument("--no-prefix", action="store_true", help="time verification shapes only")
   a = ap.parse_args()
   from bench_prefix import ceilings
   dev = jax.devices()[0]
@@ -299,7 +302,7 @@ def main():
     sys.exit(0 if ok else 1)
   ceil = ceilings(1 << 30, 10, 3)
   log(f"copy {ceil['copy_TBps']:.3f} TB/s, matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
-  bench(results, ceil, a.inner, a.reps)
+  bench(results, ceil, a.inner, a.reps, prefix=not a.no_prefix)
   with open(a.out + ".json", "w") as f:
     json.dump(dict(env=env, ceilings=ceil, checks_ok=ok, results=results), f, indent=1)
   lines = ["# Hopper (Mosaic GPU) attention kernel\n",

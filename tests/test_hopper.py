@@ -98,8 +98,9 @@ def test_prefix_attention_through_hopper_kernel():
     (True, 9, 12, 4, 2, [60, 180, 0], False),   # [B, T, T_new] tree, T_new > T, 2 splits
     # a sparse tree over 2 blocks with no context: rows that see no key of a whole block
     (True, 70, 72, 1, 2, [0, 180], False),
-    # causal; 70 new tokens over 2-3 blocks; G=3 takes the transposed q (not in place)
-    (False, 3, 70, 3, None, [130, 7], True),
+    (False, 3, 70, 2, None, [130, 7], True),    # causal (in the kernel); 70 new tokens
+    # causal as mask tiles: G=3 takes q as transposed rows (not in place)
+    (False, 5, 6, 3, None, [61, 0], False),
 ])
 def test_verification_through_hopper_kernel(tree, T, T_new, G, splits, lengths, layered):
   """decode_attention's contract (context + new tokens under a causal or tree mask) through

@@ -81,12 +81,15 @@ class HopperBlockSizes:
     K/V tile read.
   pingpong: schedule the two consumer warpgroups in turn on the tensor cores (one's
     softmax runs under the other's matrix products).
+  longest_first: launch the streams of the longest sequences first (ragged batches: the
+    programs that start last are then the shortest, so fewer SMs idle at the end).
   """
   block_kv: int = 128
   stages: int = 2
   splits: int | None = None
   rows_per_wg: int = 64
   pingpong: bool = True
+  longest_first: bool = True
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
@@ -124,7 +127,8 @@ def check_requested(fits: bool, need: str, interpret) -> None:
     raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
 
 
-def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layered, N2,
+def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
+            layered, N2,
             split_size, block_kv, stages, scale_log2, dtype, D, RW, pingpong, num_new,
             q_groups, q_tokens, mask_tiles, compiled):
   if mask_tiles:
@@ -134,11 +138,14 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout, layer
   r_tile = lax.axis_index("r")
   split = lax.axis_index("s")
   n = lax.axis_index("n")
-  n1 = lax.div(n, jnp.int32(N2))
+  # Streams launch longest first (``order``: the first index by falling length, with
+  # ``lengths_ref`` in that order), so the last programs to start are the shortest and the
+  # tail where some SMs idle is short.
+  n1 = order_ref[lax.div(n, jnp.int32(N2))]
   n2 = lax.rem(n, jnp.int32(N2))
   wg = lax.axis_index("wg")
 
-  length = lengths_ref[n1]  # context keys; then num_new new-token keys under the mask
+  length = lengths_ref[lax.div(n, jnp.int32(N2))]  # context keys; then num_new new ones
   lo = split * split_size
   hi = jnp.minimum(lo + split_size, length + num_new)
   nkeys = jnp.maximum(hi - lo, 0)
@@ -507,7 +514,13 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     widths[ax] = (0, -(-L // bs.block_kv) * bs.block_kv - L)
     k, v = jnp.pad(k, widths), jnp.pad(v, widths)
   layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-  args = (lengths.astype(jnp.int32), layer_arr, q_N1N2RD, k, v)
+  lengths = lengths.astype(jnp.int32)
+  if N1 > 1 and bs.longest_first:
+    order = jnp.argsort(-lengths).astype(jnp.int32)
+    lengths = lengths[order]
+  else:
+    order = jnp.arange(N1, dtype=jnp.int32)
+  args = (lengths, order, layer_arr, q_N1N2RD, k, v)
   if new_mask is not None:
     args += (new_mask,)
   out_shape = ((splits, N1, T_q + pad_t, N2 * q_groups, D) if q_groups

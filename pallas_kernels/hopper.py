@@ -43,11 +43,17 @@ Runs on an NVIDIA Hopper GPU, and on CPU through the Mosaic GPU interpreter
 (``interpret=True``) for tests (there the two matrix products run as jnp dots: the
 interpreter takes no transposed or register wgmma operands).
 
-Status (benchmarks/hopper_attention_h100_s9.md, H100): the default of ``decode_attention``
-from ``HOPPER_MIN_ROWS`` rows per KV head and of ``prefix_attention`` from its own
-threshold, where it beats the Triton kernels: 64 x 8k verification at T=64 in 752 vs 968 us
-(531 TFLOP/s, 1.31x the T=1 decode time), the B=64, P=1, L=16k prefix at T=5 in 170 vs
-245 us. Left: the q / out transposes around a verification (about 5% there).
+A verification reads q[B, T, H, D] and writes out[B, T, H, D] in place where G allows
+(``q_layout="BTHD"``: a warpgroup's rows are G strided boxes of ``rows_per_wg // G`` tokens,
+rows ordered (g, t)); causal new tokens are then masked from indices in the kernel, and a
+tree's mask has one row per token. Other G take q as transposed rows [B, K, T x G, D].
+
+Status (benchmarks/hopper_attention_h100_s10.md and _s10b.md, H100): the default of
+``decode_attention`` from ``HOPPER_MIN_ROWS`` rows per KV head and of ``prefix_attention``
+from its own threshold, where it beats the Triton kernels: 64 x 8k verification at T=64 in
+724-737 vs 978-1002 us (1.24-1.26x the T=1 decode time; 2.12-2.15 TB/s of K/V, 542-551
+TFLOP/s), a 64-node token tree in 804-822 us, the B=64, P=1, L=16k prefix at T=5 in 165 vs
+233 us (benchmarks/hopper_attention_h100_s9.md).
 """
 from __future__ import annotations
 
@@ -82,14 +88,16 @@ class HopperBlockSizes:
   pingpong: schedule the two consumer warpgroups in turn on the tensor cores (one's
     softmax runs under the other's matrix products).
   longest_first: launch the streams of the longest sequences first (ragged batches: the
-    programs that start last are then the shortest, so fewer SMs idle at the end).
+    programs that start last are then the shortest, so fewer SMs idle at the end). Off by
+    default: at the 64 x 8k T=64 verification it measured 769 vs 724 us in index order
+    (benchmarks/hopper_attention_h100_s10b.md), though 804 vs 825 us on a token tree.
   """
   block_kv: int = 128
   stages: int = 2
   splits: int | None = None
   rows_per_wg: int = 64
   pingpong: bool = True
-  longest_first: bool = True
+  longest_first: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:

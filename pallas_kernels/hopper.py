@@ -136,9 +136,8 @@ def check_requested(fits: bool, need: str, interpret) -> None:
 
 
 def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
-            layered, N2,
-            split_size, block_kv, stages, scale_log2, dtype, D, RW, pingpong, num_new,
-            q_groups, q_tokens, mask_tiles, compiled):
+            layered, N2, split_size, block_kv, stages, scale_log2, dtype, D, RW, pingpong,
+            num_new, q_groups, q_tokens, mask_tiles, compiled):
   if mask_tiles:
     mask_ref, *refs = refs
   (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, mask_smem, k_ready, v_ready, q_ready,
@@ -146,9 +145,8 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
   r_tile = lax.axis_index("r")
   split = lax.axis_index("s")
   n = lax.axis_index("n")
-  # Streams launch longest first (``order``: the first index by falling length, with
-  # ``lengths_ref`` in that order), so the last programs to start are the shortest and the
-  # tail where some SMs idle is short.
+  # Streams launch in ``order`` (``lengths_ref`` is in that order too): index order, or
+  # longest first with ``HopperBlockSizes.longest_first``.
   n1 = order_ref[lax.div(n, jnp.int32(N2))]
   n2 = lax.rem(n, jnp.int32(N2))
   wg = lax.axis_index("wg")
@@ -507,8 +505,8 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   )
   body = functools.partial(
       _kernel, kv_layout=kv_layout, layered=layered, N2=N2, split_size=split_size,
-      block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype, D=D, RW=RW,
-      pingpong=bs.pingpong, num_new=num_new, q_groups=q_groups, q_tokens=T_q,
+      block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype,
+      D=D, RW=RW, pingpong=bs.pingpong, num_new=num_new, q_groups=q_groups, q_tokens=T_q,
       mask_tiles=new_mask is not None, compiled=not interpret)
   kw = {}
   if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA and wgmma simulated on CPU)
@@ -573,7 +571,8 @@ def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
                            layer=layer, q_layout=q_layout, interpret=interpret)
   if q_layout == "BTHD":
     G = q_N1N2RD.shape[2] // k.shape[-3]
-    lse2 = _bthd_lse(lse2, q_N1N2RD.shape[1], G, (block_sizes or HopperBlockSizes()).rows_per_wg // G)
+    RW = (block_sizes or HopperBlockSizes()).rows_per_wg
+    lse2 = _bthd_lse(lse2, q_N1N2RD.shape[1], G, RW // G)
   out_dtype = out_dtype or q_N1N2RD.dtype
   if o.shape[0] == 1:
     return o[0].astype(out_dtype), lse2[0] * _LN2

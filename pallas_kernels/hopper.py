@@ -87,17 +87,12 @@ class HopperBlockSizes:
     K/V tile read.
   pingpong: schedule the two consumer warpgroups in turn on the tensor cores (one's
     softmax runs under the other's matrix products).
-  longest_first: launch the streams of the longest sequences first (ragged batches: the
-    programs that start last are then the shortest, so fewer SMs idle at the end). Off by
-    default: at the 64 x 8k T=64 verification it measured 769 vs 724 us in index order
-    (benchmarks/hopper_attention_h100_s10b.md), though 804 vs 825 us on a token tree.
   """
   block_kv: int = 128
   stages: int = 2
   splits: int | None = None
   rows_per_wg: int = 64
   pingpong: bool = True
-  longest_first: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
@@ -135,7 +130,7 @@ def check_requested(fits: bool, need: str, interpret) -> None:
     raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
 
 
-def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
+def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
             layered, N2, split_size, block_kv, stages, scale_log2, dtype, D, RW, pingpong,
             num_new, q_groups, q_tokens, mask_tiles, compiled):
   if mask_tiles:
@@ -145,13 +140,11 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
   r_tile = lax.axis_index("r")
   split = lax.axis_index("s")
   n = lax.axis_index("n")
-  # Streams launch in ``order`` (``lengths_ref`` is in that order too): index order, or
-  # longest first with ``HopperBlockSizes.longest_first``.
-  n1 = order_ref[lax.div(n, jnp.int32(N2))]
+  n1 = lax.div(n, jnp.int32(N2))
   n2 = lax.rem(n, jnp.int32(N2))
   wg = lax.axis_index("wg")
 
-  length = lengths_ref[lax.div(n, jnp.int32(N2))]  # context keys; then num_new new ones
+  length = lengths_ref[n1]  # context keys; then num_new new-token keys under the mask
   lo = split * split_size
   hi = jnp.minimum(lo + split_size, length + num_new)
   nkeys = jnp.maximum(hi - lo, 0)
@@ -385,6 +378,12 @@ def q_groups_in_place(G: int, bs: HopperBlockSizes) -> bool:
   return bs.rows_per_wg % G == 0 and (bs.rows_per_wg // G) % 8 == 0
 
 
+def _bthd_tokens(T: int, G: int, bs: HopperBlockSizes) -> int:
+  """T rounded up to whole programs of the BTHD layout (``2 * rows_per_wg // G`` tokens)."""
+  per_program = CONSUMERS * (bs.rows_per_wg // G)
+  return -(-T // per_program) * per_program
+
+
 def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
                    block_sizes: HopperBlockSizes | None = None, new_mask=None,
                    layer=None, num_new: int = 0, q_layout: str = "rows",
@@ -426,8 +425,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     if H_q % N2 or not q_groups_in_place(q_groups, bs):
       raise ValueError(f"q_layout='BTHD' needs H ({H_q}) = G x K ({N2}) with rows_per_wg "
                        f"({RW}) / G a multiple of 8")
-    per_program = CONSUMERS * (RW // q_groups)  # tokens per program
-    T_run = -(-T_q // per_program) * per_program
+    T_run = _bthd_tokens(T_q, q_groups, bs)
     R = T_run * q_groups
     # On the GPU, TMA zero-fills loads and clips stores past T; the interpreter refuses an
     # out-of-bounds copy (and a box must fit the array), so pad T there.
@@ -520,13 +518,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     widths[ax] = (0, -(-L // bs.block_kv) * bs.block_kv - L)
     k, v = jnp.pad(k, widths), jnp.pad(v, widths)
   layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-  lengths = lengths.astype(jnp.int32)
-  if N1 > 1 and bs.longest_first:
-    order = jnp.argsort(-lengths).astype(jnp.int32)
-    lengths = lengths[order]
-  else:
-    order = jnp.arange(N1, dtype=jnp.int32)
-  args = (lengths, order, layer_arr, q_N1N2RD, k, v)
+  args = (lengths.astype(jnp.int32), layer_arr, q_N1N2RD, k, v)
   if new_mask is not None:
     args += (new_mask,)
   out_shape = ((splits, N1, T_q + pad_t, N2 * q_groups, D) if q_groups
@@ -636,11 +628,9 @@ def verify_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
     q_in_place = q_groups_in_place(G, bs)
   if q_in_place:  # q and out read and written in place, no transposes
     # causal: computed in the kernel; a tree: one mask row per token (its G heads share it)
-    per_program = CONSUMERS * (bs.rows_per_wg // G)
-    T_run = -(-T // per_program) * per_program
     mask = None if tree_mask is None else new_token_mask(
-        lengths, tree_mask, T=T, T_new=T_new, G=1, rows=T_run, block_kv=bs.block_kv,
-        dtype=q.dtype)
+        lengths, tree_mask, T=T, T_new=T_new, G=1, rows=_bthd_tokens(T, G, bs),
+        block_kv=bs.block_kv, dtype=q.dtype)
     return attention(q, k_cache, v_cache, lengths, kv_layout="BKSD", sm_scale=sm_scale,
                      block_sizes=bs, new_mask=mask, num_new=T_new, layer=layer,
                      q_layout="BTHD", interpret=interpret)

@@ -218,9 +218,6 @@ def bench(results, ceil, inner, reps, prefix=True):
         return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
       record(shape, name(VARIANTS[0]) + " q/out transposed", dec_t, (q, kc, vc, lengths),
              flops, nbytes)
-      from dataclasses import replace
-      record(shape, name(VARIANTS[0]) + " launch in index order", dec(
-          replace(hb_of(VARIANTS[0]), longest_first=False)), (q, kc, vc, lengths), flops, nbytes)
 
       def mask_only(i, lengths):
         m = hopper.new_token_mask(lengths - (i % 2), tm, T=T, T_new=T, G=1, rows=T,

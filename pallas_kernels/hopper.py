@@ -87,12 +87,16 @@ class HopperBlockSizes:
     K/V tile read.
   pingpong: schedule the two consumer warpgroups in turn on the tensor cores (one's
     softmax runs under the other's matrix products).
+  overlap: software-pipeline each consumer (FlashAttention-3's intra-warpgroup overlap):
+    QK^T of block i+1 and PV of block i are issued together, and the softmax of block i+1
+    runs while PV of block i is still on the tensor cores.
   """
   block_kv: int = 128
   stages: int = 2
   splits: int | None = None
   rows_per_wg: int = 64
   pingpong: bool = True
+  overlap: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
@@ -132,7 +136,7 @@ def check_requested(fits: bool, need: str, interpret) -> None:
 
 def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
             layered, N2, split_size, block_kv, stages, scale_log2, dtype, D, RW, pingpong,
-            num_new, q_groups, q_tokens, mask_tiles, compiled):
+            overlap, num_new, q_groups, q_tokens, mask_tiles, compiled):
   if mask_tiles:
     mask_ref, *refs = refs
   (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, mask_smem, k_ready, v_ready, q_ready,
@@ -185,9 +189,9 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
     row0 = (r_tile * CONSUMERS + wg) * RW
     qo = q_smem.at[wg]
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m = lay(jnp.full((RW,), -jnp.inf, jnp.float32), row_layout)
-    l = lay(jnp.full((RW,), 0.0, jnp.float32), row_layout)
-    acc = lay(jnp.zeros((RW, D), jnp.float32), plgpu.Layout.WGMMA)
+    m0 = lay(jnp.full((RW,), -jnp.inf, jnp.float32), row_layout)
+    l0 = lay(jnp.full((RW,), 0.0, jnp.float32), row_layout)
+    acc0 = lay(jnp.zeros((RW, D), jnp.float32), plgpu.Layout.WGMMA)
     if q_groups:  # q[B, T, H, D] read in place: G strided boxes of Tt tokens, rows (g, t)
       Tt = RW // q_groups
       t0 = (r_tile * CONSUMERS + wg) * Tt
@@ -198,26 +202,8 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
       plgpu.copy_gmem_to_smem(q_ref.at[n1, n2, pl.ds(row0, RW)], qo, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
 
-    @pl.when(nblocks > 0)
-    def _():
-      plgpu.barrier_wait(k_ready.at[0])
-    pl.when(wg == 1)(rendezvous)
-
-    def step(i, carry, masked):
-      acc, m, l = carry
-      slot = lax.rem(i, jnp.int32(stages))
-
-      def qk_scope(ref):
-        plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-        rendezvous()  # hand the tensor cores over while this product runs
-        return ref[...]
-      if compiled:
-        s = pl.run_scoped(qk_scope, plgpu.ACC((RW, block_kv), jnp.float32))
-      else:  # the CPU interpreter cannot transpose a wgmma operand: the same product via jnp
-        s = lax.dot_general(qo[...], k_smem[slot], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-        rendezvous()
-      plgpu.barrier_arrive(k_free.at[slot])
+    def softmax(s, i, m, l, masked):
+      """The online softmax of block i's scores s: (m, l, alpha, p in the input dtype)."""
       if masked:
         if mask_tiles:  # this block's tile of the new-token mask (0 seen, -inf hidden)
           rel = lax.div(block_start(i), jnp.int32(block_kv)) - first_new_block
@@ -247,9 +233,29 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
       alpha = jnp.exp2(m - m_use)
       p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l = l * alpha + p.sum(axis=1)
-      p16 = p.astype(dtype)
+      return m_new, l, alpha, p.astype(dtype)
+
+    def scale_rows(x, alpha):
+      return x * lax.broadcast_in_dim(alpha, x.shape, [0])
+
+    def step(i, carry, masked):
+      acc, m, l = carry
+      slot = lax.rem(i, jnp.int32(stages))
+
+      def qk_scope(ref):
+        plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        rendezvous()  # hand the tensor cores over while this product runs
+        return ref[...]
+      if compiled:
+        s = pl.run_scoped(qk_scope, plgpu.ACC((RW, block_kv), jnp.float32))
+      else:  # the CPU interpreter cannot transpose a wgmma operand: the same product via jnp
+        s = lax.dot_general(qo[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+        rendezvous()
+      plgpu.barrier_arrive(k_free.at[slot])
+      m_new, l, alpha, p16 = softmax(s, i, m, l, masked)
+      acc = scale_rows(acc, alpha)
       if compiled:
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
       if pingpong:
@@ -274,8 +280,96 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
-    carry = lax.fori_loop(0, nfull, functools.partial(step, masked=False), (acc, m, l))
-    acc, m, l = lax.fori_loop(nfull, nblocks, functools.partial(step, masked=True), carry)
+    def qk_dot(slot):  # the interpreter's QK^T (it cannot transpose a wgmma operand)
+      return lax.dot_general(qo[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+    def pv_dot(p16, slot):  # the interpreter's PV (it takes no register operand in wgmma)
+      return jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+
+    # Overlapped (FlashAttention-3's intra-warpgroup pipelining): the carry holds block
+    # i-1's probabilities; step i issues QK^T of block i and PV of block i-1 in one turn on
+    # the tensor cores, waits for the first only, and runs block i's softmax under PV.
+    def ov_first(masked):  # block 0: QK^T and softmax, no PV yet
+      plgpu.barrier_wait(k_ready.at[0])
+      rendezvous()  # our turn
+      if compiled:
+        def scope(ref):
+          plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[0], (1, 0)))
+          rendezvous()  # hand the tensor cores over
+          return ref[...]
+        s = pl.run_scoped(scope, plgpu.ACC((RW, block_kv), jnp.float32))
+      else:
+        s = qk_dot(0)
+        rendezvous()
+      plgpu.barrier_arrive(k_free.at[0])
+      m_new, l_new, _, p16 = softmax(s, 0, m0, l0, masked)
+      return acc0, m_new, l_new, p16
+
+    def ov_step(i, carry, masked):
+      acc, m, l, p16 = carry
+      slot = lax.rem(i, jnp.int32(stages))
+      pslot = lax.rem(i - 1, jnp.int32(stages))
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[pslot])
+      rendezvous()  # our turn
+      if compiled:
+        def scope(s_ref, o_ref):
+          o_ref[...] = acc
+          plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(o_ref, p16, v_smem.at[pslot])
+          rendezvous()  # hand the tensor cores over while both products run
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T only
+          plgpu.barrier_arrive(k_free.at[slot])
+          m_new, l_new, alpha, p16_new = softmax(s, i, m, l, masked)
+          o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+          return lax.optimization_barrier((scale_rows(o, alpha), m_new, l_new, p16_new))
+        out = pl.run_scoped(scope, plgpu.ACC((RW, block_kv), jnp.float32),
+                            plgpu.ACC((RW, D), jnp.float32))
+      else:
+        s = qk_dot(slot)
+        o = acc + pv_dot(p16, pslot)
+        rendezvous()
+        plgpu.barrier_arrive(k_free.at[slot])
+        m_new, l_new, alpha, p16_new = softmax(s, i, m, l, masked)
+        out = scale_rows(o, alpha), m_new, l_new, p16_new
+      plgpu.barrier_arrive(v_free.at[pslot])
+      return out
+
+    def ov_last(carry):  # PV of the last block
+      acc, m, l, p16 = carry
+      pslot = lax.rem(nblocks - 1, jnp.int32(stages))
+      plgpu.barrier_wait(v_ready.at[pslot])
+      rendezvous()  # our turn
+      if compiled:
+        def pv(ref):
+          plgpu.wgmma(ref, p16, v_smem.at[pslot])
+          rendezvous()  # hand the tensor cores over
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      else:
+        acc = acc + pv_dot(p16, pslot)
+        rendezvous()
+      plgpu.barrier_arrive(v_free.at[pslot])
+      return acc, m, l
+
+    def ov_run():
+      carry = lax.cond(nfull > 0, functools.partial(ov_first, masked=False),
+                       functools.partial(ov_first, masked=True))
+      start = jnp.maximum(nfull, 1)
+      carry = lax.fori_loop(1, start, functools.partial(ov_step, masked=False), carry)
+      carry = lax.fori_loop(start, nblocks, functools.partial(ov_step, masked=True), carry)
+      return ov_last(carry)
+
+    if overlap:
+      pl.when(wg == 1)(rendezvous)
+      acc, m, l = lax.cond(nblocks > 0, ov_run, lambda: (acc0, m0, l0))
+    else:
+      @pl.when(nblocks > 0)
+      def _():
+        plgpu.barrier_wait(k_ready.at[0])
+      pl.when(wg == 1)(rendezvous)
+      carry = lax.fori_loop(0, nfull, functools.partial(step, masked=False), (acc0, m0, l0))
+      acc, m, l = lax.fori_loop(nfull, nblocks, functools.partial(step, masked=True), carry)
     pl.when(wg == 0)(rendezvous)
 
     empty = l == 0.0
@@ -504,7 +598,8 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   body = functools.partial(
       _kernel, kv_layout=kv_layout, layered=layered, N2=N2, split_size=split_size,
       block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype,
-      D=D, RW=RW, pingpong=bs.pingpong, num_new=num_new, q_groups=q_groups, q_tokens=T_q,
+      D=D, RW=RW, pingpong=bs.pingpong, overlap=bs.overlap, num_new=num_new,
+      q_groups=q_groups, q_tokens=T_q,
       mask_tiles=new_mask is not None, compiled=not interpret)
   kw = {}
   if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA and wgmma simulated on CPU)

@@ -16,7 +16,7 @@ On an NVIDIA Hopper GPU, in one run:
   * the shared-prefix shape (B=64, P=1, L=16384, T in {1, 5}): Triton vs Hopper variants.
 
 Writes ``<out>.json`` and ``<out>.md``. Usage:
-  python scripts/bench_hopper.py [--out benchmarks/hopper_attention_h100_s10] [--inner 10 --reps 5]
+  python scripts/bench_hopper.py [--out benchmarks/hopper_attention_h100_s11] [--inner 10 --reps 5]
 """
 import argparse
 import json
@@ -37,21 +37,22 @@ import numpy as np  # noqa: E402
 from benchutil import log, timeit  # noqa: E402
 
 K, G, D = 8, 4, 128
-# (rows_per_wg, block_kv, stages, pingpong)
-VARIANTS = [(64, 128, 2, True), (128, 64, 2, True), (64, 128, 2, False), (64, 64, 3, True),
-            (128, 64, 4, True)]
+# (rows_per_wg, block_kv, stages, pingpong, overlap); the first is the default
+VARIANTS = [(64, 128, 2, True, False), (128, 64, 2, True, False), (64, 128, 2, True, True),
+            (64, 128, 3, True, True), (64, 64, 3, True, True), (64, 128, 2, False, True)]
+OV = VARIANTS[2]  # software-pipelined consumers (FlashAttention-3's intra-warpgroup overlap)
 
 
 def hb_of(v, splits=None):
   from pallas_kernels import hopper
-  rw, bkv, st, pp = v
+  rw, bkv, st, pp, ov = v
   return hopper.HopperBlockSizes(block_kv=bkv, stages=st, rows_per_wg=rw, pingpong=pp,
-                                 splits=splits)
+                                 overlap=ov, splits=splits)
 
 
 def name(v):
-  rw, bkv, st, pp = v
-  return f"hopper rw={rw} bkv={bkv} st={st} pp={int(pp)}"
+  rw, bkv, st, pp, ov = v
+  return f"hopper rw={rw} bkv={bkv} st={st} pp={int(pp)} ov={int(ov)}"
 
 
 def _rows_reference(q, k, v, lengths, layout):
@@ -129,7 +130,7 @@ def check(results):
       tm = tm.at[:, jnp.arange(T), jnp.arange(T) + Tn - T].set(True)
     kw = dict(layer=jnp.int32(1)) if layered else {}
     nn = None if tree else Tn
-    for v, sp in ((VARIANTS[0], None), (VARIANTS[1], 3)):
+    for v, sp in ((VARIANTS[0], None), (VARIANTS[1], 3), (OV, None), (OV, 3)):
       what = (f"decode_attention {name(v)} splits={sp} B={B} T={T} T_new={Tn} G={Gc} S={S} "
               f"tree={tree} layered={layered}")
       try:
@@ -150,7 +151,7 @@ def check(results):
     vp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
     pl_ = jnp.asarray(lens, jnp.int32)
     bad = jnp.arange(L)[None, :, None, None] >= pl_[:, None, None, None]
-    for v in VARIANTS[:2]:
+    for v in VARIANTS[:3]:
       o, lse = prefix_attention(q, jnp.where(bad, jnp.nan, kp).astype(jnp.bfloat16),
                                 jnp.where(bad, jnp.nan, vp).astype(jnp.bfloat16), pl_,
                                 block_sizes=hb_of(v))
@@ -231,7 +232,15 @@ def bench(results, ceil, inner, reps, prefix=True):
         return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
       record(shape, name(VARIANTS[0]) + " kernel only (context), q in place", kern_ip,
              (q, kc, vc, lengths), flops, nbytes)
-      for v in VARIANTS[:2]:
+
+      def kern_ov(i, q, kc, vc, lengths):
+        o, l2 = hopper.rows_attention(q, kc, vc, lengths - (i % 2), kv_layout="BKSD",
+                                      sm_scale=1 / math.sqrt(D), q_layout="BTHD",
+                                      block_sizes=hb_of(OV))
+        return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
+      record(shape, name(OV) + " kernel only (context), q in place", kern_ov,
+             (q, kc, vc, lengths), flops, nbytes)
+      for v in (VARIANTS[1],):
         def kern(i, q, kc, vc, lengths, hb=hb_of(v)):
           qr = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
           o, l2 = hopper.rows_attention(qr, kc, vc, lengths - (i % 2), kv_layout="BKSD",
@@ -272,15 +281,15 @@ def bench(results, ceil, inner, reps, prefix=True):
         return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
       return step
     record(shape, "triton prefix kernel", pstep(_GPU_DEFAULTS), (q, kp, vp, plen), flops, nbytes)
-    for v in VARIANTS[:3]:
-      for sp in (None, 8, 16):
+    for v in (VARIANTS[0], VARIANTS[1], OV, VARIANTS[4]):
+      for sp in (None, 16):
         record(shape, name(v) + f" splits={sp or 'auto'}", pstep(hb_of(v, sp)),
                (q, kp, vp, plen), flops, nbytes)
 
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="benchmarks/hopper_attention_h100_s10")
+  ap.add_argument("--out", default="benchmarks/hopper_attention_h100_s11")
   ap.add_argument("--inner", type=int, default=10)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--check-only", action="store_true")

@@ -33,13 +33,15 @@ def _reference(q, k, v, lengths, layout, scale):
   return jnp.einsum("abrs,absd->abrd", p, vv.astype(jnp.float32), precision="highest"), lse
 
 
-@pytest.mark.parametrize("layout,lengths,splits,stages,rows_per_wg,pingpong", [
-    ("PLKD", [200, 50, 0], 2, 2, 64, True),      # ragged: blocks + tail, tail only, empty
-    ("BKSD", [320, 64, 130], None, 3, 64, False),  # whole blocks, one block, deeper ring
-    ("BKSD", [327, 1], 1, 2, 128, True),         # 128-row tiles; a last block past L
+@pytest.mark.parametrize("layout,lengths,splits,stages,rows_per_wg,pingpong,overlap", [
+    ("PLKD", [200, 50, 0], 2, 2, 64, True, False),  # ragged: blocks + tail, tail only, empty
+    ("BKSD", [320, 64, 130], None, 3, 64, False, False),  # whole blocks, one block, deeper ring
+    ("BKSD", [327, 1], 1, 2, 128, True, False),     # 128-row tiles; a last block past L
+    # software-pipelined consumers: ragged, one block only, empty; 2 splits and 3 stages
+    ("PLKD", [200, 64, 0, 129], 2, 3, 64, True, True),
 ])
 def test_rows_attention_matches_reference(layout, lengths, splits, stages, rows_per_wg,
-                                          pingpong):
+                                          pingpong, overlap):
   rng = np.random.default_rng(len(lengths) + (splits or 0))
   # Two KV heads in the PLKD case (the head index inside a prefix row), one elsewhere (each
   # program costs about 2 s in the interpreter).
@@ -60,7 +62,8 @@ def test_rows_attention_matches_reference(layout, lengths, splits, stages, rows_
   o, lse = hopper.attention(
       q, kg, vg, lengths, kv_layout=layout, sm_scale=scale,
       block_sizes=hopper.HopperBlockSizes(block_kv=64, stages=stages, splits=splits,
-                                          rows_per_wg=rows_per_wg, pingpong=pingpong),
+                                          rows_per_wg=rows_per_wg, pingpong=pingpong,
+                                          overlap=overlap),
       interpret=True, out_dtype=jnp.float32)
   ro, rl = _reference(q, k, v, lengths, layout, scale)
   assert not bool(jnp.any(jnp.isnan(o)))
@@ -94,15 +97,19 @@ def test_prefix_attention_through_hopper_kernel():
   np.testing.assert_allclose(o.astype(jnp.float32), ro, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("tree,T,T_new,G,splits,lengths,layered", [
-    (True, 9, 12, 4, 2, [60, 180, 0], False),   # [B, T, T_new] tree, T_new > T, 2 splits
+@pytest.mark.parametrize("tree,T,T_new,G,splits,lengths,layered,overlap", [
+    (True, 9, 12, 4, 2, [60, 180, 0], False, False),  # [B, T, T_new] tree, T_new > T, 2 splits
     # a sparse tree over 2 blocks with no context: rows that see no key of a whole block
-    (True, 70, 72, 1, 2, [0, 180], False),
-    (False, 3, 70, 2, None, [130, 7], True),    # causal (in the kernel); 70 new tokens
+    (True, 70, 72, 1, 2, [0, 180], False, False),
+    (False, 3, 70, 2, None, [130, 7], True, False),   # causal (in the kernel); 70 new tokens
     # causal as mask tiles: G=3 takes q as transposed rows (not in place)
-    (False, 5, 6, 3, None, [61, 0], False),
+    (False, 5, 6, 3, None, [61, 0], False, False),
+    # software-pipelined consumers: a tree whose first block is masked (no context) or not
+    (True, 9, 12, 4, None, [0, 100], False, True),
+    (False, 3, 70, 2, 2, [130, 7], True, True),       # causal in the kernel, 2 splits
 ])
-def test_verification_through_hopper_kernel(tree, T, T_new, G, splits, lengths, layered):
+def test_verification_through_hopper_kernel(tree, T, T_new, G, splits, lengths, layered,
+                                            overlap):
   """decode_attention's contract (context + new tokens under a causal or tree mask) through
   the Hopper kernel's new-token mask tiles, against the float32 reference. G in {1, 2, 4, 8}
   reads q[B, T, H, D] and writes out in place (G boxes of tokens per warpgroup; T padded to
@@ -124,7 +131,8 @@ def test_verification_through_hopper_kernel(tree, T, T_new, G, splits, lengths, 
   kw = dict(layer=jnp.int32(1)) if layered else {}
   nn = None if tree else T_new
   o, lse = decode_attention(q, kg, vg, lens, tm, num_new=nn, interpret=True,
-                            block_sizes=hopper.HopperBlockSizes(block_kv=64, splits=splits),
+                            block_sizes=hopper.HopperBlockSizes(block_kv=64, splits=splits,
+                                                                overlap=overlap),
                             **kw)
   ro, rl = decode_attention_reference(q.astype(jnp.float32), kg.astype(jnp.float32),
                                       vg.astype(jnp.float32), lens, tm, num_new=nn, **kw)

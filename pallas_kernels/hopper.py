@@ -203,7 +203,7 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
     plgpu.barrier_wait(q_ready.at[wg])
 
     def softmax(s, i, m, l, masked):
-      """The online softmax of block i's scores s: (m, l, alpha, p in the input dtype)."""
+      """The online softmax of block i's scores s: (m, l, alpha, p), p in float32."""
       if masked:
         if mask_tiles:  # this block's tile of the new-token mask (0 seen, -inf hidden)
           rel = lax.div(block_start(i), jnp.int32(block_kv)) - first_new_block
@@ -234,7 +234,7 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
       alpha = jnp.exp2(m - m_use)
       p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
       l = l * alpha + p.sum(axis=1)
-      return m_new, l, alpha, p.astype(dtype)
+      return m_new, l, alpha, p
 
     def scale_rows(x, alpha):
       return x * lax.broadcast_in_dim(alpha, x.shape, [0])
@@ -254,7 +254,8 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
                             preferred_element_type=jnp.float32)
         rendezvous()
       plgpu.barrier_arrive(k_free.at[slot])
-      m_new, l, alpha, p16 = softmax(s, i, m, l, masked)
+      m_new, l, alpha, p = softmax(s, i, m, l, masked)
+      p16 = p.astype(dtype)
       acc = scale_rows(acc, alpha)
       if compiled:
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
@@ -303,8 +304,8 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
         s = qk_dot(0)
         rendezvous()
       plgpu.barrier_arrive(k_free.at[0])
-      m_new, l_new, _, p16 = softmax(s, 0, m0, l0, masked)
-      return acc0, m_new, l_new, p16
+      m_new, l_new, _, p = softmax(s, 0, m0, l0, masked)
+      return acc0, m_new, l_new, p.astype(dtype)
 
     def ov_step(i, carry, masked):
       acc, m, l, p16 = carry
@@ -321,9 +322,12 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
           rendezvous()  # hand the tensor cores over while both products run
           s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T only
           plgpu.barrier_arrive(k_free.at[slot])
-          m_new, l_new, alpha, p16_new = softmax(s, i, m, l, masked)
+          m_new, l_new, alpha, p = softmax(s, i, m, l, masked)
           o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-          return lax.optimization_barrier((scale_rows(o, alpha), m_new, l_new, p16_new))
+          # Only now (PV done) write the registers of the next PV's operand: a write while
+          # a product that reads them is in flight makes ptxas serialize every wgmma.
+          return lax.optimization_barrier((scale_rows(o, alpha), m_new, l_new,
+                                           p.astype(dtype)))
         out = pl.run_scoped(scope, plgpu.ACC((RW, block_kv), jnp.float32),
                             plgpu.ACC((RW, D), jnp.float32))
       else:
@@ -331,8 +335,8 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
         o = acc + pv_dot(p16, pslot)
         rendezvous()
         plgpu.barrier_arrive(k_free.at[slot])
-        m_new, l_new, alpha, p16_new = softmax(s, i, m, l, masked)
-        out = scale_rows(o, alpha), m_new, l_new, p16_new
+        m_new, l_new, alpha, p = softmax(s, i, m, l, masked)
+        out = scale_rows(o, alpha), m_new, l_new, p.astype(dtype)
       plgpu.barrier_arrive(v_free.at[pslot])
       return out
 
@@ -566,9 +570,12 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       raise ValueError(f"new_mask must be {want} {q_N1N2RD.dtype}, got "
                        f"{new_mask.shape} {new_mask.dtype}")
   itemsize = jnp.dtype(k.dtype).itemsize
-  smem = ((CONSUMERS * RW + 2 * bs.stages * bs.block_kv) * D * itemsize
-          + CONSUMERS * RW * 4 + 1024
-          + (CONSUMERS * RW * bs.block_kv * itemsize if new_mask is not None else 0))
+  # Each buffer is 1 KiB aligned; Mosaic GPU adds about 2 KiB of its own (barriers and the
+  # like: 234640 bytes measured where these buffers come to 232448).
+  kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
+  smem = (kib(CONSUMERS * RW * D * itemsize) + 2 * kib(bs.stages * bs.block_kv * D * itemsize)
+          + kib(CONSUMERS * RW * 4) + 2304
+          + kib(CONSUMERS * (RW * bs.block_kv if new_mask is not None else 8 * 64) * itemsize))
   if smem > SMEM_BYTES:
     raise ValueError(f"block_kv={bs.block_kv} x stages={bs.stages} at D={D} needs about "
                      f"{smem} bytes of shared memory; an H100/H200 block has {SMEM_BYTES}")

@@ -171,6 +171,9 @@ def test_hopper_block_sizes_and_inputs_are_checked():
     hopper.rows_attention(qb, qb, qb, jnp.ones((1,), jnp.int32), kv_layout="BKSD",
                           sm_scale=1.0, block_sizes=hopper.HopperBlockSizes(block_kv=256,
                                                                             stages=4))
+  with pytest.raises(ValueError, match="shared memory"):  # Mosaic GPU needed 234640 bytes
+    hopper.rows_attention(qb, qb, qb, jnp.ones((1,), jnp.int32), kv_layout="BKSD",
+                          sm_scale=1.0, block_sizes=hopper.HopperBlockSizes(stages=3))
   qt = jnp.zeros((1, 16, 3, 64), jnp.bfloat16)  # [B, T, H, D], G = 3 (not in place)
   kt = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="rows_per_wg"):

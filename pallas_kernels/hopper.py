@@ -140,7 +140,7 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
   if mask_tiles:
     mask_ref, *refs = refs
   (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, mask_smem, k_ready, v_ready, q_ready,
-   k_free, v_free, turn, v_tail, mask_ready) = refs
+   k_free, v_free, turn, v_tail, mask_ready, token) = refs
   r_tile = lax.axis_index("r")
   split = lax.axis_index("s")
   n = lax.axis_index("n")
@@ -174,6 +174,21 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
     if pingpong:
       plgpu.barrier_arrive(turn)
       plgpu.barrier_wait(turn)
+
+  def my_turn():
+    """Overlapped consumers take turns issuing their products: wait for the token."""
+    if pingpong:
+      plgpu.barrier_wait(token.at[wg])
+
+  def pass_turn(last=False):
+    """Hand the token to the other consumer right after issuing (no waiting on it, unlike
+    ``rendezvous``: a consumer never waits for the other's softmax, only for its turn).
+    Warpgroup 1 keeps it after its last issue (warpgroup 0 holds it first)."""
+    if pingpong:
+      if last:
+        pl.when(wg == 0)(lambda: plgpu.barrier_arrive(token.at[1]))
+      else:
+        plgpu.barrier_arrive(token.at[1 - wg])
 
   # Register layouts matter to Mosaic GPU only; its CPU interpreter has no layout_cast.
   lay = plgpu.layout_cast if compiled else (lambda x, _: x)
@@ -293,16 +308,16 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
     # the tensor cores, waits for the first only, and runs block i's softmax under PV.
     def ov_first(masked):  # block 0: QK^T and softmax, no PV yet
       plgpu.barrier_wait(k_ready.at[0])
-      rendezvous()  # our turn
+      my_turn()
       if compiled:
         def scope(ref):
           plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[0], (1, 0)))
-          rendezvous()  # hand the tensor cores over
+          pass_turn()
           return ref[...]
         s = pl.run_scoped(scope, plgpu.ACC((RW, block_kv), jnp.float32))
       else:
         s = qk_dot(0)
-        rendezvous()
+        pass_turn()
       plgpu.barrier_arrive(k_free.at[0])
       m_new, l_new, _, p = softmax(s, 0, m0, l0, masked)
       return acc0, m_new, l_new, p.astype(dtype)
@@ -313,13 +328,13 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
       pslot = lax.rem(i - 1, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_wait(v_ready.at[pslot])
-      rendezvous()  # our turn
+      my_turn()
       if compiled:
         def scope(s_ref, o_ref):
           o_ref[...] = acc
           plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
           plgpu.wgmma(o_ref, p16, v_smem.at[pslot])
-          rendezvous()  # hand the tensor cores over while both products run
+          pass_turn()  # both products run on while the other consumer issues its own
           s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T only
           plgpu.barrier_arrive(k_free.at[slot])
           m_new, l_new, alpha, p = softmax(s, i, m, l, masked)
@@ -333,7 +348,7 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
       else:
         s = qk_dot(slot)
         o = acc + pv_dot(p16, pslot)
-        rendezvous()
+        pass_turn()
         plgpu.barrier_arrive(k_free.at[slot])
         m_new, l_new, alpha, p = softmax(s, i, m, l, masked)
         out = scale_rows(o, alpha), m_new, l_new, p.astype(dtype)
@@ -344,19 +359,21 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
       acc, m, l, p16 = carry
       pslot = lax.rem(nblocks - 1, jnp.int32(stages))
       plgpu.barrier_wait(v_ready.at[pslot])
-      rendezvous()  # our turn
+      my_turn()
       if compiled:
         def pv(ref):
           plgpu.wgmma(ref, p16, v_smem.at[pslot])
-          rendezvous()  # hand the tensor cores over
+          pass_turn(last=True)
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       else:
         acc = acc + pv_dot(p16, pslot)
-        rendezvous()
+        pass_turn(last=True)
       plgpu.barrier_arrive(v_free.at[pslot])
       return acc, m, l
 
     def ov_run():
+      if pingpong:  # warpgroup 0 issues first
+        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(token.at[0]))
       carry = lax.cond(nfull > 0, functools.partial(ov_first, masked=False),
                        functools.partial(ov_first, masked=True))
       start = jnp.maximum(nfull, 1)
@@ -365,7 +382,6 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
       return ov_last(carry)
 
     if overlap:
-      pl.when(wg == 1)(rendezvous)
       acc, m, l = lax.cond(nblocks > 0, ov_run, lambda: (acc0, m0, l0))
     else:
       @pl.when(nblocks > 0)
@@ -374,7 +390,7 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
       pl.when(wg == 1)(rendezvous)
       carry = lax.fori_loop(0, nfull, functools.partial(step, masked=False), (acc0, m0, l0))
       acc, m, l = lax.fori_loop(nfull, nblocks, functools.partial(step, masked=True), carry)
-    pl.when(wg == 0)(rendezvous)
+      pl.when(wg == 0)(rendezvous)
 
     empty = l == 0.0
     inv = 1.0 / jnp.where(empty, 1.0, l)
@@ -601,6 +617,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       plgpu.Barrier(num_arrivals=CONSUMERS),  # turn: the consumers' turn on the tensor cores
       plgpu.Barrier(),                                             # v_tail
       plgpu.Barrier(num_arrivals=max(q_groups, 1), num_barriers=CONSUMERS),  # mask_ready
+      plgpu.Barrier(num_barriers=CONSUMERS),  # token: whose turn to issue (overlap)
   )
   body = functools.partial(
       _kernel, kv_layout=kv_layout, layered=layered, N2=N2, split_size=split_size,

@@ -38,9 +38,8 @@ from benchutil import log, timeit  # noqa: E402
 
 K, G, D = 8, 4, 128
 # (rows_per_wg, block_kv, stages, pingpong, overlap); the first is the default
-VARIANTS = [(64, 128, 2, True, False), (128, 64, 2, True, False), (64, 128, 2, True, True),
-            (64, 128, 2, False, True), (64, 64, 3, True, True)]
-OV = VARIANTS[2]  # software-pipelined consumers (FlashAttention-3's intra-warpgroup overlap)
+VARIANTS = [(64, 128, 2, True, False), (64, 128, 2, True, True), (64, 128, 2, False, True)]
+OV = VARIANTS[1]  # software-pipelined consumers (FlashAttention-3's intra-warpgroup overlap)
 
 
 def hb_of(v, splits=None):
@@ -130,7 +129,7 @@ def check(results):
       tm = tm.at[:, jnp.arange(T), jnp.arange(T) + Tn - T].set(True)
     kw = dict(layer=jnp.int32(1)) if layered else {}
     nn = None if tree else Tn
-    for v, sp in ((VARIANTS[0], None), (VARIANTS[1], 3), (OV, None), (OV, 3)):
+    for v, sp in ((VARIANTS[0], None), (VARIANTS[0], 3), (OV, None), (OV, 3)):
       what = (f"decode_attention {name(v)} splits={sp} B={B} T={T} T_new={Tn} G={Gc} S={S} "
               f"tree={tree} layered={layered}")
       try:
@@ -242,14 +241,6 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None):
         return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
       record(shape, name(OV) + " kernel only (context), q in place", kern_ov,
              (q, kc, vc, lengths), flops, nbytes)
-      for v in (VARIANTS[1],):
-        def kern(i, q, kc, vc, lengths, hb=hb_of(v)):
-          qr = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
-          o, l2 = hopper.rows_attention(qr, kc, vc, lengths - (i % 2), kv_layout="BKSD",
-                                        sm_scale=1 / math.sqrt(D), block_sizes=hb)
-          return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
-        record(shape, name(v) + " kernel only (context)", kern, (q, kc, vc, lengths), flops,
-               nbytes)
       Sm = int(ctx / B) // 128 * 128
       qa = jax.random.normal(ks[0], (B, T * G, K, D), jnp.float16)
       ka = jax.random.normal(ks[1], (B, Sm, K, D), jnp.float16)
@@ -283,7 +274,7 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None):
         return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
       return step
     record(shape, "triton prefix kernel", pstep(_GPU_DEFAULTS), (q, kp, vp, plen), flops, nbytes)
-    for v in (VARIANTS[0], VARIANTS[1], OV):
+    for v in VARIANTS:
       for sp in (None, 16):
         record(shape, name(v) + f" splits={sp or 'auto'}", pstep(hb_of(v, sp)),
                (q, kp, vp, plen), flops, nbytes)

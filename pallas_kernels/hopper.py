@@ -89,14 +89,16 @@ class HopperBlockSizes:
     softmax runs under the other's matrix products).
   overlap: software-pipeline each consumer (FlashAttention-3's intra-warpgroup overlap):
     QK^T of block i+1 and PV of block i are issued together, and the softmax of block i+1
-    runs while PV of block i is still on the tensor cores.
+    runs while PV of block i is still on the tensor cores; with ``pingpong`` the consumers
+    then pass a token to take turns issuing. None (default): on for 64-row warpgroups (a
+    128-row one has no registers to spare for a second score tile).
   """
   block_kv: int = 128
   stages: int = 2
   splits: int | None = None
   rows_per_wg: int = 64
   pingpong: bool = True
-  overlap: bool = False
+  overlap: bool | None = None
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
@@ -107,6 +109,10 @@ class HopperBlockSizes:
       raise ValueError(f"splits must be >= 1, got {self.splits}")
     if self.rows_per_wg not in (64, 128):
       raise ValueError(f"rows_per_wg must be 64 or 128, got {self.rows_per_wg}")
+
+  @property
+  def use_overlap(self) -> bool:
+    return self.rows_per_wg == 64 if self.overlap is None else self.overlap
 
   @property
   def rows_per_program(self) -> int:
@@ -622,7 +628,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   body = functools.partial(
       _kernel, kv_layout=kv_layout, layered=layered, N2=N2, split_size=split_size,
       block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype,
-      D=D, RW=RW, pingpong=bs.pingpong, overlap=bs.overlap, num_new=num_new,
+      D=D, RW=RW, pingpong=bs.pingpong, overlap=bs.use_overlap, num_new=num_new,
       q_groups=q_groups, q_tokens=T_q,
       mask_tiles=new_mask is not None, compiled=not interpret)
   kw = {}

@@ -7,9 +7,14 @@ by matrix throughput, not by reading K/V. The portable Triton-lowered kernels re
   * K/V tiles arrive by TMA into a ring of shared-memory stages (one producer warpgroup);
   * two consumer warpgroups of 64 (or 128) rows each run ``wgmma`` for QK^T and PV out of
     shared memory with the online softmax in registers;
-  * ping-pong: the consumers meet at a shared barrier twice per block, warpgroup 1 one
-    meeting behind warpgroup 0, so one's softmax runs under the other's matrix products;
-    the wait for the next K tile sits under the PV product;
+  * software pipelining (``overlap``, the default for 64-row warpgroups): a consumer issues
+    QK^T of block i+1 and PV of block i together, waits for the first only and runs block
+    i+1's softmax while PV is on the tensor cores (P is converted to bf16 only after PV is
+    done: writing the registers of an in-flight wgmma operand makes ptxas serialize them all);
+  * ping-pong: the two consumers take turns issuing their products (with ``overlap`` they
+    pass a token after issuing; without, they meet at a shared barrier twice per block,
+    warpgroup 1 one meeting behind warpgroup 0), so one's softmax runs under the other's
+    matrix products; the wait for the next K tile sits under the PV product;
   * the row tiles of one stream are launched side by side (Mosaic GPU launches the last
     grid axis fastest) so that they share its K/V through L2.
 
@@ -48,12 +53,12 @@ A verification reads q[B, T, H, D] and writes out[B, T, H, D] in place where G a
 rows ordered (g, t)); causal new tokens are then masked from indices in the kernel, and a
 tree's mask has one row per token. Other G take q as transposed rows [B, K, T x G, D].
 
-Status (benchmarks/hopper_attention_h100_s10.md and _s10b.md, H100): the default of
-``decode_attention`` from ``HOPPER_MIN_ROWS`` rows per KV head and of ``prefix_attention``
-from its own threshold, where it beats the Triton kernels: 64 x 8k verification at T=64 in
-724-737 vs 978-1002 us (1.24-1.26x the T=1 decode time; 2.12-2.15 TB/s of K/V, 542-551
-TFLOP/s), a 64-node token tree in 804-822 us, the B=64, P=1, L=16k prefix at T=5 in 165 vs
-233 us (benchmarks/hopper_attention_h100_s9.md).
+Status (benchmarks/hopper_attention_h100_s11c.md, H100; _s10.md and _s10b.md before the
+overlap): the default of ``decode_attention`` from ``HOPPER_MIN_ROWS`` rows per KV head and
+of ``prefix_attention`` from its own threshold, where it beats the Triton kernels: 64 x 8k
+verification at T=64 in 783 vs 1044 us (Triton) and 816 us (session 10's kernel) in one run,
+1.29x that run's T=1 decode time, 2.11 TB/s of K/V; a 64-node token tree in 800 us; the
+B=64, P=1, L=16k prefix at T=1 in 51 us (1.93x its roofline) and T=5 in 179 us.
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ The interpreter simulates the kernel's warpgroups, barriers and TMA copies (the 
 products run as jnp dots there), so these tests check the pipeline logic: the ring of K/V
 stages, the ping-pong turns of the two consumer warpgroups, splits of the key range, the
 ragged last block (masked scores, value rows zeroed by the producer), the new-token mask
-tiles of a verification, stacked layers, ragged lengths incl. 0 and below one block, NaN
-garbage past every valid slot. Compared with plain-jnp float32 attention. Interpretation is
+tiles of a verification, stacked layers, the software-pipelined consumers (overlap: the
+token passing, a first block masked or not, the last PV), ragged lengths incl. 0 and below
+one block, NaN garbage past every valid slot. Compared with plain-jnp float32 attention. Interpretation is
 slow (about 2 s per program), so shapes are small.
 """
 import math

@@ -518,12 +518,15 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   ``q_N1N2RD[N1, N2, R, D]`` (R a multiple of ``block_sizes.rows_per_program``), ``k``/``v``
   in ``kv_layout`` with the same N1, N2 (see module doc), ``lengths[N1]`` int32 in
   ``[0, L]``: stream ``n`` sees keys ``[0, lengths[n // N2])``.
-  ``q_layout="BTHD"`` (with ``kv_layout="BKSD"``, G query heads per KV head such that
-  ``q_groups_in_place``): q is ``[B, T, H = N2 * G, D]`` and is read in place, as is the
-  output written: a warpgroup's ``RW`` rows are the G heads x ``Tt = RW // G`` tokens
-  ``(g, t)`` (row ``r`` of stream ``(b, k)`` in tile ``i = r // RW`` is token
-  ``i * Tt + r % Tt`` and head ``k * G + (r % RW) // Tt``), R rounds ``T * G`` up to whole
-  programs, and the output is ``out[splits, B, T, H, D]`` (``lse2`` stays per row).
+  ``q_layout="BTHD"`` (G query heads per KV head such that ``q_groups_in_place``): q is
+  ``[N1, T, H = N2 * G, D]`` and is read in place, as is the output written: a warpgroup's
+  ``RW`` rows are the G heads x ``Tt = RW // G`` tokens ``(g, t)`` (row ``r`` of stream
+  ``(n1, k)`` in tile ``i = r // RW`` is token ``i * Tt + r % Tt`` and head
+  ``k * G + (r % RW) // Tt``), R rounds ``T * G`` up to whole programs, and the output is
+  ``out[splits, N1, T, H, D]`` (``lse2`` stays per row). With ``kv_layout="BKSD"`` N1 is
+  the batch (a verification's q[B, T, H, D]); with ``"PLKD"`` it is the prefix group and
+  the "tokens" are all queries of the group (a shared prefix's q[B, T, H, D] viewed as
+  ``[P, B/P x T, H, D]``, a free reshape).
   ``num_new = T_new > 0`` adds T_new keys after each length (the new tokens of a
   verification) under ``new_mask``, ``[N1, nb, R, block_kv]`` in q's dtype
   (``nb = ceil((block_kv - 1 + T_new) / block_kv)``): row ``r`` of stream ``n`` sees slot
@@ -542,10 +545,10 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   layered = layer is not None
   q_groups, T_q, pad_t = 0, 0, 0
   if q_layout == "BTHD":
-    if kv_layout != "BKSD":
-      raise ValueError("q_layout='BTHD' goes with kv_layout='BKSD'")
+    if kv_layout not in ("BKSD", "PLKD"):
+      raise ValueError(f"unknown kv_layout {kv_layout!r}")
     B_q, T_q, H_q, D = q_N1N2RD.shape
-    N1, N2 = B_q, k.shape[-3]
+    N1, N2 = B_q, k.shape[-3 if kv_layout == "BKSD" else -2]
     q_groups = H_q // N2
     if H_q % N2 or not q_groups_in_place(q_groups, bs):
       raise ValueError(f"q_layout='BTHD' needs H ({H_q}) = G x K ({N2}) with rows_per_wg "
@@ -692,7 +695,7 @@ def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
                            block_sizes=block_sizes, new_mask=new_mask, num_new=num_new,
                            layer=layer, q_layout=q_layout, interpret=interpret)
   if q_layout == "BTHD":
-    G = q_N1N2RD.shape[2] // k.shape[-3]
+    G = q_N1N2RD.shape[2] // k.shape[-3 if kv_layout == "BKSD" else -2]
     RW = (block_sizes or HopperBlockSizes()).rows_per_wg
     lse2 = _bthd_lse(lse2, q_N1N2RD.shape[1], G, RW // G)
   out_dtype = out_dtype or q_N1N2RD.dtype

@@ -372,14 +372,21 @@ def _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, layer, *, sm_scale,
                              interpret):
   """``prefix_attention`` through the Hopper kernel: the rows of each (group, KV head) as one
   matrix against its prefix (a stacked layer read in place), key splits merged by
-  log-sum-exp (``hopper.attention``)."""
+  log-sum-exp (``hopper.attention``). Where G allows (``hopper.q_groups_in_place``: G in
+  {1, 2, 4, 8}) the kernel reads q and writes out in place, q[B, T, H, D] viewed as
+  [P, B/P x T, H, D] (no transposes); other G go through transposed rows."""
   B, T, H, D = q.shape
   P, L, K, _ = k_prefix.shape[-4:]
   G, Bg = H // K, B // P
+  lengths = jnp.clip(lengths, 0, L)
+  if _hopper.q_groups_in_place(G, hopper_sizes):
+    o, lse = _hopper.attention(q.reshape(P, Bg * T, H, D), k_prefix, v_prefix, lengths,
+                               kv_layout="PLKD", sm_scale=sm_scale, block_sizes=hopper_sizes,
+                               layer=layer, q_layout="BTHD", interpret=interpret)
+    return o.reshape(B, T, H, D), lse.reshape(B, T, H)
   rows = Bg * T * G
   tile = hopper_sizes.rows_per_program
   rows_pad = _cdiv(rows, tile) * tile
-  lengths = jnp.clip(lengths, 0, L)
   q_PKRD = (q.reshape(P, Bg, T, K, G, D).transpose(0, 3, 1, 2, 4, 5).reshape(P, K, rows, D))
   if rows_pad != rows:
     q_PKRD = jnp.pad(q_PKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))

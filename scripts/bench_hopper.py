@@ -37,9 +37,11 @@ import numpy as np  # noqa: E402
 from benchutil import log, timeit  # noqa: E402
 
 K, G, D = 8, 4, 128
-# (rows_per_wg, block_kv, stages, pingpong, overlap); the first is the default
-VARIANTS = [(64, 128, 2, True, False), (64, 128, 2, True, True), (64, 128, 2, False, True)]
-OV = VARIANTS[1]  # software-pipelined consumers (FlashAttention-3's intra-warpgroup overlap)
+# (rows_per_wg, block_kv, stages, pingpong, overlap): the default (software-pipelined
+# consumers, FlashAttention-3's intra-warpgroup overlap, with ping-pong), session 10's
+# kernel (no overlap), and the default with 64-key blocks in a 4-deep ring
+VARIANTS = [(64, 128, 2, True, True), (64, 128, 2, True, False), (64, 64, 4, True, True)]
+OV = VARIANTS[0]
 
 
 def hb_of(v, splits=None):
@@ -129,7 +131,7 @@ def check(results):
       tm = tm.at[:, jnp.arange(T), jnp.arange(T) + Tn - T].set(True)
     kw = dict(layer=jnp.int32(1)) if layered else {}
     nn = None if tree else Tn
-    for v, sp in ((VARIANTS[0], None), (VARIANTS[0], 3), (OV, None), (OV, 3)):
+    for v, sp in ((VARIANTS[0], None), (VARIANTS[0], 3), (VARIANTS[1], 3), (VARIANTS[2], None)):
       what = (f"decode_attention {name(v)} splits={sp} B={B} T={T} T_new={Tn} G={Gc} S={S} "
               f"tree={tree} layered={layered}")
       try:
@@ -144,10 +146,15 @@ def check(results):
                                           vg.astype(jnp.float32), lengths, tm, num_new=nn, **kw)
       note(what, o, ro, lse, rl)
 
-  for (B, T, P, L, lens) in ((64, 1, 1, 5000, [4999]), (32, 5, 4, 3000, [3000, 0, 700, 129])):
-    q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.bfloat16)
-    kp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
-    vp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
+  # G in {4, 8, 1}: q / out in place; G=6: transposed rows
+  for (B, T, P, L, lens, Kc, Gc) in ((64, 1, 1, 5000, [4999], K, G),
+                                     (32, 5, 4, 3000, [3000, 0, 700, 129], K, G),
+                                     (24, 3, 3, 1000, [999, 1, 512], 2, 8),
+                                     (128, 2, 2, 640, [640, 300], 1, 1),
+                                     (16, 4, 2, 1000, [1000, 77], 2, 6)):
+    q = jnp.asarray(rng.standard_normal((B, T, Kc * Gc, D)), jnp.bfloat16)
+    kp = jnp.asarray(rng.standard_normal((P, L, Kc, D)), jnp.bfloat16)
+    vp = jnp.asarray(rng.standard_normal((P, L, Kc, D)), jnp.bfloat16)
     pl_ = jnp.asarray(lens, jnp.int32)
     bad = jnp.arange(L)[None, :, None, None] >= pl_[:, None, None, None]
     for v in VARIANTS[:3]:
@@ -156,11 +163,12 @@ def check(results):
                                 block_sizes=hb_of(v))
       ro, rl = prefix_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
                                           vp.astype(jnp.float32), pl_)
-      note(f"prefix_attention {name(v)} B={B} T={T} P={P} L={L} lengths={lens}", o, ro, lse, rl)
+      note(f"prefix_attention {name(v)} B={B} T={T} P={P} L={L} K={Kc} G={Gc} lengths={lens}",
+           o, ro, lse, rl)
   return ok
 
 
-def bench(results, ceil, inner, reps, prefix=True, ts=None):
+def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_only=False):
   from jax.experimental.pallas.ops.gpu import attention_mgpu as am
   from pallas_kernels import decode_attention, hopper, prefix_attention
   from pallas_kernels.decode_attention import _GPU_DEFAULTS as DEC_DEFAULTS
@@ -187,7 +195,7 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None):
   vc = jax.random.normal(ks[2], (B, K, S, D), jnp.bfloat16)
   rng = np.random.default_rng(1)
   for T, tree in ((1, False), (16, False), (32, False), (64, False), (64, True), (128, False)):
-    if ts and T not in ts:
+    if prefix_only or (ts and T not in ts):
       continue
     shape = f"verify B={B} T={T} S={S}" + (" tree" if tree else "")
     lengths = jnp.asarray(rng.integers(S // 2, S - T + 1, B), jnp.int32)
@@ -227,20 +235,14 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None):
         return m[0, 0, 0, 0].astype(jnp.float32) + m[-1, -1, -1, -1]
       record(shape, "new_token_mask alone (per token: trees)", mask_only, (lengths,), flops, nbytes)
     if T == 64 and not tree:
-      def kern_ip(i, q, kc, vc, lengths):
-        o, l2 = hopper.rows_attention(q, kc, vc, lengths - (i % 2), kv_layout="BKSD",
-                                      sm_scale=1 / math.sqrt(D), q_layout="BTHD")
-        return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
-      record(shape, name(VARIANTS[0]) + " kernel only (context), q in place", kern_ip,
-             (q, kc, vc, lengths), flops, nbytes)
-
-      def kern_ov(i, q, kc, vc, lengths):
-        o, l2 = hopper.rows_attention(q, kc, vc, lengths - (i % 2), kv_layout="BKSD",
-                                      sm_scale=1 / math.sqrt(D), q_layout="BTHD",
-                                      block_sizes=hb_of(OV))
-        return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
-      record(shape, name(OV) + " kernel only (context), q in place", kern_ov,
-             (q, kc, vc, lengths), flops, nbytes)
+      for v in VARIANTS[:2]:
+        def kern_ip(i, q, kc, vc, lengths, v=v):
+          o, l2 = hopper.rows_attention(q, kc, vc, lengths - (i % 2), kv_layout="BKSD",
+                                        sm_scale=1 / math.sqrt(D), q_layout="BTHD",
+                                        block_sizes=hb_of(v))
+          return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
+        record(shape, name(v) + " kernel only (context), q in place", kern_ip,
+               (q, kc, vc, lengths), flops, nbytes)
       Sm = int(ctx / B) // 128 * 128
       qa = jax.random.normal(ks[0], (B, T * G, K, D), jnp.float16)
       ka = jax.random.normal(ks[1], (B, Sm, K, D), jnp.float16)
@@ -258,8 +260,8 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None):
   if not prefix:
     return
 
-  B, L = 64, 16384
-  for T in (1, 5):
+  L = 16384
+  for B, T in ((64, 1), (64, 5), (256, 1)):
     P = 1
     shape = f"prefix B={B} T={T} P={P} L={L}"
     q = jax.random.normal(ks[0], (B, T, K * G, D), jnp.bfloat16)
@@ -267,17 +269,52 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None):
     vp = jax.random.normal(ks[2], (P, L, K, D), jnp.bfloat16)
     plen = jnp.full((P,), L, jnp.int32)
     flops, nbytes = 4 * B * T * K * G * L * D, 2 * P * L * K * D * 2
+    args = (q, kp, vp, plen)
 
     def pstep(bs):
       def step(i, q, kp, vp, plen):
         o, l = prefix_attention(q, kp, vp, plen - (i % 2), block_sizes=bs)
         return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
       return step
-    record(shape, "triton prefix kernel", pstep(_GPU_DEFAULTS), (q, kp, vp, plen), flops, nbytes)
+    record(shape, "triton prefix kernel", pstep(_GPU_DEFAULTS), args, flops, nbytes)
     for v in VARIANTS:
-      for sp in (None, 16):
-        record(shape, name(v) + f" splits={sp or 'auto'}", pstep(hb_of(v, sp)),
-               (q, kp, vp, plen), flops, nbytes)
+      record(shape, name(v) + " splits=auto", pstep(hb_of(v)), args, flops, nbytes)
+    for sp in (4, 6, 12, 16):
+      record(shape, name(OV) + f" splits={sp}", pstep(hb_of(OV, sp)), args, flops, nbytes)
+
+    def transposed(i, q, kp, vp, plen):  # session 11's path: q / out as rows [P, K, R, D]
+      Bg, rows = B // P, B // P * T * G
+      pad = -rows % hb_of(OV).rows_per_program
+      qr = q.reshape(P, Bg, T, K, G, D).transpose(0, 3, 1, 2, 4, 5).reshape(P, K, rows, D)
+      qr = jnp.pad(qr, ((0, 0), (0, 0), (0, pad), (0, 0)))
+      o, l = hopper.attention(qr, kp, vp, plen - (i % 2), kv_layout="PLKD",
+                              sm_scale=1 / math.sqrt(D), block_sizes=hb_of(OV))
+      o = o[:, :, :rows].reshape(P, K, Bg, T, G, D).transpose(0, 2, 3, 1, 4, 5)
+      return o[0, 0, 0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
+    record(shape, name(OV) + " q/out transposed (session 11)", transposed, args, flops, nbytes)
+
+    def kern(i, q, kp, vp, plen):  # the kernel alone: splits not merged
+      o, l2 = hopper.rows_attention(q.reshape(P, B // P * T, K * G, D), kp, vp,
+                                    plen - (i % 2), kv_layout="PLKD", q_layout="BTHD",
+                                    sm_scale=1 / math.sqrt(D), block_sizes=hb_of(OV))
+      return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
+    record(shape, name(OV) + " kernel only (splits unmerged)", kern, args, flops, nbytes)
+    if profile:  # the GPU kernels of the default call and of the kernel alone
+      from benchutil import kernel_table
+      for tag, fn in (("default", pstep(None)), ("kernel only", kern)):
+        loop = jax.jit(lambda *a, fn=fn: jax.lax.fori_loop(
+            0, inner, lambda i, acc: acc + fn(i, *a).astype(jnp.float32), jnp.float32(0)))
+        jax.block_until_ready(loop(*args))
+        d = os.path.join(profile, f"{shape.replace(' ', '_').replace('=', '')}_{tag[:7]}")
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+          for _ in range(reps):
+            jax.block_until_ready(loop(*args))
+        kt = kernel_table(d, inner * reps, top=8, width=60)
+        results.append(dict(kind="profile", shape=shape, impl=tag, **kt))
+        log(f"{shape} {tag}: {kt.get('kernels', 0):.1f} kernels/call, busy "
+            f"{kt.get('busy_us', 0):.1f} us, span {kt.get('span_us', 0):.1f} us")
+        for r in kt.get("table", []):
+          log(f"   {r['us']:8.1f} us  x{r['per_step']:.1f}  {r['name']}")
 
 
 def main():
@@ -287,7 +324,10 @@ def main():
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--check-only", action="store_true")
   ap.add_argument("--no-prefix", action="store_true", help="time verification shapes only")
+  ap.add_argument("--prefix-only", action="store_true", help="time the prefix shapes only")
   ap.add_argument("--ts", type=int, nargs="*", help="time verification at these T only")
+  ap.add_argument("--profile", default="", help="a folder for profiler traces of the prefix "
+                  "calls: their GPU kernels per call")
   a = ap.parse_args()
   from bench_prefix import ceilings
   dev = jax.devices()[0]
@@ -305,7 +345,8 @@ def main():
     sys.exit(0 if ok else 1)
   ceil = ceilings(1 << 30, 10, 3)
   log(f"copy {ceil['copy_TBps']:.3f} TB/s, matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
-  bench(results, ceil, a.inner, a.reps, prefix=not a.no_prefix, ts=a.ts)
+  bench(results, ceil, a.inner, a.reps, prefix=not a.no_prefix, ts=a.ts, profile=a.profile,
+        prefix_only=a.prefix_only)
   with open(a.out + ".json", "w") as f:
     json.dump(dict(env=env, ceilings=ceil, checks_ok=ok, results=results), f, indent=1)
   lines = ["# Hopper (Mosaic GPU) attention kernel\n",

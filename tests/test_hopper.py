@@ -77,10 +77,15 @@ def test_rows_attention_matches_reference(layout, lengths, splits, stages, rows_
   assert not empty.any() or float(jnp.max(jnp.abs(o[empty]))) == 0.0
 
 
-def test_prefix_attention_through_hopper_kernel():
-  """Stacked layers [layers, P, L, K, D], one read in place."""
-  rng = np.random.default_rng(7)
-  B, T, K, G, D, P, L = 16, 2, 2, 4, 64, 2, 152
+@pytest.mark.parametrize("B,T,K,G,P,splits", [
+    # G=4: q[B, T, H, D] read and out written in place (as [P, B/P x T, H, D]), 2 splits
+    (16, 2, 2, 4, 2, 2),
+    (6, 3, 1, 3, 2, 1),   # G=3: q as transposed rows [P, K, B/P x T x G, D]
+])
+def test_prefix_attention_through_hopper_kernel(B, T, K, G, P, splits):
+  """Stacked layers [layers, P, L, K, D], one read in place; ragged prefix lengths."""
+  rng = np.random.default_rng(7 + G)
+  D, L = 64, 152
   q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.bfloat16)
   kp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
   vp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
@@ -91,7 +96,7 @@ def test_prefix_attention_through_hopper_kernel():
   other = jnp.full_like(kg, jnp.nan)  # layer 0: must not be read
   o, lse = prefix_attention(q, jnp.stack([other, kg]), jnp.stack([other, vg]), lengths,
                             interpret=True, layer=jnp.int32(1),
-                            block_sizes=hopper.HopperBlockSizes(block_kv=64, splits=1))
+                            block_sizes=hopper.HopperBlockSizes(block_kv=64, splits=splits))
   ro, rl = prefix_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
                                       vp.astype(jnp.float32), lengths)
   np.testing.assert_allclose(lse, rl, atol=1e-5, rtol=1e-5)
@@ -180,8 +185,8 @@ def test_hopper_block_sizes_and_inputs_are_checked():
   with pytest.raises(ValueError, match="rows_per_wg"):
     hopper.rows_attention(qt, kt, kt, jnp.ones((1,), jnp.int32), kv_layout="BKSD",
                           sm_scale=1.0, q_layout="BTHD")
-  with pytest.raises(ValueError, match="goes with"):
-    hopper.rows_attention(qt, kt, kt, jnp.ones((1,), jnp.int32), kv_layout="PLKD",
+  with pytest.raises(ValueError, match="unknown kv_layout"):
+    hopper.rows_attention(qt, kt, kt, jnp.ones((1,), jnp.int32), kv_layout="BSKD",
                           sm_scale=1.0, q_layout="BTHD")
   with pytest.raises(ValueError, match="q_layout"):
     hopper.rows_attention(qt, kt, kt, jnp.ones((1,), jnp.int32), kv_layout="BKSD",

@@ -80,9 +80,28 @@ def ceilings(nbytes, inner, reps):
     t = _time_carry(lambda i, c: (jnp.dot(c[0], c[1]), c[1]), (a, w), max(2, inner // 4), reps)
     mm[f"bf16 {n}^3"] = 2 * n ** 3 / t / 1e12
     del a, w
-  return {"bytes": int(nbytes), "copy_TBps": max(variants.values()),
-          "copy_variants_TBps": variants, "matmul_TFLOPs": max(mm.values()),
-          "matmul_variants_TFLOPs": mm}
+  out = {"bytes": int(nbytes), "copy_TBps": max(variants.values()),
+         "copy_variants_TBps": variants, "matmul_TFLOPs": max(mm.values()),
+         "matmul_variants_TFLOPs": mm}
+  # The same ceilings in GPU time (kernel durations: no loop dispatch / sync), for kernels
+  # timed the same way (benchutil.device_time).
+  from benchutil import device_time_of
+  x = jax.random.normal(jax.random.key(0), (nbytes // 2 // 1024, 1024), jnp.bfloat16)
+  f = jax.jit(lambda y: jax.lax.fori_loop(0, inner, lambda i, y: y + jnp.bfloat16(1), y))
+  dev = device_time_of(f, (x,), calls=inner, reps=reps)
+  del x
+  n = 8192
+  a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(2), (n, n), jnp.float32) / math.sqrt(n)).astype(
+      jnp.bfloat16)
+  calls = max(2, inner // 4)
+  g = jax.jit(lambda a, w: jax.lax.fori_loop(0, calls, lambda i, c: (jnp.dot(c[0], c[1]), c[1]),
+                                             (a, w))[0])
+  dmm = device_time_of(g, (a, w), calls=calls, reps=reps)
+  if dev and dmm:
+    out.update(copy_TBps_device=2 * nbytes / dev[0] / 1e12,
+               matmul_TFLOPs_device=2 * n ** 3 / dmm[0] / 1e12)
+  return out
 
 
 def prefix_step(bs, interpret=False):

@@ -31,6 +31,31 @@ import numpy as np  # noqa: E402
 from benchutil import kernel_table, log, timeit  # noqa: E402
 
 
+def gpu_events(trace_dir):
+  """(start us, duration us, name) of every GPU event of a perfetto trace, by start time."""
+  import glob
+  import gzip
+  pf = glob.glob(trace_dir + "/**/perfetto_trace.json.gz", recursive=True)[0]
+  ev = json.load(gzip.open(pf))
+  ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+  pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("name") == "process_name"}
+  gpu = [(e["ts"], e.get("dur", 0), e["name"]) for e in ev
+         if e.get("ph") == "X" and "GPU" in pname.get(e.get("pid"), "")]
+  return sorted(gpu)
+
+
+def gaps(trace_dir, min_us=50.0):
+  """The idle times between consecutive GPU events (quantiles), and the long ones (reps)."""
+  g = gpu_events(trace_dir)
+  idle = [max(0.0, b[0] - (a[0] + a[1])) for a, b in zip(g, g[1:])]
+  big = [round(x, 1) for x in idle if x > min_us]
+  small = sorted(x for x in idle if x <= min_us)
+  q = lambda f: small[int(f * (len(small) - 1))] if small else float("nan")  # noqa: E731
+  return dict(events=len(g), idle_sum_small_us=sum(small), idle_p50_us=q(0.5),
+              idle_p90_us=q(0.9), idle_max_small_us=small[-1] if small else float("nan"),
+              long_idles_us=big[:12])
+
+
 def busy_us(step, arrays, inner, reps):
   loop = jax.jit(lambda *a: jax.lax.fori_loop(
       0, inner, lambda i, acc: acc + step(i, *a).astype(jnp.float32), jnp.float32(0),
@@ -41,6 +66,8 @@ def busy_us(step, arrays, inner, reps):
     for _ in range(reps):
       jax.block_until_ready(loop(*arrays))
   kt = kernel_table(d, inner * reps, top=6, width=50)
+  if kt:
+    kt["gaps"] = gaps(d)
   return kt.get("busy_us", float("nan")), kt
 
 
@@ -49,6 +76,8 @@ def main():
   ap.add_argument("--out", default="benchmarks/probe_loop_overhead_h100")
   ap.add_argument("--inner", type=int, default=10)
   ap.add_argument("--reps", type=int, default=7)
+  ap.add_argument("--sustain", type=float, default=0.0,
+                  help="seconds of back-to-back verification at T=64 and T=1 (clock drift)")
   a = ap.parse_args()
   from pallas_kernels import decode_attention, prefix_attention
   from pallas_kernels.decode_attention import _GPU_DEFAULTS as DEC
@@ -61,13 +90,16 @@ def main():
     try:
       for mode, kw in (("rolled", dict(unroll=False)), ("unrolled", dict(unroll=True))):
         r[mode + "_us"] = timeit(step, arrays, inner=a.inner, reps=a.reps, **kw)[0] * 1e6
+      r["unrolled_x4_us"] = timeit(step, arrays, inner=4 * a.inner, reps=a.reps,
+                                   unroll=True)[0] * 1e6
       r["busy_us"], r["kernels"] = busy_us(step, arrays, a.inner, 3)
+      log(name, r["kernels"].get("gaps"))
     except Exception as e:  # noqa: BLE001
       log(name, "FAILED", type(e).__name__, str(e)[:600])
       return
     rows.append(r)
     log(f"{name:40s} rolled {r['rolled_us']:8.1f}  unrolled {r['unrolled_us']:8.1f}  "
-        f"GPU busy {r['busy_us']:8.1f} us")
+        f"unrolled x4 {r['unrolled_x4_us']:8.1f}  GPU busy {r['busy_us']:8.1f} us")
 
   x = jax.random.normal(ks[0], (1 << 19,), jnp.bfloat16)
   measure("tiny elementwise (1 MB)", lambda i, x: jnp.sum(x[:1024] * i.astype(x.dtype)), (x,))
@@ -95,6 +127,28 @@ def main():
       o, l = decode_attention(q, kc, vc, lengths - i, block_sizes=DEC if T == 1 else None)
       return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
     measure(f"verify B={B} T={T} S={S} (default)", vstep, (q, kc, vc, lengths))
+  if a.sustain:  # per-rep times over a few seconds of back-to-back T=64 / T=1 verification
+    import time
+    for T in (64, 1):
+      q = jax.random.normal(ks[0], (B, T, K * G, D), jnp.bfloat16)
+
+      def vloop(q, kc, vc, lengths, T=T):
+        def body(i, acc):
+          o, l = decode_attention(q, kc, vc, lengths - i, block_sizes=DEC if T == 1 else None)
+          return acc + o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
+        return jax.lax.fori_loop(0, a.inner, body, jnp.float32(0), unroll=True)
+      f = jax.jit(vloop)
+      jax.block_until_ready(f(q, kc, vc, lengths))
+      per, t_end = [], time.perf_counter() + a.sustain
+      while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        jax.block_until_ready(f(q, kc, vc, lengths))
+        per.append((time.perf_counter() - t) / a.inner * 1e6)
+      qs = [per[int(f_ * (len(per) - 1))] for f_ in (0.0, 0.1, 0.5, 0.9, 1.0)]
+      rows.append(dict(name=f"sustained verify T={T} ({a.sustain} s)", per_call_us=per[:400],
+                       first5=per[:5], last5=per[-5:], quantiles=qs))
+      log(f"sustained T={T}: {len(per)} reps, first {[round(x) for x in per[:5]]} last "
+          f"{[round(x) for x in per[-5:]]} min/p10/p50/p90/max {[round(x) for x in qs]}")
   env = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
              python=platform.python_version(), command="python3 " + " ".join(sys.argv))
   with open(a.out + ".json", "w") as f:
@@ -102,10 +156,15 @@ def main():
   lines = ["# Timing-loop overhead (rolled vs unrolled device loop vs GPU busy time)\n",
            f"- device: {env['device']}, jax {env['jax']}, python {env['python']}",
            f"- command: `{env['command']}`; {a.inner} calls per loop, median of {a.reps}\n",
-           "| step | rolled loop (us/call) | unrolled (us/call) | GPU busy (us/call) |",
-           "|---|---|---|---|"]
+           f"| step | rolled loop (us/call) | unrolled (us/call) | unrolled, {4 * a.inner} "
+           "calls | GPU busy (us/call) |", "|---|---|---|---|---|"]
   lines += [f"| {r['name']} | {r['rolled_us']:.1f} | {r['unrolled_us']:.1f} | "
-            f"{r['busy_us']:.1f} |" for r in rows]
+            f"{r['unrolled_x4_us']:.1f} | {r['busy_us']:.1f} |" for r in rows if "busy_us" in r]
+  for r in rows:
+    if "quantiles" in r:
+      lines.append(f"\n{r['name']}: per call (us) first reps {[round(x) for x in r['first5']]}, "
+                   f"last {[round(x) for x in r['last5']]}, min/p10/p50/p90/max "
+                   f"{[round(x) for x in r['quantiles']]}")
   with open(a.out + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   log("wrote", a.out)

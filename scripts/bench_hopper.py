@@ -334,6 +334,8 @@ def main():
   ap.add_argument("--inner", type=int, default=10)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--check-only", action="store_true")
+  ap.add_argument("--skip-checks", action="store_true",
+                  help="time only (the checks take about 3 minutes on an H100)")
   ap.add_argument("--no-prefix", action="store_true", help="time verification shapes only")
   ap.add_argument("--prefix-only", action="store_true", help="time the prefix shapes only")
   ap.add_argument("--ts", type=int, nargs="*", help="time verification at these T only")
@@ -346,12 +348,15 @@ def main():
              command="python3 " + " ".join(sys.argv))
   log(env)
   results = []
-  try:
-    ok = check(results)
-  except Exception:  # noqa: BLE001
-    traceback.print_exc()
-    ok = False
-  log("checks", "pass" if ok else "FAILED")
+  if a.skip_checks:
+    ok = None
+  else:
+    try:
+      ok = check(results)
+    except Exception:  # noqa: BLE001
+      traceback.print_exc()
+      ok = False
+    log("checks", "pass" if ok else "FAILED")
   if a.check_only:
     sys.exit(0 if ok else 1)
   ceil = ceilings(1 << 30, 10, 3)
@@ -373,7 +378,7 @@ def main():
            "- wall: a 10-call jitted loop's wall-clock time per call (its dispatch and the wait "
            "for its end included); GPU: the calls' kernel durations from a profiler trace",
            f"- correctness checks (float32 references, NaN garbage past the valid slots): "
-           f"{'all pass' if ok else 'FAILED'}\n",
+           f"{'not run (--skip-checks)' if ok is None else 'all pass' if ok else 'FAILED'}\n",
            "| shape | implementation | wall (us) | x roofline | GPU (us) | TFLOP/s (GPU) | "
            "KV TB/s (GPU) | x roofline (GPU) |", "|---|---|---|---|---|---|---|---|"]
   for r in results:
@@ -389,7 +394,7 @@ def main():
   with open(a.out + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   log("wrote", a.out)
-  sys.exit(0 if ok else 1)
+  sys.exit(0 if ok is not False else 1)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,11 @@ class HopperBlockSizes:
     runs while PV of block i is still on the tensor cores; with ``pingpong`` the consumers
     then pass a token to take turns issuing. None (default): on for 64-row warpgroups (a
     128-row one has no registers to spare for a second score tile).
+  longest_first: launch the streams of the longest sequences first (ragged lengths: the
+    programs that start last are then the short ones, so fewer SMs idle at the end).
+  registers: (per consumer thread, per producer thread) register caps (``setmaxnreg``);
+    None: (232, 40) for 64-row warpgroups, (240, 24) for 128-row ones. 2 x consumer +
+    producer must stay within 512 (64K registers over 3 warpgroups of 128 threads).
   """
   block_kv: int = 128
   stages: int = 2
@@ -104,6 +109,8 @@ class HopperBlockSizes:
   rows_per_wg: int = 64
   pingpong: bool = True
   overlap: bool | None = None
+  longest_first: bool = False
+  registers: tuple[int, int] | None = None
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
@@ -114,6 +121,19 @@ class HopperBlockSizes:
       raise ValueError(f"splits must be >= 1, got {self.splits}")
     if self.rows_per_wg not in (64, 128):
       raise ValueError(f"rows_per_wg must be 64 or 128, got {self.rows_per_wg}")
+    if self.registers is not None:
+      c, p = self.registers
+      if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p > 512:
+        raise ValueError(f"registers (consumer, producer) must be multiples of 8 in "
+                         f"[24, 256] with 2 x consumer + producer <= 512, got {self.registers}")
+
+  @property
+  def consumer_registers(self) -> int:
+    return self.registers[0] if self.registers else (240 if self.rows_per_wg == 128 else 232)
+
+  @property
+  def producer_registers(self) -> int:
+    return self.registers[1] if self.registers else (24 if self.rows_per_wg == 128 else 40)
 
   @property
   def use_overlap(self) -> bool:
@@ -145,9 +165,10 @@ def check_requested(fits: bool, need: str, interpret) -> None:
     raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
 
 
-def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
+def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
             layered, N2, split_size, block_kv, stages, scale_log2, dtype, D, RW, pingpong,
-            overlap, num_new, q_groups, q_tokens, mask_tiles, compiled):
+            overlap, num_new, q_groups, q_tokens, mask_tiles, compiled, consumer_regs,
+            producer_regs):
   if mask_tiles:
     mask_ref, *refs = refs
   (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, mask_smem, k_ready, v_ready, q_ready,
@@ -155,7 +176,9 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
   r_tile = lax.axis_index("r")
   split = lax.axis_index("s")
   n = lax.axis_index("n")
-  n1 = lax.div(n, jnp.int32(N2))
+  # Streams are launched in ``order`` (longest first where the lengths are ragged: the
+  # programs that start last are then the short ones, and fewer SMs idle at the end).
+  n1 = order_ref[lax.div(n, jnp.int32(N2))]
   n2 = lax.rem(n, jnp.int32(N2))
   wg = lax.axis_index("wg")
 
@@ -211,7 +234,7 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
 
   @pl.when(wg < CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(240 if RW == 128 else 232, action="increase")
+    plgpu.set_max_registers(consumer_regs, action="increase")
     row0 = (r_tile * CONSUMERS + wg) * RW
     qo = q_smem.at[wg]
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -419,7 +442,7 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
 
   @pl.when(wg == CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(24 if RW == 128 else 40, action="decrease")
+    plgpu.set_max_registers(producer_regs, action="decrease")
 
     @pl.loop(0, nblocks)
     def _(i):
@@ -638,7 +661,8 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype,
       D=D, RW=RW, pingpong=bs.pingpong, overlap=bs.use_overlap, num_new=num_new,
       q_groups=q_groups, q_tokens=T_q,
-      mask_tiles=new_mask is not None, compiled=not interpret)
+      mask_tiles=new_mask is not None, compiled=not interpret,
+      consumer_regs=bs.consumer_registers, producer_regs=bs.producer_registers)
   kw = {}
   if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA and wgmma simulated on CPU)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -651,7 +675,12 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     widths[ax] = (0, -(-L // bs.block_kv) * bs.block_kv - L)
     k, v = jnp.pad(k, widths), jnp.pad(v, widths)
   layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-  args = (lengths.astype(jnp.int32), layer_arr, q_N1N2RD, k, v)
+  lengths = lengths.astype(jnp.int32)
+  if bs.longest_first and N1 > 1:
+    order = jnp.argsort(-lengths, stable=True).astype(jnp.int32)
+  else:
+    order = jnp.arange(N1, dtype=jnp.int32)
+  args = (lengths, order, layer_arr, q_N1N2RD, k, v)
   if new_mask is not None:
     args += (new_mask,)
   out_shape = ((splits, N1, T_q + pad_t, N2 * q_groups, D) if q_groups

@@ -232,6 +232,16 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
       if T * G < 2 * v[0]:
         continue
       record(shape, name(v), dec(hb_of(v)), (q, kc, vc, lengths), flops, nbytes)
+    if T == 64:  # launch order and register caps, the default timed again last (drift)
+      import dataclasses
+      for label, kw in (("longest first", dict(longest_first=True)),
+                        ("registers 240/32", dict(registers=(240, 32))),
+                        ("longest first, registers 240/32",
+                         dict(longest_first=True, registers=(240, 32))),
+                        ("(default again)", {})):
+        record(shape, name(VARIANTS[0]) + " " + label,
+               dec(dataclasses.replace(hb_of(VARIANTS[0]), **kw)), (q, kc, vc, lengths),
+               flops, nbytes)
     if T == 64:  # the same default kernel with q / out transposed around it (session 9)
       def dec_t(i, q, kc, vc, lengths):
         o, l = hopper.verify_attention(q, kc, vc, lengths - (i % 2), tm,

@@ -235,9 +235,9 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
     if T == 64:  # launch order and register caps, the default timed again last (drift)
       import dataclasses
       for label, kw in (("longest first", dict(longest_first=True)),
-                        ("registers 240/32", dict(registers=(240, 32))),
-                        ("longest first, registers 240/32",
-                         dict(longest_first=True, registers=(240, 32))),
+                        ("registers 240/24", dict(registers=(240, 24))),
+                        ("longest first, registers 240/24",
+                         dict(longest_first=True, registers=(240, 24))),
                         ("(default again)", {})):
         record(shape, name(VARIANTS[0]) + " " + label,
                dec(dataclasses.replace(hb_of(VARIANTS[0]), **kw)), (q, kc, vc, lengths),

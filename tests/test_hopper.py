@@ -159,6 +159,9 @@ def test_hopper_block_sizes_and_inputs_are_checked():
     hopper.HopperBlockSizes(block_kv=96)
   with pytest.raises(ValueError, match="stages"):
     hopper.HopperBlockSizes(stages=1)
+  with pytest.raises(ValueError, match="504"):  # would hang on the GPU (setmaxnreg waits)
+    hopper.HopperBlockSizes(registers=(240, 32))
+  assert hopper.HopperBlockSizes(registers=(240, 24)).consumer_registers == 240
   q = jnp.zeros((1, 1, 128, 64), jnp.float32)
   with pytest.raises(ValueError, match="bf16/f16"):
     hopper.rows_attention(q, jnp.zeros((1, 1, 128, 64)), jnp.zeros((1, 1, 128, 64)),

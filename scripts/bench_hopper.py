@@ -298,7 +298,7 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
     record(shape, "triton prefix kernel", pstep(_GPU_DEFAULTS), args, flops, nbytes)
     for v in VARIANTS:
       record(shape, name(v) + " splits=auto", pstep(hb_of(v)), args, flops, nbytes)
-    for sp in (4, 6, 12, 16):
+    for sp in (4, 16):
       record(shape, name(OV) + f" splits={sp}", pstep(hb_of(OV, sp)), args, flops, nbytes)
 
     def transposed(i, q, kp, vp, plen):  # session 11's path: q / out as rows [P, K, R, D]

@@ -168,7 +168,8 @@ def check(results):
   return ok
 
 
-def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_only=False):
+def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_only=False,
+          prefix_shapes=None):
   from jax.experimental.pallas.ops.gpu import attention_mgpu as am
   from pallas_kernels import decode_attention, hopper, prefix_attention
   from pallas_kernels.decode_attention import _GPU_DEFAULTS as DEC_DEFAULTS
@@ -281,6 +282,8 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
 
   L = 16384
   for B, T in ((64, 1), (64, 5), (256, 1)):
+    if prefix_shapes and f"{B}x{T}" not in prefix_shapes:
+      continue
     P = 1
     shape = f"prefix B={B} T={T} P={P} L={L}"
     q = jax.random.normal(ks[0], (B, T, K * G, D), jnp.bfloat16)
@@ -295,6 +298,10 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
         o, l = prefix_attention(q, kp, vp, plen - (i % 2), block_sizes=bs)
         return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
       return step
+    def harness(i, q, kp, vp, plen):  # the loop's own kernels without the attention
+      return q[0, 0, 0, 0].astype(jnp.float32) + (plen - (i % 2))[-1].astype(jnp.float32)
+    record(shape, "the timing loop alone (its scalar kernels, no attention)", harness, args,
+           flops, nbytes)
     record(shape, "triton prefix kernel", pstep(_GPU_DEFAULTS), args, flops, nbytes)
     for v in VARIANTS:
       record(shape, name(v) + " splits=auto", pstep(hb_of(v)), args, flops, nbytes)
@@ -346,6 +353,8 @@ def main():
                   help="time only (the checks take about 3 minutes on an H100)")
   ap.add_argument("--no-prefix", action="store_true", help="time verification shapes only")
   ap.add_argument("--prefix-only", action="store_true", help="time the prefix shapes only")
+  ap.add_argument("--prefix-shapes", nargs="*", help="prefix shapes BxT to time (64x1 64x5 "
+                  "256x1: all)")
   ap.add_argument("--ts", type=int, nargs="*", help="time verification at these T only")
   ap.add_argument("--profile", default="", help="a folder for profiler traces of the prefix "
                   "calls: their GPU kernels per call")
@@ -371,7 +380,7 @@ def main():
   log(f"copy {ceil['copy_TBps']:.3f} TB/s, matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s; GPU time "
       f"{ceil.get('copy_TBps_device')} TB/s, {ceil.get('matmul_TFLOPs_device')} TFLOP/s")
   bench(results, ceil, a.inner, a.reps, prefix=not a.no_prefix, ts=a.ts, profile=a.profile,
-        prefix_only=a.prefix_only)
+        prefix_only=a.prefix_only, prefix_shapes=a.prefix_shapes)
   with open(a.out + ".json", "w") as f:
     json.dump(dict(env=env, ceilings=ceil, checks_ok=ok, results=results), f, indent=1)
   nan = float("nan")

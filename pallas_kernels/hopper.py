@@ -16,7 +16,9 @@ by matrix throughput, not by reading K/V. The portable Triton-lowered kernels re
     warpgroup 1 one meeting behind warpgroup 0), so one's softmax runs under the other's
     matrix products; the wait for the next K tile sits under the PV product;
   * the row tiles of one stream are launched side by side (Mosaic GPU launches the last
-    grid axis fastest) so that they share its K/V through L2.
+    grid axis fastest) so that they share its K/V through L2, and the streams of the longest
+    sequences first (``longest_first``): with ragged lengths the programs that start last
+    are then the short ones, so fewer SMs idle at the end.
 
 Problem solved here (``rows_attention``): ``N`` streams (e.g. (group, KV head) or
 (sequence, KV head)); stream ``n`` has query rows ``q[n, :R]`` and keys/values in a
@@ -52,13 +54,17 @@ A verification reads q[B, T, H, D] and writes out[B, T, H, D] in place where G a
 (``q_layout="BTHD"``: a warpgroup's rows are G strided boxes of ``rows_per_wg // G`` tokens,
 rows ordered (g, t)); causal new tokens are then masked from indices in the kernel, and a
 tree's mask has one row per token. Other G take q as transposed rows [B, K, T x G, D].
+A shared prefix does the same with q[B, T, H, D] viewed as [P, B/P x T, H, D] (a free
+reshape): the queries of a group are its "tokens".
 
-Status (benchmarks/hopper_attention_h100_s11c.md, H100; _s10.md and _s10b.md before the
-overlap): the default of ``decode_attention`` from ``HOPPER_MIN_ROWS`` rows per KV head and
-of ``prefix_attention`` from its own threshold, where it beats the Triton kernels: 64 x 8k
-verification at T=64 in 783 vs 1044 us (Triton) and 816 us (session 10's kernel) in one run,
-1.29x that run's T=1 decode time, 2.11 TB/s of K/V; a 64-node token tree in 800 us; the
-B=64, P=1, L=16k prefix at T=1 in 51 us (1.93x its roofline) and T=5 in 179 us.
+Status (GPU time on one H100, benchmarks/hopper_attention_h100_s12b.md, _s12d.md and
+attention_h100_s12.md): the default of ``decode_attention`` from ``HOPPER_MIN_ROWS`` rows per
+KV head and of ``prefix_attention`` from its own threshold, where it beats the Triton kernels:
+64 x 8k verification at T=64 in 683-701 us (Triton 995 us), 1.23-1.28x the T=1 decode time,
+2.36 TB/s of K/V = 88% of the copy ceiling; a 64-node token tree in 714 us; the B=64, P=1,
+L=16k prefix at T=1 in 32 us (1.29x its roofline; 35.5 us with the split merge) and at T=5 in
+140 us (1.22x). A sustained T=64-only load reaches the H100's 700 W cap and the clock falls
+to ~1.6 GHz (benchmarks/probe_loop_overhead_h100.md).
 """
 from __future__ import annotations
 

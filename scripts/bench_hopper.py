@@ -408,6 +408,13 @@ def main():
     if r["kind"] == "check":
       lines.append(f"| {r['what']} | {r.get('max_err_out', float('nan')):.2e} | "
                    f"{r.get('max_err_lse', float('nan')):.2e} | {r['ok']} |")
+  prof = [r for r in results if r["kind"] == "profile" and "table" in r]
+  if prof:
+    lines += ["", "## GPU kernels per call (profiler, `--profile`)", ""]
+    for r in prof:
+      lines.append(f"- {r['shape']}, {r['impl']}: {r['kernels']:.1f} kernels per call, "
+                   f"{r['busy_us']:.1f} us busy")
+      lines += [f"  - {t['us']:.1f} us x{t['per_step']:.1f} `{t['name']}`" for t in r["table"]]
   with open(a.out + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   log("wrote", a.out)

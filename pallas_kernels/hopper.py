@@ -109,7 +109,8 @@ class HopperBlockSizes:
     benchmarks/hopper_attention_h100_s12b.md).
   registers: (per consumer thread, per producer thread) register caps (``setmaxnreg``);
     None: (232, 40) for 64-row warpgroups, (240, 24) for 128-row ones. 2 x consumer +
-    producer must stay within 504 (the block's launch allocation of 168 per thread).
+    producer must stay within 504 (the block's launch allocation of 168 per thread), with
+    producer <= 168 <= consumer (the producer gives registers back, the consumers take them).
   """
   block_kv: int = 128
   stages: int = 2
@@ -130,14 +131,20 @@ class HopperBlockSizes:
     if self.rows_per_wg not in (64, 128):
       raise ValueError(f"rows_per_wg must be 64 or 128, got {self.rows_per_wg}")
     if self.registers is not None:
-      c, p = self.registers
+      regs = tuple(self.registers)
+      if len(regs) != 2:
+        raise ValueError(f"registers must be (consumer, producer), got {self.registers}")
+      object.__setattr__(self, "registers", regs)  # a list would make the sizes unhashable
+      c, p = regs
       # The consumers' setmaxnreg.inc waits for registers the producer gave back, out of the
       # block's launch allocation: 384 threads get at most 168 each (64K / 384 rounded down
       # to 8), so more than 3 x 168 in all would wait for ever (a hang, seen on the H100
-      # with (240, 32)).
-      if c % 8 or p % 8 or not 24 <= p <= c <= 256 or 2 * c + p > 3 * 168:
-        raise ValueError(f"registers (consumer, producer) must be multiples of 8 in "
-                         f"[24, 256] with 2 x consumer + producer <= 504, got {self.registers}")
+      # with (240, 32)); and the producer's cap is a decrease, the consumers' an increase
+      # from that launch allocation.
+      if c % 8 or p % 8 or not 24 <= p <= 168 <= c <= 256 or 2 * c + p > 3 * 168:
+        raise ValueError(f"registers (consumer, producer) must be multiples of 8 with "
+                         f"24 <= producer <= 168 <= consumer <= 256 and 2 x consumer + "
+                         f"producer <= 504, got {self.registers}")
 
   @property
   def consumer_registers(self) -> int:
@@ -620,7 +627,12 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     raise ValueError("q, k and v must share one dtype and k, v one shape")
   if not supports(k.dtype, D):
     raise ValueError(f"the Hopper kernel takes bf16/f16 with D % 64 == 0, got {k.dtype}, D={D}")
+  if lengths.shape != (N1,):
+    per = "prefix group" if kv_layout == "PLKD" else "sequence"
+    raise ValueError(f"lengths must be [{N1}] (one per {per}), got {lengths.shape}")
   num_new = int(num_new or 0)
+  if kv_layout == "PLKD" and (num_new or new_mask is not None):
+    raise ValueError("the shared-prefix layout PLKD has no new tokens (num_new / new_mask)")
   if new_mask is not None and not num_new:
     raise ValueError("a new_mask needs num_new > 0")
   if num_new and new_mask is None and not q_groups:
@@ -729,8 +741,9 @@ def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
               layer=None, q_layout: str = "rows", interpret: bool = False, out_dtype=None):
   """Attention of each stream's rows over all of ``[0, length)`` (and the new tokens, see
   ``rows_attention``): the splits merged by log-sum-exp. Returns ``(out[N1, N2, R, D],
-  lse[N1, N2, R] float32, natural log)``; with ``q_layout="BTHD"``, ``(out[B, T, H, D],
-  lse[B, T, H])``."""
+  lse[N1, N2, R] float32, natural log)``; with ``q_layout="BTHD"``, ``(out[N1, T, H, D],
+  lse[N1, T, H])``: for ``kv_layout="BKSD"`` N1 = B, and for ``"PLKD"`` N1 = P with the
+  group's queries as tokens (q viewed as ``[P, B/P x T, H, D]``)."""
   from .merge import merge_stacked
   o, lse2 = rows_attention(q_N1N2RD, k, v, lengths, kv_layout=kv_layout, sm_scale=sm_scale,
                            block_sizes=block_sizes, new_mask=new_mask, num_new=num_new,

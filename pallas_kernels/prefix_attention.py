@@ -373,7 +373,7 @@ def _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, layer, *, sm_scale,
   """``prefix_attention`` through the Hopper kernel: the rows of each (group, KV head) as one
   matrix against its prefix (a stacked layer read in place), key splits merged by
   log-sum-exp (``hopper.attention``). Where G allows (``hopper.q_groups_in_place``: G in
-  {1, 2, 4, 8}) the kernel reads q and writes out in place, q[B, T, H, D] viewed as
+  {1, 2, 4, 8} at 64-row warpgroups, {1, 2, 4, 8, 16} at 128-row ones) the kernel reads q and writes out in place, q[B, T, H, D] viewed as
   [P, B/P x T, H, D] (no transposes); other G go through transposed rows."""
   B, T, H, D = q.shape
   P, L, K, _ = k_prefix.shape[-4:]

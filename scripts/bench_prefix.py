@@ -30,7 +30,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -49,58 +48,42 @@ from pallas_kernels.prefix_attention import (  # noqa: E402
 from benchutil import T0, log, timeit  # noqa: E402,F401
 
 
-def _time_carry(body, init, inner, reps):
-  f = jax.jit(lambda init: jax.lax.fori_loop(0, inner, body, init))
-  jax.block_until_ready(f(init))
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(f(init))
-    ts.append((time.perf_counter() - t) / inner)
-  return statistics.median(ts)
-
-
 def ceilings(nbytes, inner, reps):
-  """Copy bandwidth (TB/s, read + write) and bf16 matmul rate (TFLOP/s)."""
+  """Copy bandwidth (TB/s, read + write) and bf16 matmul rate (TFLOP/s), by the wall clock and
+  in GPU time (the loop body's kernel), from loops over a donated carry
+  (``benchutil.carry_ceiling``: no copy of the input into the loop state first)."""
+  from benchutil import carry_ceiling
   x = jax.random.normal(jax.random.key(0), (nbytes // 2 // 1024, 1024), jnp.bfloat16)
   xu = jax.lax.bitcast_convert_type(x.reshape(-1, 2), jnp.uint32)
-  variants = {
-      "bf16 y=y+1": 2 * nbytes / _time_carry(lambda i, y: y + jnp.bfloat16(1), x, inner, reps),
-      "u32 y=y^i": 2 * nbytes / _time_carry(lambda i, y: y ^ i.astype(jnp.uint32), xu, inner,
-                                            reps),
-      "u32 y=x^i (out of place)": 2 * nbytes / _time_carry(
-          lambda i, c: (c[0], c[0] ^ i.astype(jnp.uint32)), (xu, xu), inner, reps)}
-  variants = {k: v / 1e12 for k, v in variants.items()}
-  del x, xu
-  mm = {}
+  cases = {"bf16 y=y+1": (lambda i, y: y + jnp.bfloat16(1), x),
+           "u32 y=y^i": (lambda i, y: y ^ i.astype(jnp.uint32), xu),
+           "u32 y=x^i (out of place)": (lambda i, c: (c[0], c[0] ^ i.astype(jnp.uint32)),
+                                        (xu, xu))}
+  copy, copy_dev, copy_loop = {}, {}, {}
+  for name, (body, init) in cases.items():
+    r = carry_ceiling(body, init, inner=inner, reps=reps)
+    copy[name] = 2 * nbytes / r["wall_s"] / 1e12
+    if r["gpu_s"]:
+      copy_dev[name] = 2 * nbytes / r["gpu_s"] / 1e12
+      copy_loop[name] = 2 * nbytes / r["loop_gpu_s"] / 1e12
+  del x, xu, cases
+  mm, mm_dev = {}, {}
   for n in (8192, 16384):
     a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     w = (jax.random.normal(jax.random.key(2), (n, n), jnp.float32) / math.sqrt(n)).astype(
         jnp.bfloat16)
-    t = _time_carry(lambda i, c: (jnp.dot(c[0], c[1]), c[1]), (a, w), max(2, inner // 4), reps)
-    mm[f"bf16 {n}^3"] = 2 * n ** 3 / t / 1e12
+    r = carry_ceiling(lambda i, c: (jnp.dot(c[0], c[1]), c[1]), (a, w),
+                      inner=max(2, inner // 4), reps=reps)
+    mm[f"bf16 {n}^3"] = 2 * n ** 3 / r["wall_s"] / 1e12
+    if r["gpu_s"]:
+      mm_dev[f"bf16 {n}^3"] = 2 * n ** 3 / r["gpu_s"] / 1e12
     del a, w
-  out = {"bytes": int(nbytes), "copy_TBps": max(variants.values()),
-         "copy_variants_TBps": variants, "matmul_TFLOPs": max(mm.values()),
-         "matmul_variants_TFLOPs": mm}
-  # The same ceilings in GPU time (kernel durations: no loop dispatch / sync), for kernels
-  # timed the same way (benchutil.device_time).
-  from benchutil import device_time_of
-  x = jax.random.normal(jax.random.key(0), (nbytes // 2 // 1024, 1024), jnp.bfloat16)
-  f = jax.jit(lambda y: jax.lax.fori_loop(0, inner, lambda i, y: y + jnp.bfloat16(1), y))
-  dev = device_time_of(f, (x,), calls=inner, reps=reps)
-  del x
-  n = 8192
-  a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-  w = (jax.random.normal(jax.random.key(2), (n, n), jnp.float32) / math.sqrt(n)).astype(
-      jnp.bfloat16)
-  calls = max(2, inner // 4)
-  g = jax.jit(lambda a, w: jax.lax.fori_loop(0, calls, lambda i, c: (jnp.dot(c[0], c[1]), c[1]),
-                                             (a, w))[0])
-  dmm = device_time_of(g, (a, w), calls=calls, reps=reps)
-  if dev and dmm:
-    out.update(copy_TBps_device=2 * nbytes / dev[0] / 1e12,
-               matmul_TFLOPs_device=2 * n ** 3 / dmm[0] / 1e12)
+  out = {"bytes": int(nbytes), "copy_TBps": max(copy.values()), "copy_variants_TBps": copy,
+         "matmul_TFLOPs": max(mm.values()), "matmul_variants_TFLOPs": mm}
+  if copy_dev and mm_dev:  # for kernels timed the same way (benchutil.device_time)
+    out.update(copy_TBps_device=max(copy_dev.values()), copy_variants_TBps_device=copy_dev,
+               copy_whole_loop_TBps_device=copy_loop,
+               matmul_TFLOPs_device=max(mm_dev.values()), matmul_variants_TFLOPs_device=mm_dev)
   return out
 
 

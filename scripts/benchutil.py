@@ -60,7 +60,10 @@ def device_time(step, arrays, *, inner, reps):
 
   Unlike ``timeit``'s wall clock this leaves out what the GPU does not spend on the calls:
   the dispatch of each loop and the wait for its end (about 0.3-0.9 ms per loop on the H100,
-  i.e. 30-90 us per call of a 10-call loop) and the loop's own gaps between iterations."""
+  i.e. 30-90 us per call of a 10-call loop) and the loop's own gaps between iterations. It
+  includes every kernel of the loop body: besides the step's own, the loop's few scalar
+  kernels (the index arithmetic, the scalar read out of the result, the running sum: about
+  2 us per call on the H100; time a step without the work to see them)."""
   @jax.jit
   def loop(*arrays):
     return jax.lax.fori_loop(0, inner, lambda i, acc: acc + step(i, *arrays).astype(
@@ -68,19 +71,28 @@ def device_time(step, arrays, *, inner, reps):
   return device_time_of(loop, arrays, calls=inner, reps=reps)
 
 
+def _traced(run, reps):
+  """GPU events of ``reps`` calls of ``run()`` under a profiler, a pause before each."""
+  import shutil
+  import tempfile
+  d = tempfile.mkdtemp(prefix="devtime")
+  try:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for _ in range(reps):
+        time.sleep(_REP_PAUSE_S)
+        run()
+    return gpu_events(d)
+  finally:
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def device_time_of(fn, arrays, *, calls, reps):
   """``device_time`` of a jitted ``fn(*arrays)`` that does ``calls`` units of work (e.g. a
-  loop that copies a buffer ``calls`` times): (median s, min s, kernels) per unit, or None."""
-  import tempfile
-  loop = fn
-  inner = calls
-  jax.block_until_ready(loop(*arrays))
-  d = tempfile.mkdtemp(prefix="devtime")
-  with jax.profiler.trace(d, create_perfetto_trace=True):
-    for _ in range(reps):
-      time.sleep(_REP_PAUSE_S)
-      jax.block_until_ready(loop(*arrays))
-  ev = gpu_events(d)
+  loop that copies a buffer ``calls`` times): (median s, min s, kernels) per unit, or None.
+  Every kernel of a call counts, also one-off work such as copying an input into a loop's
+  state (see ``carry_ceiling`` for a loop body's own kernel)."""
+  jax.block_until_ready(fn(*arrays))
+  ev = _traced(lambda: jax.block_until_ready(fn(*arrays)), reps)
   if not ev:
     return None
   groups, cur, end = [], [], None
@@ -91,10 +103,47 @@ def device_time_of(fn, arrays, *, calls, reps):
     cur.append(dur)
     end = ts + dur if end is None else max(end, ts + dur)
   groups.append(cur)
-  if len(groups) != reps:  # could not tell the loops apart: the mean over all of them
-    groups = [[dur for _, dur, _ in ev]] * reps
-  per = sorted(sum(g) / inner * 1e-6 for g in groups)
-  return statistics.median(per), per[0], len(ev) / (inner * reps)
+  if len(groups) == reps:
+    per = sorted(sum(g) / calls * 1e-6 for g in groups)
+  else:  # a pause inside a call: the calls cannot be told apart, so their mean
+    log(f"device_time: {len(groups)} groups of GPU events for {reps} calls; using the mean")
+    per = [sum(dur for _, dur, _ in ev) / (calls * reps) * 1e-6] * reps
+  return statistics.median(per), per[0], len(ev) / (calls * reps)
+
+
+def carry_ceiling(body, init, *, inner, reps):
+  """Per-iteration times of ``fori_loop(0, inner, body, init)`` for a ceiling (a copy or a
+  matmul in the loop carry), with the carry donated so that the loop needs no copy of its
+  input first (without donation XLA copies ``init`` into the loop state once per call: one
+  extra pass that made earlier copy ceilings about 10% low at 10 iterations).
+  Returns {"wall_s": median wall clock per iteration, "gpu_s": median duration of the loop
+  body's kernel (the GPU kernel that runs most often; None on CPU), "loop_gpu_s": all GPU
+  time of a call per iteration, "kernels": GPU kernels per call}."""
+  f = jax.jit(lambda c: jax.lax.fori_loop(0, inner, body, c), donate_argnums=0)
+  state = [jax.tree.map(jnp.copy, init)]
+
+  def run():
+    state[0] = f(state[0])
+    jax.block_until_ready(state[0])
+  run()
+  ts = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    run()
+    ts.append((time.perf_counter() - t) / inner)
+  out = {"wall_s": statistics.median(ts), "gpu_s": None, "loop_gpu_s": None, "kernels": None}
+  ev = _traced(run, reps)
+  if ev:
+    by = {}
+    for _, dur, name in ev:
+      by.setdefault(name, []).append(dur)
+    most = max(len(v) for v in by.values())  # the loop's counter kernels run as often: of
+    body_durs = max((v for v in by.values() if len(v) == most), key=sum)  # those, the longest
+    out.update(gpu_s=statistics.median(body_durs) * 1e-6,
+               loop_gpu_s=sum(d for _, d, _ in ev) / (inner * reps) * 1e-6,
+               kernels=len(ev) / reps)
+  state[0] = None
+  return out
 
 
 def forward_loop(cfg, B, T, sink, window, n):

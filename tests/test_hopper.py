@@ -35,9 +35,11 @@ def _reference(q, k, v, lengths, layout, scale):
 
 
 @pytest.mark.parametrize("layout,lengths,splits,stages,rows_per_wg,pingpong,overlap", [
-    ("PLKD", [200, 50, 0], 2, 2, 64, True, False),  # ragged: blocks + tail, tail only, empty
+    # ragged: tail only, empty, blocks + tail (not in descending order: the longest-first
+    # launch order is a real permutation)
+    ("PLKD", [50, 0, 200], 2, 2, 64, True, False),
     ("BKSD", [320, 64, 130], None, 3, 64, False, False),  # whole blocks, one block, deeper ring
-    ("BKSD", [327, 1], 1, 2, 128, True, False),     # 128-row tiles; a last block past L
+    ("BKSD", [1, 327], 1, 2, 128, True, False),     # 128-row tiles; a last block past L
     # software-pipelined consumers: ragged, one block only, empty; 2 splits and 3 stages
     ("PLKD", [200, 64, 0, 129], 2, 3, 64, True, True),
 ])
@@ -90,7 +92,7 @@ def test_prefix_attention_through_hopper_kernel(B, T, K, G, P, splits):
   q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.bfloat16)
   kp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
   vp = jnp.asarray(rng.standard_normal((P, L, K, D)), jnp.bfloat16)
-  lengths = jnp.asarray([151, 70], jnp.int32)
+  lengths = jnp.asarray([70, 151], jnp.int32)  # ascending: longest-first reorders
   bad = jnp.arange(L)[None, :, None, None] >= lengths[:, None, None, None]
   kg = jnp.where(bad, jnp.nan, kp).astype(jnp.bfloat16)
   vg = jnp.where(bad, jnp.nan, vp).astype(jnp.bfloat16)
@@ -162,7 +164,12 @@ def test_hopper_block_sizes_and_inputs_are_checked():
     hopper.HopperBlockSizes(stages=1)
   with pytest.raises(ValueError, match="504"):  # would hang on the GPU (setmaxnreg waits)
     hopper.HopperBlockSizes(registers=(240, 32))
+  with pytest.raises(ValueError, match="168"):  # setmaxnreg: consumers increase
+    hopper.HopperBlockSizes(registers=(160, 24))
+  with pytest.raises(ValueError, match="consumer, producer"):
+    hopper.HopperBlockSizes(registers=(240,))
   assert hopper.HopperBlockSizes(registers=(240, 24)).consumer_registers == 240
+  assert hopper.HopperBlockSizes(registers=[232, 40]).registers == (232, 40)
   q = jnp.zeros((1, 1, 128, 64), jnp.float32)
   with pytest.raises(ValueError, match="bf16/f16"):
     hopper.rows_attention(q, jnp.zeros((1, 1, 128, 64)), jnp.zeros((1, 1, 128, 64)),
@@ -189,6 +196,14 @@ def test_hopper_block_sizes_and_inputs_are_checked():
   with pytest.raises(ValueError, match="rows_per_wg"):
     hopper.rows_attention(qt, kt, kt, jnp.ones((1,), jnp.int32), kv_layout="BKSD",
                           sm_scale=1.0, q_layout="BTHD")
+  qp = jnp.zeros((1, 16, 4, 64), jnp.bfloat16)  # [B or P, T, H, D], G = 4
+  with pytest.raises(ValueError, match="lengths must be"):
+    hopper.rows_attention(qp, kt, kt, jnp.ones((2,), jnp.int32), kv_layout="BKSD",
+                          sm_scale=1.0, q_layout="BTHD")
+  kp = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)  # [P, L, K, D]
+  with pytest.raises(ValueError, match="no new tokens"):
+    hopper.rows_attention(qp, kp, kp, jnp.ones((1,), jnp.int32), kv_layout="PLKD",
+                          sm_scale=1.0, q_layout="BTHD", num_new=2)
   with pytest.raises(ValueError, match="unknown kv_layout"):
     hopper.rows_attention(qt, kt, kt, jnp.ones((1,), jnp.int32), kv_layout="BSKD",
                           sm_scale=1.0, q_layout="BTHD")

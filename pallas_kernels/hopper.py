@@ -57,13 +57,17 @@ tree's mask has one row per token. Other G take q as transposed rows [B, K, T x 
 A shared prefix does the same with q[B, T, H, D] viewed as [P, B/P x T, H, D] (a free
 reshape): the queries of a group are its "tokens".
 
-Status (GPU time on one H100, benchmarks/hopper_attention_h100_s12b.md, _s12d.md and
-attention_h100_s12.md): the default of ``decode_attention`` from ``HOPPER_MIN_ROWS`` rows per
-KV head and of ``prefix_attention`` from its own threshold, where it beats the Triton kernels:
-64 x 8k verification at T=64 in 683-701 us (Triton 995 us), 1.23-1.28x the T=1 decode time,
-2.36 TB/s of K/V = 88% of the copy ceiling; a 64-node token tree in 714 us; the B=64, P=1,
-L=16k prefix at T=1 in 32 us (1.29x its roofline; 35.5 us with the split merge) and at T=5 in
-140 us (1.22x). A sustained T=64-only load reaches the H100's 700 W cap and the clock falls
+Status (GPU time on one H100, benchmarks/hopper_attention_h100_s12f.md, _s12b.md and
+attention_h100_s12e.md; ceilings from loops over donated buffers, copy 3.02 TB/s): the default
+of ``decode_attention`` from ``HOPPER_MIN_ROWS`` rows per KV head and of ``prefix_attention``
+from its own threshold, where it beats the Triton kernels: 64 x 8k verification at T=64 in
+695-717 us (Triton 989 us), 1.25-1.31x the T=1 decode time, 2.3 TB/s of K/V = 76% of the copy
+ceiling and 1.28x its roofline (its FLOPs at the measured 758 TFLOP/s matmul rate take as
+long as its bytes); a 64-node token tree in 729 us; the B=64, P=1, L=16k prefix at T=1 in
+36 us for the kernel and 38 us with the split merge (1.6-1.7x its roofline: 8 KV heads x 256
+rows are only 16 programs before splitting), at T=5 in 140 us (1.23x) and at B=256 in 105 us
+(1.16x). 128-row warpgroups are 2.7x slower on the prefix (probe_prefix_rows_h100.log). A
+sustained T=64-only load reaches the H100's 700 W cap and the clock falls
 to ~1.6 GHz (benchmarks/probe_loop_overhead_h100.md).
 """
 from __future__ import annotations

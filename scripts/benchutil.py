@@ -90,7 +90,7 @@ def device_time_of(fn, arrays, *, calls, reps):
   """``device_time`` of a jitted ``fn(*arrays)`` that does ``calls`` units of work (e.g. a
   loop that copies a buffer ``calls`` times): (median s, min s, kernels) per unit, or None.
   Every kernel of a call counts, also one-off work such as copying an input into a loop's
-  state (see ``carry_ceiling`` for a loop body's own kernel)."""
+  state (``carry_ceiling`` donates its loop's carry to avoid that)."""
   jax.block_until_ready(fn(*arrays))
   ev = _traced(lambda: jax.block_until_ready(fn(*arrays)), reps)
   if not ev:
@@ -116,9 +116,10 @@ def carry_ceiling(body, init, *, inner, reps):
   matmul in the loop carry), with the carry donated so that the loop needs no copy of its
   input first (without donation XLA copies ``init`` into the loop state once per call: one
   extra pass that made earlier copy ceilings about 10% low at 10 iterations).
-  Returns {"wall_s": median wall clock per iteration, "gpu_s": median duration of the loop
-  body's kernel (the GPU kernel that runs most often; None on CPU), "loop_gpu_s": all GPU
-  time of a call per iteration, "kernels": GPU kernels per call}."""
+  Returns {"wall_s": median wall clock per iteration, "gpu_s": GPU time per iteration (all
+  kernels of the calls, the loop's few scalar kernels included as in ``device_time``; None
+  on CPU), "kernels": GPU kernels per call}. (Picking the body's kernel by name instead
+  fails: a matmul's body can be several kernels, and the scalar ones then look like it.)"""
   f = jax.jit(lambda c: jax.lax.fori_loop(0, inner, body, c), donate_argnums=0)
   state = [jax.tree.map(jnp.copy, init)]
 
@@ -131,17 +132,10 @@ def carry_ceiling(body, init, *, inner, reps):
     t = time.perf_counter()
     run()
     ts.append((time.perf_counter() - t) / inner)
-  out = {"wall_s": statistics.median(ts), "gpu_s": None, "loop_gpu_s": None, "kernels": None}
+  out = {"wall_s": statistics.median(ts), "gpu_s": None, "kernels": None}
   ev = _traced(run, reps)
   if ev:
-    by = {}
-    for _, dur, name in ev:
-      by.setdefault(name, []).append(dur)
-    most = max(len(v) for v in by.values())  # the loop's counter kernels run as often: of
-    body_durs = max((v for v in by.values() if len(v) == most), key=sum)  # those, the longest
-    out.update(gpu_s=statistics.median(body_durs) * 1e-6,
-               loop_gpu_s=sum(d for _, d, _ in ev) / (inner * reps) * 1e-6,
-               kernels=len(ev) / reps)
+    out.update(gpu_s=sum(d for _, d, _ in ev) / (inner * reps) * 1e-6, kernels=len(ev) / reps)
   state[0] = None
   return out
 

@@ -66,7 +66,9 @@ ceiling and 1.28x its roofline (its FLOPs at the measured 758 TFLOP/s matmul rat
 long as its bytes); a 64-node token tree in 729 us; the B=64, P=1, L=16k prefix at T=1 in
 36 us for the kernel and 38 us with the split merge (1.6-1.7x its roofline: 8 KV heads x 256
 rows are only 16 programs before splitting), at T=5 in 140 us (1.23x) and at B=256 in 105 us
-(1.16x). 128-row warpgroups are 2.7x slower on the prefix (probe_prefix_rows_h100.log). A
+(1.16x). 128-row warpgroups (one program per KV head, each prefix byte read once) lose on the
+prefix: 101 us at block_kv=128 (S and O accumulators alone need 256 registers per thread at
+D=128, over the 240 cap), 49 us at block_kv=64 (probe_prefix_rows_h100.log, _bkv64_h100.log). A
 sustained T=64-only load reaches the H100's 700 W cap and the clock falls
 to ~1.6 GHz (benchmarks/probe_loop_overhead_h100.md).
 """

@@ -3,7 +3,7 @@
 read the whole prefix (from L2 if they run together); with 128-row ones one program holds
 all 256 rows and reads each prefix byte once. GPU time (benchutil.device_time) vs the
 roofline (prefix bytes / copy ceiling, FLOPs / matmul rate, both measured here).
-Usage: python3 scripts/probe_prefix_rows.py [--shapes 64x1 256x1] [--out PATH]"""
+Usage: python3 scripts/probe_prefix_rows.py [--shapes 64x1 256x1] [--bkv64] [--out PATH]"""
 import argparse
 import json
 import math
@@ -26,16 +26,24 @@ def main():
   ap.add_argument("--inner", type=int, default=10)
   ap.add_argument("--reps", type=int, default=7)
   ap.add_argument("--out", default="")
+  ap.add_argument("--bkv64", action="store_true",
+                  help="128-row warpgroups with 64-key blocks (S + O fit the registers at D=128)")
   a = ap.parse_args()
   ceil = ceilings(1 << 30, 10, 3)
   bw, mm = ceil["copy_TBps_device"] * 1e12, ceil["matmul_TFLOPs_device"] * 1e12
   log(f"GPU-time ceilings: copy {bw / 1e12:.3f} TB/s, matmul {mm / 1e12:.0f} TFLOP/s")
   K, G, D, L, P = 8, 4, 128, 16384, 1
   variants = [("rw=64 splits=auto (default)", None)]
-  for sp in (None, 8, 16, 32):
-    variants.append((f"rw=128 splits={sp or 'auto'}",
-                     hopper.HopperBlockSizes(rows_per_wg=128, splits=sp)))
-  variants.append(("rw=64 splits=16", hopper.HopperBlockSizes(splits=16)))
+  if a.bkv64:  # a 128-row warpgroup's S tile at block_kv=64 is 64 registers per thread, O 128
+    for st, sp in ((2, None), (3, None), (4, None), (3, 16), (4, 8)):
+      variants.append((f"rw=128 bkv=64 st={st} splits={sp or 'auto'}",
+                       hopper.HopperBlockSizes(rows_per_wg=128, block_kv=64, stages=st,
+                                               splits=sp)))
+  else:
+    for sp in (None, 8, 16, 32):
+      variants.append((f"rw=128 splits={sp or 'auto'}",
+                       hopper.HopperBlockSizes(rows_per_wg=128, splits=sp)))
+    variants.append(("rw=64 splits=16", hopper.HopperBlockSizes(splits=16)))
   rows = []
   for shape in a.shapes:
     B, T = map(int, shape.split("x"))

@@ -43,13 +43,13 @@ from pallas_kernels import (  # noqa: E402
     DecodeAttentionBlockSizes, decode_attention, decode_attention_reference)
 from pallas_kernels.decode_attention import _GPU_DEFAULTS as GPU_DEFAULTS  # noqa: E402
 
-from benchutil import T0, carry_ceiling, device_time, log, timeit  # noqa: E402,F401
+from benchutil import T0, copy_ceiling, device_time, log, timeit  # noqa: E402,F401
 
 
 def ceilings(nbytes, inner, reps):
   """Copy ceiling (read + write bytes / time; the best of three loop-carry forms) and a
   read-only ceiling (a max-reduction), by the wall clock and in GPU time. The copies run in
-  loops over a donated carry (``benchutil.carry_ceiling``): without donation XLA first copies
+  loops over a donated carry (``benchutil.copy_ceiling``): without donation XLA first copies
   the input into the loop state, one extra pass per loop that made these ceilings ~10% low
   (sessions up to 12); in GPU time all the loop's kernels count, as for the kernels timed."""
   n = nbytes // 2
@@ -58,18 +58,7 @@ def ceilings(nbytes, inner, reps):
                         reps=reps)
   dev_read = device_time(lambda i, x: jnp.max(x + i.astype(x.dtype)), (x,), inner=inner,
                          reps=reps)
-  xu = jax.lax.bitcast_convert_type(x.reshape(-1, 2), jnp.uint32)
-  # In place (y = y + 1, y = y ^ i) and out of place (y = x ^ i, x read-only): all move 2x bytes.
-  cases = {"bf16 y=y+1 (loop carry)": (lambda i, y: y + jnp.bfloat16(1), x),
-           "u32 y=y^i (in place)": (lambda i, y: y ^ i.astype(jnp.uint32), xu),
-           "u32 y=x^i (out of place)": (lambda i, c: (c[0], c[0] ^ i.astype(jnp.uint32)),
-                                        (xu, xu))}
-  variants, dev = {}, {}
-  for name, (body, init) in cases.items():
-    r = carry_ceiling(body, init, inner=inner, reps=reps)
-    variants[name] = 2 * x.size * 2 / r["wall_s"] / 1e12
-    if r["gpu_s"]:
-      dev[name] = 2 * x.size * 2 / r["gpu_s"] / 1e12
+  variants, dev = copy_ceiling(x.size * 2, inner=inner, reps=reps)
   out = {"bytes": int(x.size * 2), "copy_TBps": max(variants.values()),
          "copy_variants_TBps": variants, "read_s": read_t,
          "read_TBps": x.size * 2 / read_t / 1e12}

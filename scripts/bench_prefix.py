@@ -52,20 +52,8 @@ def ceilings(nbytes, inner, reps):
   """Copy bandwidth (TB/s, read + write) and bf16 matmul rate (TFLOP/s), by the wall clock and
   in GPU time (all the loop's kernels), from loops over a donated carry
   (``benchutil.carry_ceiling``: no copy of the input into the loop state first)."""
-  from benchutil import carry_ceiling
-  x = jax.random.normal(jax.random.key(0), (nbytes // 2 // 1024, 1024), jnp.bfloat16)
-  xu = jax.lax.bitcast_convert_type(x.reshape(-1, 2), jnp.uint32)
-  cases = {"bf16 y=y+1": (lambda i, y: y + jnp.bfloat16(1), x),
-           "u32 y=y^i": (lambda i, y: y ^ i.astype(jnp.uint32), xu),
-           "u32 y=x^i (out of place)": (lambda i, c: (c[0], c[0] ^ i.astype(jnp.uint32)),
-                                        (xu, xu))}
-  copy, copy_dev = {}, {}
-  for name, (body, init) in cases.items():
-    r = carry_ceiling(body, init, inner=inner, reps=reps)
-    copy[name] = 2 * nbytes / r["wall_s"] / 1e12
-    if r["gpu_s"]:
-      copy_dev[name] = 2 * nbytes / r["gpu_s"] / 1e12
-  del x, xu, cases
+  from benchutil import carry_ceiling, copy_ceiling
+  copy, copy_dev = copy_ceiling(nbytes, inner=inner, reps=reps)
   mm, mm_dev = {}, {}
   for n in (8192, 16384):
     a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)

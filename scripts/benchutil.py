@@ -140,6 +140,27 @@ def carry_ceiling(body, init, *, inner, reps):
   return out
 
 
+def copy_ceiling(nbytes, *, inner, reps, key=0):
+  """Copy bandwidth (read + write bytes / time, TB/s) of a ``nbytes`` buffer in three
+  loop-carry forms, each through ``carry_ceiling``: in place (bf16 ``y = y + 1``, u32
+  ``y = y ^ i``) and out of place (u32 ``y = x ^ i``, x read-only); all move 2x the bytes.
+  Returns ({form: TB/s by the wall clock}, {form: TB/s in GPU time}, empty on CPU)."""
+  x = jax.random.normal(jax.random.key(key), (nbytes // 2 // 1024, 1024), jnp.bfloat16)
+  xu = jax.lax.bitcast_convert_type(x.reshape(-1, 2), jnp.uint32)
+  cases = {"bf16 y=y+1 (loop carry)": (lambda i, y: y + jnp.bfloat16(1), x),
+           "u32 y=y^i (in place)": (lambda i, y: y ^ i.astype(jnp.uint32), xu),
+           "u32 y=x^i (out of place)": (lambda i, c: (c[0], c[0] ^ i.astype(jnp.uint32)),
+                                        (xu, xu))}
+  moved = 2 * x.size * 2
+  wall, gpu = {}, {}
+  for name, (body, init) in cases.items():
+    r = carry_ceiling(body, init, inner=inner, reps=reps)
+    wall[name] = moved / r["wall_s"] / 1e12
+    if r["gpu_s"]:
+      gpu[name] = moved / r["gpu_s"] / 1e12
+  return wall, gpu
+
+
 def forward_loop(cfg, B, T, sink, window, n):
   """A jitted ``run(params, cache, tok) -> (cache, tok)``: n forwards of T tokens at the cache's
   lengths inside one device loop (each step's argmax feeds the next, the cache is donated)."""

@@ -1155,6 +1155,9 @@ def parse_args(argv):
 
 
 def main(argv=None):
+    global T_START
+    if __name__ != "__main__":  # called in-process: the budget and the log clock count from
+        T_START = time.time()  # this call, not from the module's import
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
     env = environment(argv)

@@ -87,6 +87,9 @@ def test_engine_mode_with_prompts_file(tmp_path, monkeypatch):
         return [], "client subprocess failed (rc=1): simulated"
 
     monkeypatch.setattr(bench_server.Runner, "_run_http", broken_http)
+    # imported long before this call (pytest-xdist collects every module first): the budget
+    # counts from main(), not from the import
+    monkeypatch.setattr(bench_server, "T_START", bench_server.T_START - 10_000)
     docs = [[(7 * i + j) % 60 + 2 for j in range(50)] for i in range(3)]
     pf = tmp_path / "prompts.json.gz"
     pf.write_bytes(gzip.compress(json.dumps({"prompts": docs}).encode()))

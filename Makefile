@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 MODEL  ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
+# pytest-xdist workers: one per core, at most 4 (each holds a few GiB of compiled programs);
+# 0 = in this process. Each test file runs whole on one worker.
+JOBS   ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: test demo venv install clean test-all browser
 
@@ -23,10 +26,10 @@ browser:
 	    >/dev/null 2>&1 || echo "could not install chromium: the browser test will be skipped" >&2; }
 
 test: install browser
-	XLA_FLAGS="$${XLA_FLAGS:---xla_force_host_platform_device_count=8}" $(PY) -m pytest -q $(PYTEST_ARGS)
+	XLA_FLAGS="$${XLA_FLAGS:---xla_force_host_platform_device_count=8}" $(PY) -m pytest -q -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 
 test-all: install
-	$(PY) -m pytest -q -m 'not gpu' $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m 'not gpu' $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/jaxspec fetch $(MODEL) --dir checkpoints

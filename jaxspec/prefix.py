@@ -125,8 +125,10 @@ def _use_kernel(impl: str) -> bool:
 def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
            batch, sharded, num_new):
     """Suffix part (decode kernel / jnp, ragged, causal or tree mask) + one `prefix_attention`
-    per level, merged by log-sum-exp."""
-    from pallas_kernels import merge_attention_states, prefix_attention, prefix_attention_reference
+    per level, merged by log-sum-exp in one pass: the prefix kernels' key splits come back
+    unmerged (``partials=True``) and join the suffix part in the same merge."""
+    from pallas_kernels import prefix_attention, prefix_attention_reference
+    from pallas_kernels.merge import merge_stacked
     impl = plan.impl
     interpret = True if impl == "interpret" else None
     kernel = _kernel() if _use_kernel(impl) else None
@@ -137,9 +139,14 @@ def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, pl
         k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
         o, lse = attention_xla(q, k, v, lengths, mask, sm_scale=sm_scale, num_new=num_new)
-    outs, lses = [o], [lse]
+    outs, lses = [o[None]], [lse[None]]  # partial attentions, each [S, B, T, H(, D)]
     Bl = q.shape[0]
-    fn = prefix_attention_reference if kernel is None else prefix_attention
+    if kernel is None:
+        def fn(*a, **kw):
+            o, lse = prefix_attention_reference(*a, **kw)
+            return o[None], lse[None]
+    else:
+        fn = functools.partial(prefix_attention, partials=True)
     for lv in pre.levels:
         n, ln = lv.groups, lv.lengths
         n_loc = n
@@ -161,7 +168,9 @@ def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, pl
             o, lse = fn(q, kp, vp, ln, sm_scale=sm_scale, interpret=interpret)
         outs.append(o)
         lses.append(lse)
-    return merge_attention_states(outs, lses)[0]
+    out_N = jnp.concatenate([x.astype(jnp.float32) for x in outs], axis=0)
+    lse_N = jnp.concatenate([x.astype(jnp.float32) for x in lses], axis=0)
+    return merge_stacked(out_N, lse_N, axis=0, out_dtype=q.dtype)[0]
 
 
 def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,

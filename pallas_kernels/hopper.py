@@ -744,12 +744,16 @@ def _bthd_lse(lse2, T: int, G: int, Tt: int):
 
 def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
               block_sizes: HopperBlockSizes | None = None, new_mask=None, num_new: int = 0,
-              layer=None, q_layout: str = "rows", interpret: bool = False, out_dtype=None):
+              layer=None, q_layout: str = "rows", interpret: bool = False, out_dtype=None,
+              merge: bool = True):
   """Attention of each stream's rows over all of ``[0, length)`` (and the new tokens, see
   ``rows_attention``): the splits merged by log-sum-exp. Returns ``(out[N1, N2, R, D],
   lse[N1, N2, R] float32, natural log)``; with ``q_layout="BTHD"``, ``(out[N1, T, H, D],
   lse[N1, T, H])``: for ``kv_layout="BKSD"`` N1 = B, and for ``"PLKD"`` N1 = P with the
-  group's queries as tokens (q viewed as ``[P, B/P x T, H, D]``)."""
+  group's queries as tokens (q viewed as ``[P, B/P x T, H, D]``). With ``merge=False`` the
+  key splits come back unmerged, stacked on a leading axis (``out[splits, ...]`` in q's
+  dtype, ``lse[splits, ...]`` natural log), for a caller that merges them together with
+  other partial attentions in one pass (``merge.merge_stacked``)."""
   from .merge import merge_stacked
   o, lse2 = rows_attention(q_N1N2RD, k, v, lengths, kv_layout=kv_layout, sm_scale=sm_scale,
                            block_sizes=block_sizes, new_mask=new_mask, num_new=num_new,
@@ -758,6 +762,8 @@ def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     G = q_N1N2RD.shape[2] // k.shape[-3 if kv_layout == "BKSD" else -2]
     RW = (block_sizes or HopperBlockSizes()).rows_per_wg
     lse2 = _bthd_lse(lse2, q_N1N2RD.shape[1], G, RW // G)
+  if not merge:
+    return o, lse2 * _LN2
   out_dtype = out_dtype or q_N1N2RD.dtype
   if o.shape[0] == 1:
     return o[0].astype(out_dtype), lse2[0] * _LN2

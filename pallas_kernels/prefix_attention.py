@@ -64,7 +64,7 @@ except ImportError:  # pragma: no cover - a jax without the Triton backend
 
 from .decode_attention import _cdiv, _exp2, _is_nvidia, _next_pow2, _num_sms
 from . import hopper as _hopper
-from .merge import merge_attention_states, merge_stacked
+from .merge import merge_stacked
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -367,36 +367,43 @@ def _hopper_choice(q, k_prefix, block_sizes, *, interpret, on_gpu):
   return None
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "hopper_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "hopper_sizes", "interpret",
+                                             "partials"))
 def _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, layer, *, sm_scale, hopper_sizes,
-                             interpret):
+                             interpret, partials=False):
   """``prefix_attention`` through the Hopper kernel: the rows of each (group, KV head) as one
   matrix against its prefix (a stacked layer read in place), key splits merged by
-  log-sum-exp (``hopper.attention``). Where G allows (``hopper.q_groups_in_place``: G in
-  {1, 2, 4, 8} at 64-row warpgroups, {1, 2, 4, 8, 16} at 128-row ones) the kernel reads q and writes out in place, q[B, T, H, D] viewed as
-  [P, B/P x T, H, D] (no transposes); other G go through transposed rows."""
+  log-sum-exp (``hopper.attention``), or with ``partials`` returned unmerged on a leading
+  axis. Where G allows (``hopper.q_groups_in_place``: G in {1, 2, 4, 8} at 64-row
+  warpgroups, {1, 2, 4, 8, 16} at 128-row ones) the kernel reads q and writes out in place,
+  q[B, T, H, D] viewed as [P, B/P x T, H, D] (no transposes); other G go through transposed
+  rows."""
   B, T, H, D = q.shape
   P, L, K, _ = k_prefix.shape[-4:]
   G, Bg = H // K, B // P
   lengths = jnp.clip(lengths, 0, L)
+  kw = dict(kv_layout="PLKD", sm_scale=sm_scale, block_sizes=hopper_sizes, layer=layer,
+            interpret=interpret, merge=not partials)
   if _hopper.q_groups_in_place(G, hopper_sizes):
     o, lse = _hopper.attention(q.reshape(P, Bg * T, H, D), k_prefix, v_prefix, lengths,
-                               kv_layout="PLKD", sm_scale=sm_scale, block_sizes=hopper_sizes,
-                               layer=layer, q_layout="BTHD", interpret=interpret)
-    return o.reshape(B, T, H, D), lse.reshape(B, T, H)
+                               q_layout="BTHD", **kw)
+    lead = o.shape[:1] if partials else ()
+    return o.reshape(lead + (B, T, H, D)), lse.reshape(lead + (B, T, H))
   rows = Bg * T * G
   tile = hopper_sizes.rows_per_program
   rows_pad = _cdiv(rows, tile) * tile
   q_PKRD = (q.reshape(P, Bg, T, K, G, D).transpose(0, 3, 1, 2, 4, 5).reshape(P, K, rows, D))
   if rows_pad != rows:
     q_PKRD = jnp.pad(q_PKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-  o, lse = _hopper.attention(q_PKRD, k_prefix, v_prefix, lengths, kv_layout="PLKD",
-                             sm_scale=sm_scale, block_sizes=hopper_sizes, layer=layer,
-                             interpret=interpret)
-  o = (o[:, :, :rows].reshape(P, K, Bg, T, G, D).transpose(0, 2, 3, 1, 4, 5)
-       .reshape(B, T, H, D))
-  lse = (lse[:, :, :rows].reshape(P, K, Bg, T, G).transpose(0, 2, 3, 1, 4).reshape(B, T, H))
-  return o, lse
+  o, lse = _hopper.attention(q_PKRD, k_prefix, v_prefix, lengths, **kw)
+  if not partials:  # one "split" axis of 1 for the shared reshapes below
+    o, lse = o[None], lse[None]
+  S = o.shape[0]
+  o = (o[:, :, :, :rows].reshape(S, P, K, Bg, T, G, D).transpose(0, 1, 3, 4, 2, 5, 6)
+       .reshape(S, B, T, H, D))
+  lse = (lse[:, :, :, :rows].reshape(S, P, K, Bg, T, G).transpose(0, 1, 3, 4, 2, 5)
+         .reshape(S, B, T, H))
+  return (o, lse) if partials else (o[0], lse[0])
 
 
 def _check_shapes(q, k_prefix, v_prefix, prefix_lengths, layer=None):
@@ -435,7 +442,7 @@ def _layer_slice(k_prefix, v_prefix, layer):
 
 
 def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=None,
-                     interpret=None, block_sizes=None, layer=None):
+                     interpret=None, block_sizes=None, layer=None, partials=False):
   """Attention of every query over its group's shared prefix (Hydragen).
 
   Args:
@@ -458,10 +465,17 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
       the Mosaic GPU interpreter). None on a Hopper GPU picks that kernel for groups of at
       least ``HOPPER_MIN_ROWS`` query rows per KV head.
 
+    partials: return the kernel's key splits unmerged, ``(out [S, B, T, H, D] in q.dtype,
+      lse [S, B, T, H] float32)`` with S >= 1 (1 where the kernel has no splits), for a
+      caller that merges them with the suffix part in one pass (``merge.merge_stacked``
+      over the concatenation): one merge instead of two. The engine does this.
+
   Returns:
     ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; queries of a group
     with an empty prefix get ``out = 0`` and ``lse = -inf``.
   """
+  # every path but the Hopper kernel's gives one partial
+  one = (lambda r: (r[0][None], r[1][None])) if partials else (lambda r: r)
   _check_shapes(q, k_prefix, v_prefix, prefix_lengths, layer)
   sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
   from . import tpu as _tpu
@@ -471,22 +485,24 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
   # masked pointer loads) gives way to the Mosaic TPU kernel of pallas_kernels/tpu.py.
   if backend == "tpu" and not interpret:
     k_prefix, v_prefix = _layer_slice(k_prefix, v_prefix, layer)
-    return _tpu.tpu_prefix_attention(
+    return one(_tpu.tpu_prefix_attention(
         q, k_prefix, v_prefix, prefix_lengths, sm_scale=sm_scale,
-        block_sizes=block_sizes if isinstance(block_sizes, _tpu.TPUPrefixBlockSizes) else None)
+        block_sizes=block_sizes if isinstance(block_sizes, _tpu.TPUPrefixBlockSizes) else None))
   use_kernel = bool(interpret) or (on_gpu and plgpu is not None)
   lengths = _lengths(prefix_lengths, *k_prefix.shape[-4:-2])
   if not use_kernel:
-    return _reference(q, *_layer_slice(k_prefix, v_prefix, layer), lengths, sm_scale=sm_scale)
+    return one(_reference(q, *_layer_slice(k_prefix, v_prefix, layer), lengths,
+                          sm_scale=sm_scale))
   hop = _hopper_choice(q, k_prefix, block_sizes, interpret=bool(interpret), on_gpu=on_gpu)
   if hop is not None:
     return _prefix_attention_hopper(q, k_prefix, v_prefix, lengths, layer, sm_scale=sm_scale,
-                                    hopper_sizes=hop, interpret=bool(interpret))
+                                    hopper_sizes=hop, interpret=bool(interpret),
+                                    partials=bool(partials))
   if block_sizes is None or isinstance(block_sizes, _hopper.HopperBlockSizes):
     block_sizes = _GPU_DEFAULTS
-  return _prefix_attention_kernel(
+  return one(_prefix_attention_kernel(
       q, k_prefix, v_prefix, lengths, layer, sm_scale=sm_scale, interpret=bool(interpret),
-      block_sizes=block_sizes, on_gpu=on_gpu and not interpret)
+      block_sizes=block_sizes, on_gpu=on_gpu and not interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
@@ -535,8 +551,8 @@ def multi_level_prefix_attention(q, levels: Sequence, *, sm_scale=None, interpre
   group count ``P_i`` (``B % P_i == 0``; ``lengths`` may be None = full). E.g.
   level 0: one system prompt for everyone (``P = 1``); level 1: one document
   per group of questions (``P = number of documents``). A query sees every
-  level's valid prefix of its group; the per-level results are merged with one
-  ``merge_attention_states`` (exact; empty levels contribute nothing).
+  level's valid prefix of its group; the per-level results (each kernel's key splits
+  unmerged) are merged in one pass (exact; empty levels contribute nothing).
 
   Merge the result with the per-sequence suffix part exactly like a single
   prefix level (see the module docstring).
@@ -558,13 +574,17 @@ def multi_level_prefix_attention(q, levels: Sequence, *, sm_scale=None, interpre
     block_sizes = [block_sizes] * len(levels)
   if len(block_sizes) != len(levels):
     raise ValueError(f"{len(block_sizes)} block sizes for {len(levels)} levels")
-  fn = prefix_attention_reference if reference else prefix_attention
-  outs, lses = [], []
+  outs, lses = [], []  # partial attentions [S, B, T, H(, D)]: each level's key splits unmerged
   for level, bs in zip(levels, block_sizes):
     if len(level) != 3:
       raise ValueError("each level must be a (k, v, lengths) tuple")
     k, v, lengths = level
-    o, l = fn(q, k, v, lengths, sm_scale=sm_scale, interpret=interpret, block_sizes=bs)
-    outs.append(o)
-    lses.append(l)
-  return merge_attention_states(outs, lses)
+    if reference:
+      o, l = prefix_attention_reference(q, k, v, lengths, sm_scale=sm_scale)
+      o, l = o[None], l[None]
+    else:
+      o, l = prefix_attention(q, k, v, lengths, sm_scale=sm_scale, interpret=interpret,
+                              block_sizes=bs, partials=True)
+    outs.append(o.astype(jnp.float32))
+    lses.append(l.astype(jnp.float32))
+  return merge_stacked(jnp.concatenate(outs), jnp.concatenate(lses), axis=0, out_dtype=q.dtype)

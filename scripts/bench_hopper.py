@@ -325,16 +325,59 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
                                     sm_scale=1 / math.sqrt(D), block_sizes=hb_of(OV))
       return o[0, 0, 0, 0, 0].astype(jnp.float32) + l2[-1, -1, -1, -1]
     record(shape, name(OV) + " kernel only (splits unmerged)", kern, args, flops, nbytes)
-    if profile:  # the GPU kernels of the default call and of the kernel alone
+
+    # The engine's form: the prefix part merged with a suffix part (its out and lse given).
+    # Before: the kernel's key splits merged, then that merged with the suffix (two merges);
+    # now the splits come back unmerged (partials=True) and join the suffix in one merge.
+    from pallas_kernels import merge_attention_states
+    from pallas_kernels.merge import merge_stacked
+    o_suf = jax.random.normal(ks[0], q.shape, jnp.bfloat16)
+    l_suf = jax.random.normal(ks[1], q.shape[:3], jnp.float32) + math.log(1024.0)
+    eargs = args + (o_suf, l_suf)
+
+    def two_merges(i, q, kp, vp, plen, o_suf, l_suf):
+      o, l = prefix_attention(q, kp, vp, plen - (i % 2))
+      o, l = merge_attention_states([o_suf, o], [l_suf, l])
+      return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
+
+    def one_merge(i, q, kp, vp, plen, o_suf, l_suf):
+      o, l = prefix_attention(q, kp, vp, plen - (i % 2), partials=True)
+      o, l = merge_stacked(jnp.concatenate([o_suf[None].astype(jnp.float32),
+                                            o.astype(jnp.float32)]),
+                           jnp.concatenate([l_suf[None], l]), axis=0, out_dtype=q.dtype)
+      return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
+    record(shape, "with a suffix part: splits merged, then merged with it (before)", two_merges,
+           eargs, flops, nbytes)
+    record(shape, "with a suffix part: splits and suffix in one merge (engine, partials)",
+           one_merge, eargs, flops, nbytes)
+    # the two forms agree on every output (bf16 out; one rounding fewer in the one-merge form)
+    def full(partials):
+      def f(q, kp, vp, plen, o_suf, l_suf):
+        o, l = prefix_attention(q, kp, vp, plen, partials=partials)
+        if partials:
+          return merge_stacked(jnp.concatenate([o_suf[None].astype(jnp.float32),
+                                                o.astype(jnp.float32)]),
+                               jnp.concatenate([l_suf[None], l]), axis=0, out_dtype=q.dtype)
+        return merge_attention_states([o_suf, o], [l_suf, l])
+      return jax.jit(f)(*eargs)
+    (oa, la), (ob, lb) = full(False), full(True)
+    e_o = float(jnp.max(jnp.abs(oa.astype(jnp.float32) - ob.astype(jnp.float32))))
+    e_l = float(jnp.max(jnp.abs(la - lb)))
+    results.append(dict(kind="check", what=f"{shape}: one merge vs two merges", max_err_out=e_o,
+                        max_err_lse=e_l, ok=e_o < 2e-2 and e_l < 1e-4))
+    log(f"{shape} one merge vs two: max err out {e_o:.2e}, lse {e_l:.2e}")
+    if profile:  # the GPU kernels of the default call, of the kernel alone, of the merges
       from benchutil import kernel_table
-      for tag, fn in (("default", pstep(None)), ("kernel only", kern)):
+      for tag, fn, fargs in (("default", pstep(None), args), ("kernel only", kern, args),
+                             ("two merges", two_merges, eargs),
+                             ("one merge", one_merge, eargs)):
         loop = jax.jit(lambda *a, fn=fn: jax.lax.fori_loop(
             0, inner, lambda i, acc: acc + fn(i, *a).astype(jnp.float32), jnp.float32(0)))
-        jax.block_until_ready(loop(*args))
+        jax.block_until_ready(loop(*fargs))
         d = os.path.join(profile, f"{shape.replace(' ', '_').replace('=', '')}_{tag[:7]}")
         with jax.profiler.trace(d, create_perfetto_trace=True):
           for _ in range(reps):
-            jax.block_until_ready(loop(*args))
+            jax.block_until_ready(loop(*fargs))
         kt = kernel_table(d, inner * reps, top=8, width=60)
         results.append(dict(kind="profile", shape=shape, impl=tag, **kt))
         log(f"{shape} {tag}: {kt.get('kernels', 0):.1f} kernels/call, busy "

@@ -18,6 +18,7 @@ import pytest
 
 from pallas_kernels import (decode_attention, decode_attention_reference, hopper,
                             prefix_attention, prefix_attention_reference)
+from pallas_kernels.merge import merge_stacked
 
 pytestmark = pytest.mark.skipif(hopper.plgpu is None, reason="jax without Mosaic GPU")
 
@@ -81,12 +82,13 @@ def test_rows_attention_matches_reference(layout, lengths, splits, stages, rows_
   assert not empty.any() or float(jnp.max(jnp.abs(o[empty]))) == 0.0
 
 
-@pytest.mark.parametrize("B,T,K,G,P,splits", [
+@pytest.mark.parametrize("B,T,K,G,P,splits,partials", [
     # G=4: q[B, T, H, D] read and out written in place (as [P, B/P x T, H, D]), 2 splits
-    (16, 2, 2, 4, 2, 2),
-    (6, 3, 1, 3, 2, 1),   # G=3: q as transposed rows [P, K, B/P x T x G, D]
+    # returned unmerged (the engine merges them with the suffix part in one pass)
+    (16, 2, 2, 4, 2, 2, True),
+    (6, 3, 1, 3, 2, 2, False),   # G=3: q as transposed rows [P, K, B/P x T x G, D], merged
 ])
-def test_prefix_attention_through_hopper_kernel(B, T, K, G, P, splits):
+def test_prefix_attention_through_hopper_kernel(B, T, K, G, P, splits, partials):
   """Stacked layers [layers, P, L, K, D], one read in place; ragged prefix lengths."""
   rng = np.random.default_rng(7 + G)
   D, L = 64, 152
@@ -99,8 +101,11 @@ def test_prefix_attention_through_hopper_kernel(B, T, K, G, P, splits):
   vg = jnp.where(bad, jnp.nan, vp).astype(jnp.bfloat16)
   other = jnp.full_like(kg, jnp.nan)  # layer 0: must not be read
   o, lse = prefix_attention(q, jnp.stack([other, kg]), jnp.stack([other, vg]), lengths,
-                            interpret=True, layer=jnp.int32(1),
+                            interpret=True, layer=jnp.int32(1), partials=partials,
                             block_sizes=hopper.HopperBlockSizes(block_kv=64, splits=splits))
+  if partials:  # one partial per key split, each over its own part of the prefix
+    assert o.shape == (splits,) + q.shape and lse.shape == (splits,) + q.shape[:3]
+    o, lse = merge_stacked(o, lse, axis=0)
   ro, rl = prefix_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
                                       vp.astype(jnp.float32), lengths)
   np.testing.assert_allclose(lse, rl, atol=1e-5, rtol=1e-5)

@@ -26,6 +26,7 @@ from pallas_kernels import (
     prefix_attention,
     prefix_attention_reference,
 )
+from pallas_kernels.merge import merge_stacked
 
 SMALL = PrefixAttentionBlockSizes(block_k=16, split_size=32)
 
@@ -441,7 +442,43 @@ def test_kernel_compiled_gpu_default_blocks(c):
   q, k, v, lengths = make_inputs(c, seed=zlib.crc32(str(c).encode()))
   out = prefix_attention(q, k, v, lengths)
   ref = prefix_attention_reference(q, k, v, lengths)
-  assert_close(*out, *ref, tol=1e-5 if c.dtype == "float32" else 2e-2)
+  tol = 1e-5 if c.dtype == "float32" else 2e-2
+  assert_close(*out, *ref, tol=tol)
+  # the key splits unmerged (the engine merges them with the suffix part in one pass)
+  o_S, lse_S = prefix_attention(q, k, v, lengths, partials=True)
+  assert o_S.shape[1:] == q.shape and lse_S.shape == o_S.shape[:-1]
+  assert_close(*merge_stacked(o_S, lse_S, axis=0), *ref, tol=tol)
+
+
+def test_partials_merge_to_the_whole():
+  """``partials=True``: [S, B, T, H, D] partial attentions (S = 1 on the paths without key
+  splits: the portable kernel in interpret mode, the reference on CPU); merged with a suffix
+  part in one pass they equal attention over prefix + suffix keys."""
+  c = Case(2, 4, 3, 2, 2, 16, 40, (40, 0), dtype="float32")
+  q, k, v, lengths = make_inputs(c, seed=11)
+  rng = np.random.default_rng(12)
+  ks = jnp.asarray(rng.standard_normal((c.B, 5, c.K, c.D)), jnp.float32)  # a 5-key suffix
+  vs = jnp.asarray(rng.standard_normal((c.B, 5, c.K, c.D)), jnp.float32)
+  G = c.G
+  s = jnp.einsum("bthd,bshd->bths", q, jnp.repeat(ks, G, axis=2)) / np.sqrt(c.D)
+  o_suf = jnp.einsum("bths,bshd->bthd", jax.nn.softmax(s, -1), jnp.repeat(vs, G, axis=2))
+  l_suf = jax.nn.logsumexp(s, -1)
+  # reference: softmax over the concatenated keys of each sequence (its group's prefix + own)
+  grp = jnp.arange(c.B) // (c.B // c.P)
+  valid = jnp.concatenate([jnp.arange(c.L)[None] < lengths[grp][:, None],
+                           jnp.ones((c.B, 5), bool)], axis=1)
+  kk = jnp.where(valid[..., None, None], jnp.concatenate([k[grp], ks], axis=1), 0.0)
+  vv = jnp.where(valid[..., None, None], jnp.concatenate([v[grp], vs], axis=1), 0.0)
+  s2 = jnp.einsum("bthd,bshd->bths", q, jnp.repeat(kk, G, axis=2)) / np.sqrt(c.D)
+  s2 = jnp.where(valid[:, None, None], s2, -jnp.inf)
+  want = jnp.einsum("bths,bshd->bthd", jax.nn.softmax(s2, -1), jnp.repeat(vv, G, axis=2))
+  for interpret in (True, None):
+    o_S, lse_S = prefix_attention(q, k, v, lengths, partials=True, interpret=interpret)
+    assert o_S.shape == (1,) + q.shape and lse_S.shape == (1,) + q.shape[:3]
+    o, lse = merge_stacked(jnp.concatenate([o_suf[None], o_S]),
+                           jnp.concatenate([l_suf[None], lse_S]), axis=0)
+    np.testing.assert_allclose(o, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(lse, jax.nn.logsumexp(s2, -1), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dynamic", [True, False])

@@ -26,10 +26,10 @@ browser:
 	    >/dev/null 2>&1 || echo "could not install chromium: the browser test will be skipped" >&2; }
 
 test: install browser
-	XLA_FLAGS="$${XLA_FLAGS:---xla_force_host_platform_device_count=8}" $(PY) -m pytest -q -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
+	XLA_FLAGS="$${XLA_FLAGS:---xla_force_host_platform_device_count=8}" $(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-all: install
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m 'not gpu' $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder -m 'not gpu' $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/jaxspec fetch $(MODEL) --dir checkpoints

@@ -18,3 +18,22 @@ def _free_compiled_programs():
     import jax
     jax.clear_caches()
     gc.collect()
+
+
+# Worker-seconds per test file in the default run (2 pytest-xdist workers on the 2-core CI
+# machine, session 13). `make test` runs each file whole on one worker (--dist loadfile
+# --no-loadscope-reorder); handing out the longest files first keeps one long file from
+# starting last while the other worker sits idle. A stale or missing entry only costs balance.
+_FILE_SECONDS = {
+    "test_tree_speculation.py": 456, "test_hopper.py": 394, "test_adaptive.py": 269,
+    "test_model_parity.py": 208, "test_sharding_layers.py": 171, "test_speculative.py": 171,
+    "test_shared_prefix.py": 168, "test_sharding.py": 166, "test_tpu_kernels.py": 152,
+    "test_sliding_window.py": 150, "test_decode_attention.py": 149, "test_verify.py": 84,
+    "test_bench_server.py": 80, "test_checkpoint.py": 74, "test_robustness.py": 71,
+    "test_benchmark_harness.py": 71, "test_prefix_attention.py": 68,
+    "test_bench_hydragen.py": 62, "test_server.py": 58,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda it: -_FILE_SECONDS.get(os.path.basename(str(it.fspath)), 0))

@@ -128,7 +128,7 @@ def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, pl
     per level, merged by log-sum-exp in one pass: the prefix kernels' key splits come back
     unmerged (``partials=True``) and join the suffix part in the same merge."""
     from pallas_kernels import prefix_attention, prefix_attention_reference
-    from pallas_kernels.merge import merge_stacked
+    from pallas_kernels.merge import merge_partials
     impl = plan.impl
     interpret = True if impl == "interpret" else None
     kernel = _kernel() if _use_kernel(impl) else None
@@ -168,9 +168,7 @@ def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, pl
             o, lse = fn(q, kp, vp, ln, sm_scale=sm_scale, interpret=interpret)
         outs.append(o)
         lses.append(lse)
-    out_N = jnp.concatenate([x.astype(jnp.float32) for x in outs], axis=0)
-    lse_N = jnp.concatenate([x.astype(jnp.float32) for x in lses], axis=0)
-    return merge_stacked(out_N, lse_N, axis=0, out_dtype=q.dtype)[0]
+    return merge_partials(outs, lses, q.dtype)[0]
 
 
 def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,

@@ -53,6 +53,15 @@ def merge_stacked(out_N, lse_N, axis: int = 0, out_dtype=None):
   return out.astype(out_dtype), lse
 
 
+def merge_partials(outs: Sequence[jax.Array], lses: Sequence[jax.Array], out_dtype):
+  """``merge_stacked`` over several stacks of partial attentions, each ``[S_i, ..., D]`` with
+  its ``lses[i]`` ``[S_i, ...]`` (e.g. a kernel's unmerged key splits beside a suffix part
+  given as ``out[None]``): one merge of all of them."""
+  out_N = jnp.concatenate([o.astype(jnp.float32) for o in outs], axis=0)
+  lse_N = jnp.concatenate([l.astype(jnp.float32) for l in lses], axis=0)
+  return merge_stacked(out_N, lse_N, axis=0, out_dtype=out_dtype)
+
+
 def merge_attention_states(outs: Sequence[jax.Array], lses: Sequence[jax.Array]):
   """Merges partial attentions over disjoint key segments, exactly.
 

@@ -64,7 +64,7 @@ except ImportError:  # pragma: no cover - a jax without the Triton backend
 
 from .decode_attention import _cdiv, _exp2, _is_nvidia, _next_pow2, _num_sms
 from . import hopper as _hopper
-from .merge import merge_stacked
+from .merge import merge_partials, merge_stacked
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -467,7 +467,7 @@ def prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=Non
 
     partials: return the kernel's key splits unmerged, ``(out [S, B, T, H, D] in q.dtype,
       lse [S, B, T, H] float32)`` with S >= 1 (1 where the kernel has no splits), for a
-      caller that merges them with the suffix part in one pass (``merge.merge_stacked``
+      caller that merges them with the suffix part in one pass (``merge.merge_partials``
       over the concatenation): one merge instead of two. The engine does this.
 
   Returns:
@@ -585,6 +585,6 @@ def multi_level_prefix_attention(q, levels: Sequence, *, sm_scale=None, interpre
     else:
       o, l = prefix_attention(q, k, v, lengths, sm_scale=sm_scale, interpret=interpret,
                               block_sizes=bs, partials=True)
-    outs.append(o.astype(jnp.float32))
-    lses.append(l.astype(jnp.float32))
-  return merge_stacked(jnp.concatenate(outs), jnp.concatenate(lses), axis=0, out_dtype=q.dtype)
+    outs.append(o)
+    lses.append(l)
+  return merge_partials(outs, lses, q.dtype)

@@ -330,7 +330,7 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
     # Before: the kernel's key splits merged, then that merged with the suffix (two merges);
     # now the splits come back unmerged (partials=True) and join the suffix in one merge.
     from pallas_kernels import merge_attention_states
-    from pallas_kernels.merge import merge_stacked
+    from pallas_kernels.merge import merge_partials
     o_suf = jax.random.normal(ks[0], q.shape, jnp.bfloat16)
     l_suf = jax.random.normal(ks[1], q.shape[:3], jnp.float32) + math.log(1024.0)
     eargs = args + (o_suf, l_suf)
@@ -342,9 +342,7 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
 
     def one_merge(i, q, kp, vp, plen, o_suf, l_suf):
       o, l = prefix_attention(q, kp, vp, plen - (i % 2), partials=True)
-      o, l = merge_stacked(jnp.concatenate([o_suf[None].astype(jnp.float32),
-                                            o.astype(jnp.float32)]),
-                           jnp.concatenate([l_suf[None], l]), axis=0, out_dtype=q.dtype)
+      o, l = merge_partials([o_suf[None], o], [l_suf[None], l], q.dtype)
       return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
     record(shape, "with a suffix part: splits merged, then merged with it (before)", two_merges,
            eargs, flops, nbytes)
@@ -355,9 +353,7 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
       def f(q, kp, vp, plen, o_suf, l_suf):
         o, l = prefix_attention(q, kp, vp, plen, partials=partials)
         if partials:
-          return merge_stacked(jnp.concatenate([o_suf[None].astype(jnp.float32),
-                                                o.astype(jnp.float32)]),
-                               jnp.concatenate([l_suf[None], l]), axis=0, out_dtype=q.dtype)
+          return merge_partials([o_suf[None], o], [l_suf[None], l], q.dtype)
         return merge_attention_states([o_suf, o], [l_suf, l])
       return jax.jit(f)(*eargs)
     (oa, la), (ob, lb) = full(False), full(True)

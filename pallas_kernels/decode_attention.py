@@ -412,8 +412,9 @@ def _hopper_choice(q, k_cache, T_new, block_sizes, *, sink, window, interpret, o
                             interpret)
     return block_sizes
   if (block_sizes is None and on_gpu and not interpret and not sink and not window and fits
-      and T * (H // K) >= HOPPER_MIN_ROWS and _hopper.available()):
-    return _hopper.HopperBlockSizes()
+      and T * (H // K) >= HOPPER_MIN_ROWS and _hopper.default_block_sizes(D) is not None
+      and _hopper.available()):
+    return _hopper.default_block_sizes(D)
   return None
 
 

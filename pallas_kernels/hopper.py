@@ -181,6 +181,19 @@ def supports(dtype, D: int) -> bool:
   return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and D % 64 == 0
 
 
+def default_block_sizes(D: int) -> HopperBlockSizes | None:
+  """The dispatchers' tiling for head dim D, or None where this kernel is not their default.
+  D=256 takes 64-key blocks (128 x 2 stages would need 333 KB of shared memory): on an H100
+  1.32x faster than the Triton kernel at 16 x 4k verification (T=64) and at a B=64 shared
+  prefix (benchmarks/probe_hopper_d256_h100.json). Other multiples of 64 are untested on a
+  GPU and stay with Triton."""
+  if D in (64, 128):
+    return HopperBlockSizes()
+  if D == 256:
+    return HopperBlockSizes(block_kv=64)
+  return None
+
+
 def check_requested(fits: bool, need: str, interpret) -> None:
   """For a caller that asked for this kernel by passing ``HopperBlockSizes``: raises unless
   the inputs fit it (``fits``; ``need`` says what it takes) and it can run here."""
@@ -604,9 +617,12 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     T_run = _bthd_tokens(T_q, q_groups, bs)
     R = T_run * q_groups
     # On the GPU, TMA zero-fills loads and clips stores past T; the interpreter refuses an
-    # out-of-bounds copy (and a box must fit the array), so pad T there.
+    # out-of-bounds copy (and a box must fit the array), so pad T there. Mosaic GPU's tiled
+    # copies also need the token axis in whole 8-row tiles (T = 97 failed to lower).
     if interpret or T_q < RW // q_groups:
       pad_t = T_run - T_q
+    elif T_q % 8:
+      pad_t = -T_q % 8
       q_N1N2RD = jnp.pad(q_N1N2RD, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
   elif q_layout == "rows":
     N1, N2, R, D = q_N1N2RD.shape

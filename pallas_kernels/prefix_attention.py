@@ -362,8 +362,9 @@ def _hopper_choice(q, k_prefix, block_sizes, *, interpret, on_gpu):
                             interpret)
     return block_sizes
   if (block_sizes is None and on_gpu and not interpret and fits
-      and (B // P) * T * (H // K) >= HOPPER_MIN_ROWS and _hopper.available()):
-    return _hopper.HopperBlockSizes()
+      and (B // P) * T * (H // K) >= HOPPER_MIN_ROWS and _hopper.default_block_sizes(D) is not None
+      and _hopper.available()):
+    return _hopper.default_block_sizes(D)
   return None
 
 

@@ -64,9 +64,10 @@ from its own threshold, where it beats the Triton kernels: 64 x 8k verification 
 695-717 us (Triton 989 us), 1.25-1.31x the T=1 decode time, 2.3 TB/s of K/V = 76% of the copy
 ceiling and 1.28x its roofline (its FLOPs at the measured 758 TFLOP/s matmul rate take as
 long as its bytes); a 64-node token tree in 729 us; the B=64, P=1, L=16k prefix at T=1 in
-36 us for the kernel and 38 us with the split merge (1.6-1.7x its roofline: 8 KV heads x 256
-rows are only 16 programs before splitting), at T=5 in 140 us (1.23x) and at B=256 in 105 us
-(1.16x). 128-row warpgroups (one program per KV head, each prefix byte read once) lose on the
+32.4 us for the kernel alone (1.45x its roofline, hopper_attention_h100_s13a.md; 8 KV heads x
+256 rows are only 16 programs before splitting) and 38 us with the split merge, at T=5 in
+140 us (1.25x) and at B=256 in 105 us (1.18x). Head dims 64 and 128 take the default tiles,
+256 takes 64-key blocks (``default_block_sizes``; 1.32x over Triton there). 128-row warpgroups (one program per KV head, each prefix byte read once) lose on the
 prefix: 101 us at block_kv=128 (S and O accumulators alone need 256 registers per thread at
 D=128, over the 240 cap), 49 us at block_kv=64 (probe_prefix_rows_h100.log, _bkv64_h100.log). A
 sustained T=64-only load reaches the H100's 700 W cap and the clock falls

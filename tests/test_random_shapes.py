@@ -1,4 +1,5 @@
-"""Fresh random shapes for the compiled kernels on a GPU, through the default dispatch.
+"""Fresh random shapes for the kernels, through the default dispatch: compiled and checked on
+a GPU (marked ``gpu``), and lowered for CUDA and TPU on any machine (in ``make test``).
 
 The fixed GPU cases in test_decode_attention / test_prefix_attention were chosen by us; these
 are drawn at random (head dims 16..256, odd G and K, T up to ~200 with T_new > T, ragged
@@ -8,7 +9,7 @@ other case shaped to fit the Hopper kernel) and run through ``decode_attention``
 one on an H100/H200) the library picks for that shape, against the plain-jnp references in
 float32.
 
-    JAX_PLATFORMS=cuda python3 -m pytest -q -m gpu tests/test_gpu_random_shapes.py
+    JAX_PLATFORMS=cuda python3 -m pytest -q -m gpu tests/test_random_shapes.py
     JAXSPEC_GPU_SWEEP_SEED=7 JAXSPEC_GPU_SWEEP_CASES=60 ...   (another draw, more cases)
 """
 from __future__ import annotations
@@ -130,37 +131,39 @@ def test_prefix_attention_random_shape_gpu(c):
   tda.assert_close(*out, *ref, tol=TOL[c.dtype])
 
 
-# --- the same draws lowered for CUDA on any machine ---------------------------------------
+# --- the same draws lowered for CUDA and TPU on any machine -------------------------------
 
 LOWER_CASES = int(os.environ.get("JAXSPEC_LOWER_CASES", "10"))
+PLATFORMS = ["cuda", "tpu"]
 
 
-def _lower_for_hopper(fn, *args):
-  """Traces ``fn`` as on an H100 (the dispatch sees a Hopper GPU) and lowers it for CUDA:
-  Mosaic GPU and Triton lower in Python, so shape bugs of either kernel show up without a GPU
-  (only compiling and running need one)."""
+def _lower(platform, fn, *args):
+  """Traces ``fn`` as on that accelerator (for CUDA, the dispatch sees a Hopper GPU) and lowers
+  it: Mosaic GPU, Triton and Mosaic TPU lower in Python, so shape bugs of every kernel show
+  up without the accelerator (only compiling and running need one)."""
   from pallas_kernels import hopper, target_platform
   orig = hopper.available
   hopper.available = lambda: True
   try:
-    with target_platform("gpu"):
-      return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    with target_platform("gpu" if platform == "cuda" else platform):
+      return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
   except RuntimeError as e:
-    if "GPU" in str(e) or "cuda" in str(e).lower():
-      pytest.skip(f"this jax cannot lower for CUDA without a GPU: {e}")
+    if platform in str(e).lower() or "gpu" in str(e).lower():
+      pytest.skip(f"this jax cannot lower for {platform} here: {e}")
     raise
   finally:
     hopper.available = orig
 
 
 def _spec(shape, dtype):
-  return jax.ShapeDtypeStruct(shape, np.dtype(dtype) if dtype != "bfloat16" else jax.numpy.bfloat16)
+  return jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype))
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("c", _decode_cases(SEED, LOWER_CASES), ids=_id)
-def test_decode_attention_random_shape_lowers_for_cuda(c):
+def test_decode_attention_random_shape_lowers(c, platform):
   """The draw that found the Hopper kernel failing to lower at T % 8 != 0 (T=97) and at
-  D=256 (its default tiles overflow shared memory) on the H100 (session 14)."""
+  D=256 (its default tiles overflowed shared memory) on the H100 (session 14)."""
   H = c.G * c.K
   q = _spec((c.B, c.T, H, c.D), c.dtype)
   kv = _spec((c.B, c.K, c.S, c.D), c.dtype)
@@ -169,17 +172,18 @@ def test_decode_attention_random_shape_lowers_for_cuda(c):
   sparse = dict(sink=c.sink, window=c.window) if c.sink or c.window else {}
   fn = lambda q, k, v, lengths, tm: decode_attention(q, k, v, lengths, tm, num_new=c.num_new,
                                                      **sparse)
-  lowered = _lower_for_hopper(fn, q, kv, kv, lengths,
-                              None if tm is None else jax.ShapeDtypeStruct(tm, np.bool_))
+  lowered = _lower(platform, fn, q, kv, kv, lengths,
+                   None if tm is None else jax.ShapeDtypeStruct(tm, np.bool_))
   assert lowered.as_text()
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("c", _prefix_cases(SEED, LOWER_CASES), ids=_id)
-def test_prefix_attention_random_shape_lowers_for_cuda(c):
+def test_prefix_attention_random_shape_lowers(c, platform):
   H = c.G * c.K
   q = _spec((c.B, c.T, H, c.D), c.dtype)
   kv = _spec((c.P, c.L, c.K, c.D), c.dtype)
   lengths = None if c.lengths is None else jax.ShapeDtypeStruct((c.P,), np.int32)
-  lowered = _lower_for_hopper(lambda q, k, v, n: prefix_attention(q, k, v, n), q, kv, kv,
-                              lengths)
+  lowered = _lower(platform, lambda q, k, v, n: prefix_attention(q, k, v, n, partials=True),
+                   q, kv, kv, lengths)
   assert lowered.as_text()

@@ -4,17 +4,6 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
-# The CPU tests spend most of their time in XLA's compiler, not in the programs it makes: a
-# cheaper LLVM pipeline ran three heavy files 25% faster (505 -> 377 s, side by side on one core
-# each) and the interpreter-heavy kernel tests too (79 -> 59 s). JAXSPEC_TEST_FAST_COMPILE=0
-# keeps XLA's defaults.
-if os.environ.get("JAXSPEC_TEST_FAST_COMPILE") != "0":
-    _flags = os.environ.get("XLA_FLAGS", "")
-    for _flag in ("--xla_llvm_disable_expensive_passes=true",
-                  "--xla_backend_optimization_level=0"):
-        if _flag.split("=")[0] not in _flags:
-            _flags += " " + _flag
-    os.environ["XLA_FLAGS"] = _flags.strip()
 # One on-disk XLA compile cache per test run, shared by the pytest-xdist workers (they inherit
 # this process's environment) and by the CLI subprocesses some tests start: many tests compile
 # programs another module compiled already (and the fixture below drops the in-memory cache

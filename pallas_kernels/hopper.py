@@ -67,8 +67,8 @@ long as its bytes); a 64-node token tree in 729 us; the B=64, P=1, L=16k prefix 
 32.4 us for the kernel alone (1.45x its roofline, hopper_attention_h100_s13a.md; 8 KV heads x
 256 rows are only 16 programs before splitting) and 38 us with the split merge, at T=5 in
 140 us (1.25x) and at B=256 in 105 us (1.18x). Head dims 64 and 128 take the default tiles,
-256 takes 64-key blocks (``default_block_sizes``; 1.32x over Triton there). 128-row warpgroups (one program per KV head, each prefix byte read once) lose on the
-prefix: 101 us at block_kv=128 (S and O accumulators alone need 256 registers per thread at
+256 takes 64-key blocks (``default_block_sizes``; 1.32x over Triton there). 128-row
+warpgroups (one program per KV head, each prefix byte read once) lose on the prefix: 101 us at block_kv=128 (S and O accumulators alone need 256 registers per thread at
 D=128, over the 240 cap), 49 us at block_kv=64 (probe_prefix_rows_h100.log, _bkv64_h100.log). A
 sustained T=64-only load reaches the H100's 700 W cap and the clock falls
 to ~1.6 GHz (benchmarks/probe_loop_overhead_h100.md).
@@ -624,6 +624,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       pad_t = T_run - T_q
     elif T_q % 8:
       pad_t = -T_q % 8
+    if pad_t:
       q_N1N2RD = jnp.pad(q_N1N2RD, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
   elif q_layout == "rows":
     N1, N2, R, D = q_N1N2RD.shape

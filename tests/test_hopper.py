@@ -22,15 +22,6 @@ from pallas_kernels.merge import merge_stacked
 
 pytestmark = pytest.mark.skipif(hopper.plgpu is None, reason="jax without Mosaic GPU")
 
-# The interpreted tests below are out of the default run (marked slow; `pytest -m slow
-# tests/test_hopper.py` runs them) since session 14: the Mosaic GPU interpreter deadlocked in
-# them in three runs that day on the 2-core machine (two simulated warpgroups waiting on
-# barriers for ever, the third finished; in test_prefix_attention_through_hopper_kernel twice,
-# serially in a verification case once), which hangs `make test` and CI. They had passed in
-# every run before. Not understood yet: an interpreter scheduling problem or a barrier
-# protocol bug of the kernel. The kernel is still checked in the default run by lowering it for
-# CUDA on random shapes (test_random_shapes.py), and compiled on a GPU by the gpu tests.
-
 
 def _reference(q, k, v, lengths, layout, scale):
   kk = jnp.swapaxes(k, 1, 2) if layout == "PLKD" else k
@@ -44,7 +35,6 @@ def _reference(q, k, v, lengths, layout, scale):
   return jnp.einsum("abrs,absd->abrd", p, vv.astype(jnp.float32), precision="highest"), lse
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout,lengths,splits,stages,rows_per_wg,pingpong,overlap", [
     # ragged: tail only, empty, blocks + tail (not in descending order: the longest-first
     # launch order is a real permutation)
@@ -92,7 +82,6 @@ def test_rows_attention_matches_reference(layout, lengths, splits, stages, rows_
   assert not empty.any() or float(jnp.max(jnp.abs(o[empty]))) == 0.0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("B,T,K,G,P,splits,partials", [
     # G=4: q[B, T, H, D] read and out written in place (as [P, B/P x T, H, D]), 2 splits
     # returned unmerged (the engine merges them with the suffix part in one pass)
@@ -123,7 +112,6 @@ def test_prefix_attention_through_hopper_kernel(B, T, K, G, P, splits, partials)
   np.testing.assert_allclose(o.astype(jnp.float32), ro, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("tree,T,T_new,G,splits,lengths,layered,overlap", [
     (True, 9, 12, 4, 2, [60, 180, 0], False, False),  # [B, T, T_new] tree, T_new > T, 2 splits
     # a sparse tree over 2 blocks with no context: rows that see no key of a whole block

@@ -7,6 +7,9 @@ MODEL  ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 # pytest-xdist workers: one per core, at most 4 (each holds a few GiB of compiled programs);
 # 0 = in this process. Each test file runs whole on one worker.
+# A test that runs longer than this fails loudly (its worker's stacks are dumped and the worker is
+# replaced) instead of a hung worker leaving the whole run to the other one.
+TEST_TIMEOUT ?= 1200
 JOBS   ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: test demo venv install clean test-all browser
@@ -26,7 +29,8 @@ browser:
 	    >/dev/null 2>&1 || echo "could not install chromium: the browser test will be skipped" >&2; }
 
 test: install browser
-	XLA_FLAGS="$${XLA_FLAGS:---xla_force_host_platform_device_count=8}" $(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	XLA_FLAGS="$${XLA_FLAGS:---xla_force_host_platform_device_count=8}" $(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder \
+	  --timeout $(TEST_TIMEOUT) --timeout-method thread --durations 25 $(PYTEST_ARGS)
 
 test-all: install
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder -m 'not gpu' $(PYTEST_ARGS)

@@ -58,7 +58,7 @@ _FILE_SECONDS = {
     "test_sliding_window.py": 150, "test_decode_attention.py": 149, "test_verify.py": 84,
     "test_bench_server.py": 80, "test_checkpoint.py": 74, "test_robustness.py": 71,
     "test_benchmark_harness.py": 71, "test_prefix_attention.py": 68,
-    "test_bench_hydragen.py": 62, "test_server.py": 58,
+    "test_bench_hydragen.py": 62, "test_server.py": 58, "test_random_engine.py": 170,
 }
 
 

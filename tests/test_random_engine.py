@@ -38,7 +38,7 @@ from jaxspec.cache import KVCache
 from jaxspec.model import forward, init_params
 
 SEED = int(os.environ.get("JAXSPEC_ENGINE_SWEEP_SEED", "2027"))
-CASES = int(os.environ.get("JAXSPEC_ENGINE_SWEEP_CASES", "4"))
+CASES = int(os.environ.get("JAXSPEC_ENGINE_SWEEP_CASES", "6"))
 TIE = 1e-4  # a top-two logit gap below this is a float tie (logits are O(1-10) here)
 
 
@@ -61,11 +61,13 @@ class Case:
                 f"-ctx{c.max_position_embeddings}")
 
 
-def _random_config(rng, vocab, allow_window=True):
+def _random_config(rng, vocab, allow_window=True, kernel_dims=False):
+    """``kernel_dims``: a head dim the Pallas kernels take (a power of 2 >= 16); with others the
+    default ``attn_impl="auto"`` runs XLA's attention and an explicit kernel request raises."""
     arch = str(rng.choice(["llama", "qwen2", "qwen3", "mistral"]))
     kv = int(rng.integers(1, 4))
     heads = kv * int(rng.choice([1, 2, 3, 4]))
-    head_dim = int(rng.choice([8, 16, 24, 32]))
+    head_dim = int(rng.choice([16, 32, 64] if kernel_dims else [8, 16, 24, 32, 64]))
     hidden = int(rng.choice([16, 32, 48]))
     kw = dict(model_type=arch, vocab_size=vocab, hidden_size=hidden,
               intermediate_size=int(rng.choice([32, 64, 80])), num_layers=int(rng.integers(1, 4)),
@@ -95,8 +97,10 @@ def _random_config(rng, vocab, allow_window=True):
 def _draw(i: int) -> Case:
     rng = np.random.default_rng([SEED, i])
     vocab = int(rng.integers(40, 300))
-    cfg = _random_config(rng, vocab)
-    draft_cfg = _random_config(rng, vocab, allow_window=False)
+    # the Pallas kernels in interpret mode on the CPU (on a GPU every case runs the compiled ones)
+    impl = "interpret" if rng.random() < 0.25 else "xla"
+    cfg = _random_config(rng, vocab, kernel_dims=impl == "interpret")
+    draft_cfg = _random_config(rng, vocab, allow_window=False, kernel_dims=impl == "interpret")
     B = int(rng.integers(1, 6))
     system = rng.integers(0, vocab, size=int(rng.integers(20, 50))).tolist()
     shared = rng.random() < 0.6
@@ -109,24 +113,24 @@ def _draw(i: int) -> Case:
         draft_cfg = dataclasses.replace(draft_cfg, max_position_embeddings=ctx)
     stop = sorted(set(rng.integers(0, vocab, size=int(rng.integers(0, 3))).tolist()))
     prefill_chunk = int(rng.choice([8, 16, 512]))
-    impl = "interpret" if rng.random() < 0.25 else "xla"
 
     def chain():
         window = None if rng.random() < 0.15 else int(rng.integers(2, 24))
         return Speculation(draft="self", gamma=int(rng.integers(1, 7)),
                            sink=int(rng.integers(0, 5)), window=window)
 
-    def draft():
-        window = None if rng.random() < 0.5 else int(rng.integers(4, 30))
-        return Speculation(draft=("draft",), gamma=int(rng.integers(1, 6)),
-                           sink=int(rng.integers(0, 4)), window=window)
+    def draft():  # a ring-buffer draft cache holds at least a round's tokens + 2
+        gamma = int(rng.integers(1, 6))
+        window = None if rng.random() < 0.5 else int(rng.integers(gamma + 2, 30))
+        return Speculation(draft=("draft",), gamma=gamma, sink=int(rng.integers(0, 4)),
+                           window=window)
 
     def tree():
         depth = int(rng.integers(1, 4))
         expansion = tuple(int(rng.integers(1, 4)) for _ in range(depth))
         d = ("draft",) if rng.random() < 0.4 else "self"
         return Speculation(draft=d, tree=expansion, sink=int(rng.integers(0, 4)),
-                           window=int(rng.integers(3, 24)))
+                           window=int(rng.integers(depth + 2, 24)))
 
     options = [("chain", lambda: dict(speculation=chain())),
                ("draft", lambda: dict(speculation=draft())),
@@ -260,7 +264,7 @@ def test_random_engine_case_gpu(case):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU (JAX_PLATFORMS=cuda)")
     with jax.default_matmul_precision("highest"):
-        _check_case(case, impl="pallas")
+        _check_case(case, impl="auto")
 
 
 def test_draws_cover_the_options():

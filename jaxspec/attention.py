@@ -322,13 +322,6 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
     if impl == "none":  # profiling: the step without attention (not a model!)
         return jnp.zeros_like(q_BTHD)
-    D = q_BTHD.shape[-1]
-    if impl == "auto" and _backend() == "gpu" and (D & (D - 1) or (plan.prefix is not None
-                                                                  and D < 16)):
-        # The Triton kernels need a power-of-2 head dim (the shared-prefix kernel also >= 16):
-        # another head dim (80, 96, 100, ...) runs the plain-`jnp` attention instead of failing.
-        impl = "xla"
-        plan = plan.replace(impl=impl)
     if plan.active is not None:  # finished rows: no context read (their output is discarded)
         plan = plan.replace(lengths=jnp.where(plan.active, plan.lengths, 0), active=None)
     T = q_BTHD.shape[1]

@@ -75,6 +75,35 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def head_tile(D: int) -> int:
+  """The kernels' head-dim tile: D itself when a power of 2 >= 16 (Triton's tiles and its
+  matrix products need that), else the next one; the lanes past D are masked (loaded as 0,
+  never stored), so any head dim (80, 96, 100, ...) runs the kernel."""
+  return max(16, _next_pow2(D))
+
+
+def load_rows(ref, rows_ok, head_ok):
+  """``ref[...]`` with rows (``rows_ok[n]``) and head lanes (``head_ok[Dp]``) outside the
+  valid ranges read as 0 (None: all valid): no NaN garbage, no lanes past D."""
+  if rows_ok is None and head_ok is None:
+    return ref[...]
+  if head_ok is None:
+    mask = rows_ok[:, None]
+  elif rows_ok is None:
+    mask = head_ok[None, :]
+  else:
+    mask = rows_ok[:, None] & head_ok[None, :]
+  return plgpu.load(ref, mask=mask, other=0)
+
+
+def store_rows(ref, x, head_ok):
+  """``ref[...] = x`` for the lanes below the head dim only (``head_ok`` None: all)."""
+  if head_ok is None:
+    ref[...] = x
+  else:
+    plgpu.store(ref, x, mask=head_ok[None, :])
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionBlockSizes:
   """Static tiling of the decode/verify kernel (None = chosen from the shapes).
@@ -135,6 +164,7 @@ class _Static:
   has_layer: bool
   scale_log2: float
   fast_exp: bool
+  D: int = 0      # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
 
 
 def _exp2(x, fast: bool):
@@ -158,10 +188,11 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
   length = jnp.clip(lengths_ref[b], 0, c.S)
   lead = (layer_ref[0], b, h) if c.has_layer else (b, h)
 
-  q = q_ref[...]                                   # [bq, D]
+  head_dim = q_ref.shape[-1]                       # head_tile(D) lanes
+  head_ok = None if head_dim == c.D else jnp.arange(head_dim, dtype=jnp.int32) < c.D
+  q = load_rows(q_ref, None, head_ok)              # [bq, Dp]
   if q.dtype != k_ref.dtype:
     q = q.astype(k_ref.dtype)
-  head_dim = q.shape[-1]
 
   def kv_index(start, size):
     return (*lead, pl.ds(start, size), slice(None))
@@ -170,12 +201,12 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
     """One online-softmax step over slots [start, start + size)."""
     acc, m, l = carry
     idx = kv_index(start, size)
-    if load_ok is None:
+    if load_ok is None and head_ok is None:
       k = k_ref[idx]
       v = v_ref[idx]
-    else:  # masked loads: rows outside the range come back as 0 (no NaN).
-      k = plgpu.load(k_ref.at[idx], mask=load_ok[:, None], other=0)
-      v = plgpu.load(v_ref.at[idx], mask=load_ok[:, None], other=0)
+    else:  # masked loads: rows outside the range come back as 0 (no NaN), as do lanes past D
+      k = load_rows(k_ref.at[idx], load_ok, head_ok)
+      v = load_rows(v_ref.at[idx], load_ok, head_ok)
     # HIGHEST: float32 inputs use full-precision (not tf32) products on GPU;
     # for bf16 inputs it changes nothing.
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
@@ -257,7 +288,7 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
   acc, m, l = carry
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
-  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  store_rows(o_ref, (acc / l_safe[:, None]).astype(o_ref.dtype), head_ok)
   lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
 
 
@@ -286,14 +317,13 @@ def _plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_g
   block_q = bs.block_q or min(max(16, _next_pow2(rows)), max(16, bs.max_block_q))
   block_k = bs.block_k or (128 if block_q <= 32 and v_max > 4096 else 64)
   if on_gpu:  # K and V tiles for every pipeline stage, plus the q tile, in shared memory
-    while block_k > 16 and (2 * block_k * bs.num_stages + block_q) * D * itemsize > _SMEM_BYTES:
+    Dp = head_tile(D)
+    while block_k > 16 and (2 * block_k * bs.num_stages + block_q) * Dp * itemsize > _SMEM_BYTES:
       block_k //= 2
   block_k_new = bs.block_k_new or min(max(16, _next_pow2(T_new)), max(16, block_k))
   for name, val in (("block_k", block_k), ("block_q", block_q), ("block_k_new", block_k_new)):
     if val < 16 or val != _next_pow2(val):
       raise ValueError(f"{name}={val} must be a power of 2 >= 16")
-  if D != _next_pow2(D):
-    raise ValueError(f"head dim {D} must be a power of 2 for the kernel")
   num_q_blocks = _cdiv(rows, block_q)
   if bs.split_size is not None:
     split = bs.split_size
@@ -333,9 +363,12 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
   inputs = [jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
             lengths.astype(jnp.int32), q_BKRD, k_cache, v_cache]
   full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  # Tiles of head_tile(D) lanes; past D (a head dim that is not a power of 2) they are masked.
+  Dp = head_tile(D)
+  kv_block = (*k_cache.shape[:-1], Dp)
   in_specs = [full((1,)), full((B,)),
-              pl.BlockSpec((None, None, block_q, D), lambda qi, si, b, h: (b, h, qi, 0)),
-              full(k_cache.shape), full(v_cache.shape)]
+              pl.BlockSpec((None, None, block_q, Dp), lambda qi, si, b, h: (b, h, qi, 0)),
+              full(kv_block), full(kv_block)]
   mask_per_batch = False
   if not causal:
     tm = jnp.asarray(tree_mask)
@@ -351,13 +384,13 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
   if num_splits == 1:
     out_shape = [jax.ShapeDtypeStruct((B, K, rows_pad, D), q.dtype),
                  jax.ShapeDtypeStruct((B, K, rows_pad), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, block_q, D), lambda qi, si, b, h: (b, h, qi, 0)),
+    out_specs = [pl.BlockSpec((None, None, block_q, Dp), lambda qi, si, b, h: (b, h, qi, 0)),
                  pl.BlockSpec((None, None, block_q), lambda qi, si, b, h: (b, h, qi))]
   else:
     out_shape = [jax.ShapeDtypeStruct((B, K, num_splits, rows_pad, D), jnp.float32),
                  jax.ShapeDtypeStruct((B, K, num_splits, rows_pad), jnp.float32)]
     out_specs = [
-        pl.BlockSpec((None, None, None, block_q, D), lambda qi, si, b, h: (b, h, si, qi, 0)),
+        pl.BlockSpec((None, None, None, block_q, Dp), lambda qi, si, b, h: (b, h, si, qi, 0)),
         pl.BlockSpec((None, None, None, block_q), lambda qi, si, b, h: (b, h, si, qi))]
 
   static = _Static(
@@ -366,7 +399,7 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
       window=int(window or 0), sparse=bool(sink) or bool(window), causal=causal,
       mask_per_batch=mask_per_batch, has_layer=has_layer,
       scale_log2=float(sm_scale) * _LOG2E,
-      fast_exp=bool(block_sizes.fast_exp and on_gpu and _is_nvidia()))
+      fast_exp=bool(block_sizes.fast_exp and on_gpu and _is_nvidia()), D=D)
   num_warps = block_sizes.num_warps or (4 if block_q <= 64 else 8)
   compiler_params = None
   if not interpret and plgpu is not None:

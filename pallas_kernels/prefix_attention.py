@@ -62,7 +62,8 @@ try:  # Triton-specific helpers (masked loads, compiler params).
 except ImportError:  # pragma: no cover - a jax without the Triton backend
   plgpu = None
 
-from .decode_attention import _cdiv, _exp2, _is_nvidia, _next_pow2, _num_sms
+from .decode_attention import (_cdiv, _exp2, _is_nvidia, _next_pow2, _num_sms, head_tile,
+                               load_rows, store_rows)
 from . import hopper as _hopper
 from .merge import merge_partials, merge_stacked
 
@@ -123,6 +124,7 @@ class _Static:
   has_layer: bool      # K/V stacked over layers [Lyr, P, L, K, D], the layer an input
   scale_log2: float
   fast_exp: bool
+  D: int = 0      # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
 
 
 def split_range(si, length, c: _Static):
@@ -148,21 +150,22 @@ def _prefix_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
   bq, bk = c.block_q, c.block_k
   lead = (layer_ref[0], p) if c.has_layer else (p,)
 
-  q = q_ref[...]                                   # [bq, D]
+  head_dim = q_ref.shape[-1]                       # head_tile(D) lanes
+  head_ok = None if head_dim == c.D else jnp.arange(head_dim, dtype=jnp.int32) < c.D
+  q = load_rows(q_ref, None, head_ok)              # [bq, Dp]
   if q.dtype != k_ref.dtype:
     q = q.astype(k_ref.dtype)
-  head_dim = q.shape[-1]
 
   def step(carry, start, load_ok):
     """One online-softmax step over prefix slots [start, start + bk)."""
     acc, m, l = carry
     idx = (*lead, pl.ds(start, bk), h, slice(None))
-    if load_ok is None:
+    if load_ok is None and head_ok is None:
       k = k_ref[idx]
       v = v_ref[idx]
-    else:  # masked loads: slots past the prefix come back as 0 (no NaN).
-      k = plgpu.load(k_ref.at[idx], mask=load_ok[:, None], other=0)
-      v = plgpu.load(v_ref.at[idx], mask=load_ok[:, None], other=0)
+    else:  # masked loads: slots past the prefix come back as 0 (no NaN), as do lanes past D
+      k = load_rows(k_ref.at[idx], load_ok, head_ok)
+      v = load_rows(v_ref.at[idx], load_ok, head_ok)
     # HIGHEST: float32 inputs use full-precision (not tf32) products on GPU;
     # for bf16 inputs it changes nothing.
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
@@ -210,7 +213,7 @@ def _prefix_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
 
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
-  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  store_rows(o_ref, (acc / l_safe[:, None]).astype(o_ref.dtype), head_ok)
   lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
 
 
@@ -243,13 +246,12 @@ def _plan(P, K, rows, L, D, *, bs: PrefixAttentionBlockSizes, on_gpu: bool, item
   block_q = bs.block_q or min(max(16, _next_pow2(rows)), max(16, bs.max_block_q))
   block_k = bs.block_k or min(64, max(16, _next_pow2(L)))
   if on_gpu:  # K and V tiles for every pipeline stage, plus the q tile, in shared memory
-    while block_k > 16 and (2 * block_k * bs.num_stages + block_q) * D * itemsize > _SMEM_BYTES:
+    Dp = head_tile(D)
+    while block_k > 16 and (2 * block_k * bs.num_stages + block_q) * Dp * itemsize > _SMEM_BYTES:
       block_k //= 2
   for name, val in (("block_k", block_k), ("block_q", block_q)):
     if val < 16 or val != _next_pow2(val):
       raise ValueError(f"{name}={val} must be a power of 2 >= 16")
-  if D != _next_pow2(D) or D < 16:
-    raise ValueError(f"head dim {D} must be a power of 2 >= 16 for the kernel")
   num_q_blocks = _cdiv(rows, block_q)
   L1 = max(L, 1)
   if bs.split_size is not None:
@@ -297,25 +299,28 @@ def _prefix_attention_kernel(q, k_prefix, v_prefix, prefix_lengths, layer, *, sm
     q_PKRD = jnp.pad(q_PKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
 
   full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  # Tiles of head_tile(D) lanes; past D (a head dim that is not a power of 2) they are masked.
+  Dp = head_tile(D)
+  kv_block = (*k_prefix.shape[:-1], Dp)
   in_specs = [full((1,)), full((P,)),
-              pl.BlockSpec((None, None, block_q, D), lambda qi, si, p, h: (p, h, qi, 0)),
-              full(k_prefix.shape), full(v_prefix.shape)]
+              pl.BlockSpec((None, None, block_q, Dp), lambda qi, si, p, h: (p, h, qi, 0)),
+              full(kv_block), full(kv_block)]
   if num_splits == 1:
     out_shape = [jax.ShapeDtypeStruct((P, K, rows_pad, D), q.dtype),
                  jax.ShapeDtypeStruct((P, K, rows_pad), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, block_q, D), lambda qi, si, p, h: (p, h, qi, 0)),
+    out_specs = [pl.BlockSpec((None, None, block_q, Dp), lambda qi, si, p, h: (p, h, qi, 0)),
                  pl.BlockSpec((None, None, block_q), lambda qi, si, p, h: (p, h, qi))]
   else:
     out_shape = [jax.ShapeDtypeStruct((P, K, num_splits, rows_pad, D), jnp.float32),
                  jax.ShapeDtypeStruct((P, K, num_splits, rows_pad), jnp.float32)]
     out_specs = [
-        pl.BlockSpec((None, None, None, block_q, D), lambda qi, si, p, h: (p, h, si, qi, 0)),
+        pl.BlockSpec((None, None, None, block_q, Dp), lambda qi, si, p, h: (p, h, si, qi, 0)),
         pl.BlockSpec((None, None, None, block_q), lambda qi, si, p, h: (p, h, si, qi))]
 
   static = _Static(L=L, block_q=block_q, block_k=block_k, split_size=split,
                    num_splits=num_splits, dynamic_split=block_sizes.split_size is None,
                    has_layer=has_layer, scale_log2=float(sm_scale) * _LOG2E,
-                   fast_exp=bool(block_sizes.fast_exp and on_gpu and _is_nvidia()))
+                   fast_exp=bool(block_sizes.fast_exp and on_gpu and _is_nvidia()), D=D)
   compiler_params = None
   if not interpret and plgpu is not None:
     num_warps = block_sizes.num_warps or (4 if block_q <= 64 else 8)

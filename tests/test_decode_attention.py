@@ -233,6 +233,14 @@ KERNEL_CASES = [
     Case(2, 1, 4, 2, 64, 200, (0, 150), T_new=33),                      # one query, 3 key blocks
     Case(2, 1, 4, 2, 64, 200, (0, 150), mask="tree_b", T_new=33),
     Case(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree", T_new=21),
+] + [
+    # head dims that are not powers of 2 (or below 16): tiles of the next power of 2 >= 16,
+    # the lanes past D masked (garbage past the valid slots is NaN in every lane)
+    Case(2, 1, 4, 2, 80, 200, (0, 150)),
+    Case(3, 5, 2, 2, 96, 150, (7, 60, 140), dtype="bfloat16", mask="tree"),
+    Case(2, 3, 3, 1, 100, 120, (30, 110), sink=4, window=20, T_new=6),
+    Case(2, 2, 2, 2, 24, 90, (0, 80), mask="tree_b", layers=2),
+    Case(3, 1, 1, 3, 8, 70, (1, 33, 69)),
     Case(2, 8, 2, 1, 64, 300, (5, 200), dtype="bfloat16", sink=4, window=24, mask="tree_b",
          T_new=40),
     Case(3, 3, 2, 1, 64, 200, (0, 20, 150), sink=0, window=33, T_new=12),

@@ -200,6 +200,11 @@ KERNEL_CASES = [
     Case(2, 4, 1, 4, 2, 64, 600, (600, 257),
          bs=PrefixAttentionBlockSizes(target_programs=64, min_split_size=64)),
     *_random_cases(9, seed=6),
+    # head dims that are not powers of 2 (or below 16): lanes past D masked
+    Case(2, 3, 5, 4, 2, 80, 70, (0, 70)),
+    Case(1, 4, 2, 3, 1, 100, 90, (61,), dtype="bfloat16"),
+    Case(2, 2, 1, 2, 2, 24, 40, (40, 13)),
+    Case(1, 2, 3, 1, 2, 8, 33, None),
 ]
 
 

@@ -43,7 +43,8 @@ def _decode_cases(seed: int, n: int) -> list:
   out = []
   for i in range(n):
     hopper = i % 2 == 1
-    D = int(rng.choice([64, 128, 256] if hopper else [32, 64, 128, 256]))
+    # head dims that are not powers of 2 (Triton's tiles are: the lanes past D are masked)
+    D = int(rng.choice([64, 128, 256] if hopper else [24, 32, 64, 80, 96, 128, 256]))
     G = int(rng.choice([1, 2, 3, 4, 5, 7, 8]))
     K = int(rng.choice([1, 2, 3, 4]))
     if hopper:
@@ -92,7 +93,7 @@ def _prefix_cases(seed: int, n: int) -> list:
       lengths = rng.integers(0, L + 1, size=P)
       lengths[rng.random(P) < 0.3] = 0
       lengths = tuple(int(x) for x in lengths)
-    D = int(rng.choice([64, 128, 256] if hopper else [16, 32, 64, 128, 256]))
+    D = int(rng.choice([64, 128, 256] if hopper else [16, 32, 64, 80, 100, 128, 256]))
     dtype = str(rng.choice(DTYPES[:2] if hopper else DTYPES))
     out.append(tpa.Case(P, Bg, T, G, int(rng.choice([1, 2, 4])), D, L, lengths, dtype=dtype,
                         bs=None))

@@ -12,6 +12,16 @@ def log(*a):
   print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
 
 
+def probe_args(reps=5):
+  """The command line of a probe script: ``--out`` (a path prefix for its JSON; none: print
+  only) and ``--reps`` (timed loops per variant, their median reported)."""
+  import argparse
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--reps", type=int, default=reps)
+  return ap.parse_args()
+
+
 def timeit(step, arrays, *, inner, reps, unroll=False):
   """Median and best seconds per call of step(i, *arrays) -> scalar, looped on device; compile s.
 

@@ -5,7 +5,6 @@ K/V bytes of the valid slots over the time.
 
     python3 scripts/probe_head_dims.py [--out benchmarks/probe_head_dims_h100]
 """
-import argparse
 import json
 import platform
 import sys
@@ -21,10 +20,7 @@ from pallas_kernels import decode_attention  # noqa: E402
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default=None)
-  ap.add_argument("--reps", type=int, default=5)
-  a = ap.parse_args()
+  a = benchutil.probe_args()
   rng = np.random.default_rng(0)
   B, S, K, G = 32, 4096, 8, 4
   rows = []

@@ -4,7 +4,6 @@ shared memory at D=256.) Checks each variant against the float32 reference, then
 
     python3 scripts/probe_hopper_d256.py [--out benchmarks/probe_hopper_d256_h100]
 """
-import argparse
 import json
 import sys
 
@@ -19,10 +18,7 @@ from pallas_kernels import (HopperBlockSizes, decode_attention, decode_attention
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default=None)
-  ap.add_argument("--reps", type=int, default=5)
-  a = ap.parse_args()
+  a = benchutil.probe_args()
   rng = np.random.default_rng(0)
   rows = []
   variants = [("triton (default)", None)] + [

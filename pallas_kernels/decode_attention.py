@@ -37,7 +37,8 @@ Kernel structure (Triton-lowered ``pallas_call``; interpret mode on CPU):
   softmax in base 2; interior blocks run unmasked, only the tail block of a range
   is masked. The last split also attends to the T_new new tokens under the
   causal/tree mask (``block_k_new`` keys per step; mask rows are query rows). Splits
-  are merged by log-sum-exp (``merge.merge_stacked``).
+  are merged by log-sum-exp (``merge.merge_stacked``). Any head dim D: the tiles hold
+  ``head_tile(D)`` lanes (the next power of 2, at least 16), those past D masked.
 
 On a Hopper GPU, from ``HOPPER_MIN_ROWS`` query rows per KV head (long verification blocks,
 token trees) in bf16/f16, ``hopper.verify_attention`` (a Mosaic GPU wgmma kernel) serves

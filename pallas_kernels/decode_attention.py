@@ -83,11 +83,14 @@ def head_tile(D: int) -> int:
   return max(16, _next_pow2(D))
 
 
-def load_rows(ref, rows_ok, head_ok):
-  """``ref[...]`` with rows (``rows_ok[n]``) and head lanes (``head_ok[Dp]``) outside the
-  valid ranges read as 0 (None: all valid): no NaN garbage, no lanes past D."""
+def load_rows(ref, idx, rows_ok, head_ok):
+  """``ref[idx]`` (``idx`` None: the whole ref) with rows (``rows_ok[n]``) and head lanes
+  (``head_ok[Dp]``) outside the valid ranges read as 0 (None: all valid): no NaN garbage, no
+  lanes past D. Unmasked, a plain load."""
   if rows_ok is None and head_ok is None:
-    return ref[...]
+    return ref[...] if idx is None else ref[idx]
+  if idx is not None:
+    ref = ref.at[idx]
   if head_ok is None:
     mask = rows_ok[:, None]
   elif rows_ok is None:
@@ -165,7 +168,7 @@ class _Static:
   has_layer: bool
   scale_log2: float
   fast_exp: bool
-  D: int = 0      # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
+  D: int          # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
 
 
 def _exp2(x, fast: bool):
@@ -191,7 +194,7 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
 
   head_dim = q_ref.shape[-1]                       # head_tile(D) lanes
   head_ok = None if head_dim == c.D else jnp.arange(head_dim, dtype=jnp.int32) < c.D
-  q = load_rows(q_ref, None, head_ok)              # [bq, Dp]
+  q = load_rows(q_ref, None, None, head_ok)        # [bq, Dp]
   if q.dtype != k_ref.dtype:
     q = q.astype(k_ref.dtype)
 
@@ -202,12 +205,9 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
     """One online-softmax step over slots [start, start + size)."""
     acc, m, l = carry
     idx = kv_index(start, size)
-    if load_ok is None and head_ok is None:
-      k = k_ref[idx]
-      v = v_ref[idx]
-    else:  # masked loads: rows outside the range come back as 0 (no NaN), as do lanes past D
-      k = load_rows(k_ref.at[idx], load_ok, head_ok)
-      v = load_rows(v_ref.at[idx], load_ok, head_ok)
+    # masked where needed: rows outside the range come back as 0 (no NaN), as do lanes past D
+    k = load_rows(k_ref, idx, load_ok, head_ok)
+    v = load_rows(v_ref, idx, load_ok, head_ok)
     # HIGHEST: float32 inputs use full-precision (not tf32) products on GPU;
     # for bf16 inputs it changes nothing.
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,

@@ -124,7 +124,7 @@ class _Static:
   has_layer: bool      # K/V stacked over layers [Lyr, P, L, K, D], the layer an input
   scale_log2: float
   fast_exp: bool
-  D: int = 0      # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
+  D: int          # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
 
 
 def split_range(si, length, c: _Static):
@@ -152,7 +152,7 @@ def _prefix_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
 
   head_dim = q_ref.shape[-1]                       # head_tile(D) lanes
   head_ok = None if head_dim == c.D else jnp.arange(head_dim, dtype=jnp.int32) < c.D
-  q = load_rows(q_ref, None, head_ok)              # [bq, Dp]
+  q = load_rows(q_ref, None, None, head_ok)        # [bq, Dp]
   if q.dtype != k_ref.dtype:
     q = q.astype(k_ref.dtype)
 
@@ -160,12 +160,9 @@ def _prefix_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
     """One online-softmax step over prefix slots [start, start + bk)."""
     acc, m, l = carry
     idx = (*lead, pl.ds(start, bk), h, slice(None))
-    if load_ok is None and head_ok is None:
-      k = k_ref[idx]
-      v = v_ref[idx]
-    else:  # masked loads: slots past the prefix come back as 0 (no NaN), as do lanes past D
-      k = load_rows(k_ref.at[idx], load_ok, head_ok)
-      v = load_rows(v_ref.at[idx], load_ok, head_ok)
+    # masked where needed: slots past the prefix come back as 0 (no NaN), as do lanes past D
+    k = load_rows(k_ref, idx, load_ok, head_ok)
+    v = load_rows(v_ref, idx, load_ok, head_ok)
     # HIGHEST: float32 inputs use full-precision (not tf32) products on GPU;
     # for bf16 inputs it changes nothing.
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,

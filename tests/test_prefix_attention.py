@@ -500,7 +500,7 @@ def test_splits_share_the_valid_length(dynamic):
     split = int(rng.integers(1, 40)) * bk
     L = n * split
     c = _Static(L=L, block_q=16, block_k=bk, split_size=split, num_splits=n,
-                dynamic_split=dynamic, has_layer=False, scale_log2=1.0, fast_exp=False)
+                dynamic_split=dynamic, has_layer=False, scale_log2=1.0, fast_exp=False, D=64)
     length = int(rng.integers(0, L + 1))
     ranges = [tuple(int(x) for x in split_range(jnp.int32(si), jnp.int32(length), c))
               for si in range(n)]

@@ -22,9 +22,10 @@ by matrix throughput, not by reading K/V. The portable Triton-lowered kernels re
 
 Problem solved here (``rows_attention``): ``N`` streams (e.g. (group, KV head) or
 (sequence, KV head)); stream ``n`` has query rows ``q[n, :R]`` and keys/values in a
-layout given by ``kv_layout``; stream ``n`` sees keys ``[0, lengths[n // N2])``. The key
-axis is cut into ``splits`` equal ranges (flash-decoding) so that short problems still
-fill every SM; each split returns a partial ``(out, lse)`` that ``merge.merge_stacked``
+layout given by ``kv_layout``; stream ``n`` sees keys ``[0, lengths[n // N2])``. Those valid
+keys (not the whole key axis: a cache padded to a bucket may hold far fewer) are cut at run
+time into ``splits`` equal ranges of whole blocks (flash-decoding) so that short problems
+still fill every SM; each split returns a partial ``(out, lse)`` that ``merge.merge_stacked``
 combines exactly (``attention`` does both).
 
 Ragged lengths inside the kernel: blocks that every row sees whole run unmasked. The last,
@@ -205,7 +206,7 @@ def check_requested(fits: bool, need: str, interpret) -> None:
 
 
 def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
-            layered, N2, split_size, block_kv, stages, scale_log2, dtype, D, RW, pingpong,
+            layered, N2, splits, block_kv, stages, scale_log2, dtype, D, RW, pingpong,
             overlap, num_new, q_groups, q_tokens, mask_tiles, compiled, consumer_regs,
             producer_regs):
   if mask_tiles:
@@ -222,8 +223,14 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
   wg = lax.axis_index("wg")
 
   length = lengths_ref[n1]  # context keys; then num_new new-token keys under the mask
-  lo = split * split_size
-  hi = jnp.minimum(lo + split_size, length + num_new)
+  # The key splits share this stream's valid keys at run time (not the L slots of the
+  # cache): a prefix cache padded to a bucket, or a short sequence in a long cache, still
+  # spreads its keys over every split. Ranges start at whole blocks (TMA tiles).
+  total = length + num_new
+  split_size = lax.div(lax.div(total + (splits - 1), jnp.int32(splits)) + (block_kv - 1),
+                       jnp.int32(block_kv)) * block_kv
+  lo = jnp.minimum(split * split_size, total)
+  hi = jnp.minimum(lo + split_size, total)
   nkeys = jnp.maximum(hi - lo, 0)
   nblocks = lax.div(nkeys + (block_kv - 1), jnp.int32(block_kv))
   # Blocks every row sees whole run unmasked; the rest (a ragged last block, the blocks
@@ -682,8 +689,6 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
                      f"{smem} bytes of shared memory; an H100/H200 block has {SMEM_BYTES}")
   r_tiles = R // bs.rows_per_program
   splits = plan_splits(r_tiles * N1 * N2, L, bs)
-  per_split = -(-L // splits)
-  split_size = -(-per_split // bs.block_kv) * bs.block_kv
   stages = bs.stages
   dtype = q_N1N2RD.dtype
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -705,7 +710,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       plgpu.Barrier(num_barriers=CONSUMERS),  # token: whose turn to issue (overlap)
   )
   body = functools.partial(
-      _kernel, kv_layout=kv_layout, layered=layered, N2=N2, split_size=split_size,
+      _kernel, kv_layout=kv_layout, layered=layered, N2=N2, splits=splits,
       block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype,
       D=D, RW=RW, pingpong=bs.pingpong, overlap=bs.use_overlap, num_new=num_new,
       q_groups=q_groups, q_tokens=T_q,

@@ -82,6 +82,33 @@ def test_rows_attention_matches_reference(layout, lengths, splits, stages, rows_
   assert not empty.any() or float(jnp.max(jnp.abs(o[empty]))) == 0.0
 
 
+def test_splits_share_the_valid_keys_not_the_key_axis():
+  """A cache padded far past its valid keys (a prefix bucket): the splits divide the valid
+  length at run time, so every split gets work (split at the key axis, 256 valid keys of
+  1024 slots would all land in the first of 3 splits and leave the other programs idle)."""
+  rng = np.random.default_rng(11)
+  D, L, R = 64, 1024, 128
+  lengths = jnp.asarray([192, 100], jnp.int32)  # 3 blocks of 64; 2 blocks, ragged
+  q = jnp.asarray(rng.standard_normal((2, 1, R, D)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((2, L, 1, D)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((2, L, 1, D)), jnp.bfloat16)
+  bad = jnp.arange(L)[None, :, None, None] >= lengths[:, None, None, None]
+  kg = jnp.where(bad, jnp.nan, k).astype(jnp.bfloat16)
+  vg = jnp.where(bad, jnp.nan, v).astype(jnp.bfloat16)
+  scale = 1 / math.sqrt(D)
+  o, lse = hopper.attention(q, kg, vg, lengths, kv_layout="PLKD", sm_scale=scale,
+                            block_sizes=hopper.HopperBlockSizes(block_kv=64, splits=3),
+                            interpret=True, merge=False)
+  assert o.shape == (3, 2, 1, R, D)
+  # 192 keys: one block per split; 100 keys: blocks of 64 + 36, the third split empty
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)).all(axis=(2, 3)),
+                                [[True, True], [True, True], [True, False]])
+  o, lse = merge_stacked(o, lse, axis=0, out_dtype=jnp.float32)
+  ro, rl = _reference(q, k, v, lengths, "PLKD", scale)
+  np.testing.assert_allclose(lse, rl, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(o, ro, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("B,T,K,G,P,splits,partials", [
     # G=4: q[B, T, H, D] read and out written in place (as [P, B/P x T, H, D]), 2 splits
     # returned unmerged (the engine merges them with the suffix part in one pass)

@@ -2,8 +2,10 @@
 
 Everything here is a pure, jit-able function of arrays with static shapes. Settings are
 per row (``[B]`` arrays), so one compiled decode loop serves requests with different
-temperatures / top-k / top-p. The one static switch is ``SamplingParams.filtering``: when
-it is ``False`` no row uses top-k or top-p and no sort over the vocabulary is traced.
+temperatures / top-k / top-p. Two static switches: ``SamplingParams.filtering``: when it is
+``False`` no row uses top-k or top-p and no sort over the vocabulary is traced; and
+``SamplingParams.stochastic``: when it is ``False`` every row is greedy and a step takes one
+argmax over the vocabulary (no softmax, no draw).
 
 Conventions (relied on by :mod:`jaxspec.verify`):
 
@@ -49,12 +51,17 @@ class SamplingParams:
       filtering: static (part of the tree structure, so a change recompiles). ``False``
         promises that no row uses top-k / top-p: the vocabulary sort is skipped and
         ``top_k`` / ``top_p`` are ignored.
+      stochastic: static. ``False`` promises that every row is greedy (``temperature`` is
+        then ignored): tokens are one argmax of the logits, and the softmax over the
+        vocabulary and the draw are not traced (at batch 64 and a 152k vocabulary they cost
+        about 2% of a 1.5B model's decode step).
     """
 
     temperature: Array
     top_k: Array
     top_p: Array
     filtering: bool = flax.struct.field(pytree_node=False, default=True)
+    stochastic: bool = flax.struct.field(pytree_node=False, default=True)
 
     @classmethod
     def make(
@@ -64,12 +71,16 @@ class SamplingParams:
         top_k: Any = 0,
         top_p: Any = 1.0,
         filtering: bool | None = None,
+        stochastic: bool | None = None,
     ) -> "SamplingParams":
         """Broadcasts scalars or ``[B]`` values to ``[B]`` arrays.
 
         ``filtering=None`` decides from the values when they are concrete (any
         ``top_k > 0`` or ``top_p < 1``) and is ``True`` for traced values. Passing
         ``filtering=False`` with concrete values that do ask for filtering is an error.
+        ``stochastic`` likewise: ``None`` is ``False`` for concrete temperatures that are all
+        ``<= 0`` (every row greedy), else ``True``; ``False`` with a concrete temperature
+        ``> 0`` is an error.
         """
         t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch_size,))
         k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (batch_size,))
@@ -82,11 +93,17 @@ class SamplingParams:
                 "filtering=False but some row asks for top-k / top-p "
                 f"(top_k={top_k!r}, top_p={top_p!r})"
             )
-        return cls(temperature=t, top_k=k, top_p=p, filtering=bool(filtering))
+        samples = _concrete_samples(temperature)
+        if stochastic is None:
+            stochastic = True if samples is None else samples
+        elif not stochastic and samples:
+            raise ValueError(f"stochastic=False but some row samples (temperature={temperature!r})")
+        return cls(temperature=t, top_k=k, top_p=p, filtering=bool(filtering),
+                   stochastic=bool(stochastic))
 
     @classmethod
     def greedy(cls, batch_size: int) -> "SamplingParams":
-        return cls.make(batch_size, temperature=0.0, filtering=False)
+        return cls.make(batch_size, temperature=0.0, filtering=False, stochastic=False)
 
     @property
     def is_greedy(self) -> Array:
@@ -120,6 +137,17 @@ def _concrete_wants_filtering(top_k: Any, top_p: Any) -> bool | None:
     if k.dtype == object or p.dtype == object:
         return None
     return bool(np.any(k > 0) or np.any(p < 1.0))
+
+
+def _concrete_samples(temperature: Any) -> bool | None:
+    """Whether some row samples (a concrete temperature > 0); None for traced values."""
+    try:
+        t = np.asarray(temperature)
+    except Exception:  # tracers
+        return None
+    if t.dtype == object:
+        return None
+    return bool(np.any(t > 0))
 
 
 def _per_row(a: Array, ndim: int) -> Array:
@@ -161,6 +189,8 @@ def probs_from_logits(logits: Array, params: SamplingParams) -> Array:
     settings broadcast over the leading axis. Greedy rows (temperature <= 0) get the
     one-hot of ``argmax(logits)``.
     """
+    if not params.stochastic:  # every row greedy
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     x = logits.astype(jnp.float32)
     nd = x.ndim
     temp = _per_row(params.temperature, nd).astype(jnp.float32)
@@ -229,6 +259,8 @@ def categorical(rng: Array, probs: Array, num: int | None = None) -> Array:
 def sample(rng: Array, logits: Array, params: SamplingParams) -> Array:
     """One token per row (``[B]`` or ``[B, T]``): exact argmax for greedy rows, a draw from
     :func:`probs_from_logits` otherwise."""
+    if not params.stochastic:  # every row greedy: one argmax, no softmax and no draw
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     probs = probs_from_logits(logits, params)
     drawn = categorical(rng, probs)
     greedy = _per_row(params.temperature, logits.ndim - 1) <= 0

@@ -565,7 +565,8 @@ class ServingEngine:
     def _chunk(self, greedy: bool, filtering: bool):
         sp = sampling.SamplingParams(temperature=jnp.asarray(self.temperature),
                                      top_k=jnp.asarray(self.top_k),
-                                     top_p=jnp.asarray(self.top_p), filtering=filtering)
+                                     top_p=jnp.asarray(self.top_p), filtering=filtering,
+                                     stochastic=not greedy)
         loop = self._loop(greedy)
         dparams = self.draft.params if self.draft is not None else jnp.zeros(())
         st, ds, n, keep_RB, acc_RB, prop_R = _run_chunk(

@@ -114,6 +114,39 @@ def test_no_sort_without_filtering():
     assert "sort" not in str(plain) and "sort" in str(filt)
 
 
+def test_all_greedy_is_one_argmax_without_softmax_or_draw():
+    """``stochastic=False`` (every row greedy, decided from concrete temperatures): the same
+    tokens and one-hot distributions as the general path, with no exp (softmax) and no
+    random bits traced; a mixed or traced batch keeps the general path."""
+    assert SamplingParams.make(3, temperature=0.0).stochastic is False
+    assert SamplingParams.make(3, temperature=[0.0, -1.0, 0.0]).stochastic is False
+    assert SamplingParams.make(3, temperature=[0.0, 0.5, 0.0]).stochastic is True
+    assert SamplingParams.greedy(2).stochastic is False
+    assert jax.jit(lambda t: jnp.asarray(SamplingParams.make(2, temperature=t).stochastic))(
+        jnp.zeros(2))  # traced temperatures: cannot promise greedy
+    with pytest.raises(ValueError, match="stochastic=False"):
+        SamplingParams.make(2, temperature=[0.0, 0.3], stochastic=False)
+    leaves, tdef = jax.tree.flatten(SamplingParams.greedy(2))
+    assert len(leaves) == 3 and jax.tree.unflatten(tdef, leaves).stochastic is False
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(np.where(rng.random((5, 3, 40)) < 0.3,  # ties: first index wins
+                                  rng.integers(-2, 2, (5, 3, 40)), rng.normal(size=(5, 3, 40))),
+                         jnp.float32)
+    fast, general = SamplingParams.greedy(5), SamplingParams.make(5, temperature=0.0,
+                                                                  stochastic=True)
+    key = jax.random.key(3)
+    np.testing.assert_array_equal(jax.jit(sample)(key, logits, fast),
+                                  jax.jit(sample)(key, logits, general))
+    np.testing.assert_array_equal(jax.jit(sample)(key, logits, fast), np.argmax(logits, -1))
+    np.testing.assert_array_equal(jax.jit(probs_from_logits)(logits, fast),
+                                  jax.jit(probs_from_logits)(logits, general))
+    for fn in (lambda x, sp: sample(key, x, sp), probs_from_logits):
+        lean = str(jax.make_jaxpr(fn)(logits, fast))
+        full = str(jax.make_jaxpr(fn)(logits, general))
+        assert " exp " not in lean and "random_bits" not in lean
+        assert " exp " in full
+
+
 def test_sample_greedy_exact_and_distribution():
     rng = np.random.default_rng(0)
     B, V = 120_000, 6

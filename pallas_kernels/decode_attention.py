@@ -62,6 +62,7 @@ except ImportError:  # pragma: no cover - a jax without the Triton backend
 
 from . import hopper as _hopper
 from .merge import merge_stacked
+from .splits import split_range
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -123,7 +124,9 @@ class DecodeAttentionBlockSizes:
     [16, block_k].
   split_size: context slots per program (flash-decoding split); None: enough
     splits to give about ``target_programs`` programs, each at least
-    ``min_split_size`` slots.
+    ``min_split_size`` of the cache's slots, and at run time the splits share each
+    sequence's visible context in whole blocks (a short sequence in a long cache
+    still spreads over every split).
   num_warps / num_stages: Triton compiler parameters (ignored in interpret mode);
     num_warps None: 4 for block_q <= 64, else 8.
   fast_exp: on NVIDIA GPUs compute exp2 with one ``ex2.approx.ftz.f32``
@@ -160,6 +163,7 @@ class _Static:
   block_k_new: int
   split_size: int
   num_splits: int
+  dynamic_split: bool  # splits share each sequence's visible context (else: static split_size)
   sink: int
   window: int
   sparse: bool
@@ -254,8 +258,7 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: _Stati
     a_end = length
     b_start = length
   v_len = a_end + (length - b_start)
-  v0 = si * c.split_size
-  v1 = jnp.minimum(v0 + c.split_size, v_len)
+  v0, v1 = split_range(si, v_len, c)  # this split's share of the visible context
   carry = context_range(carry, jnp.minimum(v0, a_end), jnp.minimum(v1, a_end))
   if c.sparse:
     shift = b_start - a_end
@@ -396,7 +399,8 @@ def _decode_attention_kernel(q, k_cache, v_cache, lengths, tree_mask, layer, *,
 
   static = _Static(
       T=T, T_new=T_new, G=G, S=S, block_q=block_q, block_k=block_k, block_k_new=block_k_new,
-      split_size=split, num_splits=num_splits, sink=int(sink or 0),
+      split_size=split, num_splits=num_splits,
+      dynamic_split=block_sizes.split_size is None, sink=int(sink or 0),
       window=int(window or 0), sparse=bool(sink) or bool(window), causal=causal,
       mask_per_batch=mask_per_batch, has_layer=has_layer,
       scale_log2=float(sm_scale) * _LOG2E,

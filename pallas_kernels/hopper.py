@@ -84,6 +84,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .splits import split_bounds
+
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover - a jax without Mosaic GPU
@@ -226,11 +228,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
   # The key splits share this stream's valid keys at run time (not the L slots of the
   # cache): a prefix cache padded to a bucket, or a short sequence in a long cache, still
   # spreads its keys over every split. Ranges start at whole blocks (TMA tiles).
-  total = length + num_new
-  split_size = lax.div(lax.div(total + (splits - 1), jnp.int32(splits)) + (block_kv - 1),
-                       jnp.int32(block_kv)) * block_kv
-  lo = jnp.minimum(split * split_size, total)
-  hi = jnp.minimum(lo + split_size, total)
+  lo, hi = split_bounds(split, length + num_new, splits, block_kv)
   nkeys = jnp.maximum(hi - lo, 0)
   nblocks = lax.div(nkeys + (block_kv - 1), jnp.int32(block_kv))
   # Blocks every row sees whole run unmasked; the rest (a ragged last block, the blocks
@@ -238,8 +236,13 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
   nfull = jnp.clip(lax.div(jnp.minimum(hi, length) - lo, jnp.int32(block_kv)), 0, nblocks)
   first_new_block = lax.div(length, jnp.int32(block_kv))
 
+  # lo is a whole number of blocks (or the end of an empty split): its key offsets are
+  # written as (block index) x block_kv, so that Mosaic GPU's layout inference sees TMA
+  # starts that are multiples of the tile (a start through min() fails to lower in jax 0.11).
+  lo_blk = lax.div(lo, jnp.int32(block_kv))
+
   def block_start(i):
-    return lo + i * block_kv
+    return (lo_blk + i) * block_kv
 
   def kv_slice(ref, start):
     if layered:  # stacked caches [layers, ...]: the layer is a (possibly traced) input

@@ -66,6 +66,7 @@ from .decode_attention import (_cdiv, _exp2, _is_nvidia, _next_pow2, _num_sms, h
                                load_rows, store_rows)
 from . import hopper as _hopper
 from .merge import merge_partials, merge_stacked
+from .splits import split_range
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -127,22 +128,6 @@ class _Static:
   D: int          # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
 
 
-def split_range(si, length, c: _Static):
-  """Prefix slots ``[lo, hi)`` of split ``si`` for a group with ``length`` valid slots.
-
-  The grid's splits are sized for all L slots, but a group may use fewer (a prefix
-  cache padded to a bucket). With ``dynamic_split`` the valid length is shared
-  evenly (in whole ``block_k`` blocks), so the time scales with it; otherwise
-  split ``si`` owns the static slots ``[si * split_size, (si + 1) * split_size)``.
-  """
-  if c.dynamic_split:
-    bk = c.block_k
-    split = lax.div(lax.div(length + (c.num_splits - 1), c.num_splits) + (bk - 1), bk) * bk
-  else:
-    split = c.split_size
-  lo = jnp.minimum(si * split, length)
-  hi = jnp.minimum(lo + split, length)
-  return lo, hi
 
 
 def _prefix_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Static):

@@ -327,6 +327,35 @@ def test_kernel_detects_wrong_window():
     assert_close(*out, *wrong, tol=1e-5)
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_splits_share_each_sequences_context(sparse, monkeypatch):
+  """Automatic splits are planned over the cache's S slots but divide each sequence's own
+  visible context at run time: sequences far shorter than S (a serving cache sized for the
+  longest request) still keep every split busy. Split at the slot axis, all of a 256-token
+  context would fall to the first of 4 splits of 256 slots. The partials are caught on their
+  way to the merge; the merged result must still match the reference."""
+  import importlib
+  da = importlib.import_module("pallas_kernels.decode_attention")  # the module, not the function
+  seen = {}
+  merge = da.merge_stacked
+
+  def spy(o, lse, **kw):  # inside the kernel's jit: read the partials by a callback
+    jax.debug.callback(lambda x: seen.__setitem__("lse", np.asarray(x)), lse)
+    return merge(o, lse, **kw)
+  monkeypatch.setattr(da, "merge_stacked", spy)
+  bs = DecodeAttentionBlockSizes(block_k=32, target_programs=8, min_split_size=64)
+  c = Case(2, 1, 2, 1, 32, 1024, (256, 100), sink=8 if sparse else 0,
+           window=120 if sparse else 0, bs=bs)
+  q, k, v, lengths, tm = make_inputs(c, seed=21)
+  out = decode_attention(q, k, v, lengths, tm, sink=c.sink, window=c.window, interpret=True,
+                         block_sizes=bs)
+  lse = seen["lse"]                      # [B, K, splits, rows]
+  assert lse.shape[2] == (2 if sparse else 4)  # sparse: planned over sink + window slots
+  assert np.isfinite(lse[:, 0, :, 0]).all()  # every split of both sequences saw keys
+  ref = decode_attention_reference(q, k, v, lengths, tm, sink=c.sink, window=c.window)
+  assert_close(*out, *ref, tol=1e-5)
+
+
 def test_empty_queries_give_zero_and_neg_inf():
   """Length 0 and a tree row seeing nothing: out = 0, lse = -inf, no NaN."""
   c = Case(2, 4, 2, 1, 64, 64, (0, 9), mask="tree_b")

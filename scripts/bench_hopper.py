@@ -397,7 +397,17 @@ def main():
   ap.add_argument("--ts", type=int, nargs="*", help="time verification at these T only")
   ap.add_argument("--profile", default="", help="a folder for profiler traces of the prefix "
                   "calls: their GPU kernels per call")
+  ap.add_argument("--variants", nargs="*", help="Hopper variants to check and time instead of "
+                  "the built-in three, each rows_per_wg,block_kv,stages,pingpong,overlap (e.g. "
+                  "64,192,2,1,1); the first is the reference variant, at least three")
   a = ap.parse_args()
+  if a.variants:
+    global VARIANTS, OV
+    vs = [tuple(int(x) for x in v.split(",")) for v in a.variants]
+    if len(vs) < 3 or any(len(v) != 5 for v in vs):
+      ap.error("--variants takes at least three rows_per_wg,block_kv,stages,pingpong,overlap")
+    VARIANTS = [(rw, bkv, st, bool(pp), bool(ov)) for rw, bkv, st, pp, ov in vs]
+    OV = VARIANTS[0]
   from bench_prefix import ceilings
   dev = jax.devices()[0]
   env = dict(device=dev.device_kind, jax=jax.__version__, python=platform.python_version(),

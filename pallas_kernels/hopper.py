@@ -209,23 +209,17 @@ def check_requested(fits: bool, need: str, interpret) -> None:
 
 def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
             layered, N2, splits, block_kv, stages, scale_log2, dtype, D, RW, pingpong,
-            overlap, num_new, q_groups, q_tokens, mask_tiles, lse_in_k, compiled, consumer_regs,
+            overlap, num_new, q_groups, q_tokens, mask_tiles, compiled, consumer_regs,
             producer_regs):
   if mask_tiles:
     mask_ref, *refs = refs
-  out_ref, lse_ref, q_smem, k_smem, v_smem, *refs = refs
-  if lse_in_k and compiled:  # the log-sum-exps share the K ring's memory (written once
-    k_smem, lse_smem = k_smem  # both consumers are done with K)
-  else:
-    lse_smem, *refs = refs
+  out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, *refs = refs
   if mask_tiles:
     mask_smem, *refs = refs
   k_ready, v_ready, q_ready, k_free, v_free, turn, v_tail, *refs = refs
   if mask_tiles:
     mask_ready, *refs = refs
-  token, *refs = refs
-  if lse_in_k:
-    k_done, = refs
+  token, = refs
   r_tile = lax.axis_index("r")
   split = lax.axis_index("s")
   n = lax.axis_index("n")
@@ -489,9 +483,6 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
     empty = l == 0.0
     inv = 1.0 / jnp.where(empty, 1.0, l)
     qo[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-    if lse_in_k:  # both consumers' last products from the K ring are done before it is reused
-      plgpu.barrier_arrive(k_done)
-      plgpu.barrier_wait(k_done)
     lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
     plgpu.commit_smem()
     if q_groups:  # out[splits, B, T, H, D] written in place (rows past T are clipped by TMA)
@@ -583,15 +574,17 @@ def plan_splits(programs: int, max_len: int, bs: HopperBlockSizes) -> int:
   return best
 
 
-def smem_bytes(bs: HopperBlockSizes, D: int, itemsize: int, has_mask: bool):
-  """Estimated shared memory of the kernel: (everything but the log-sum-exps' buffer, that
-  buffer). Each buffer is 1 KiB aligned; Mosaic GPU adds about 2 KiB of its own (barriers and
-  the like: 234640 bytes measured where these buffers came to 232448)."""
+def smem_bytes(bs: HopperBlockSizes, D: int, itemsize: int, has_mask: bool) -> int:
+  """Estimated shared memory of the kernel (bytes). Each buffer is 1 KiB aligned; Mosaic GPU
+  adds about 2 KiB of its own (barriers and the like: 234640 bytes measured where these
+  buffers came to 232448). 192-key blocks or 3 stages of 128 at D=128 are just over the
+  limit; with the log-sum-exps moved into the K ring (a RefUnion, session 16) they fit, but
+  ran 1.42x / 1.08x slower than 128 x 2 at T=64 (benchmarks/hopper_attention_h200_s16.md)."""
   kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
   rw = bs.rows_per_wg
-  smem = (kib(CONSUMERS * rw * D * itemsize) + 2 * kib(bs.stages * bs.block_kv * D * itemsize)
-          + 2304 + (kib(CONSUMERS * rw * bs.block_kv * itemsize) if has_mask else 0))
-  return smem, kib(CONSUMERS * rw * 4)
+  return (kib(CONSUMERS * rw * D * itemsize) + 2 * kib(bs.stages * bs.block_kv * D * itemsize)
+          + kib(CONSUMERS * rw * 4) + 2304
+          + (kib(CONSUMERS * rw * bs.block_kv * itemsize) if has_mask else 0))
 
 
 def q_groups_in_place(G: int, bs: HopperBlockSizes) -> bool:
@@ -705,11 +698,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     if new_mask.shape != want or new_mask.dtype != q_N1N2RD.dtype:
       raise ValueError(f"new_mask must be {want} {q_N1N2RD.dtype}, got "
                        f"{new_mask.shape} {new_mask.dtype}")
-  smem, lse_bytes = smem_bytes(bs, D, jnp.dtype(k.dtype).itemsize, new_mask is not None)
-  # Where the log-sum-exps' own buffer would not fit (192-key blocks at D=128), they take
-  # the K ring's memory at the end instead (both consumers meet first).
-  lse_in_k = smem + lse_bytes > SMEM_BYTES
-  smem += 0 if lse_in_k else lse_bytes
+  smem = smem_bytes(bs, D, jnp.dtype(k.dtype).itemsize, new_mask is not None)
   if smem > SMEM_BYTES:
     raise ValueError(f"block_kv={bs.block_kv} x stages={bs.stages} at D={D} needs about "
                      f"{smem} bytes of shared memory; an H100/H200 block has {SMEM_BYTES}")
@@ -718,15 +707,12 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   stages = bs.stages
   dtype = q_N1N2RD.dtype
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  k_ring = plgpu.SMEM((stages, bs.block_kv, D), dtype, transforms=tiled)
-  lse_buf = plgpu.SMEM((CONSUMERS, RW), jnp.float32)
   has_mask = new_mask is not None
   scratch = (
       plgpu.SMEM((CONSUMERS, RW, D), dtype, transforms=tiled),
-      # (the CPU interpreter has no RefUnion: there the two stay apart, with the same meeting)
-      plgpu.RefUnion(k_ring, lse_buf) if lse_in_k and not interpret else k_ring,
       plgpu.SMEM((stages, bs.block_kv, D), dtype, transforms=tiled),
-      *(() if lse_in_k and not interpret else (lse_buf,)),
+      plgpu.SMEM((stages, bs.block_kv, D), dtype, transforms=tiled),
+      plgpu.SMEM((CONSUMERS, RW), jnp.float32),
       *((plgpu.SMEM((CONSUMERS, RW, bs.block_kv), dtype, transforms=tiled),)  # mask tiles
         if has_mask else ()),
       plgpu.Barrier(num_barriers=stages),                          # k_ready
@@ -739,14 +725,13 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       *((plgpu.Barrier(num_arrivals=max(q_groups, 1), num_barriers=CONSUMERS),)  # mask_ready
         if has_mask else ()),
       plgpu.Barrier(num_barriers=CONSUMERS),  # token: whose turn to issue (overlap)
-      *((plgpu.Barrier(num_arrivals=CONSUMERS),) if lse_in_k else ()),  # k_done
   )
   body = functools.partial(
       _kernel, kv_layout=kv_layout, layered=layered, N2=N2, splits=splits,
       block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype,
       D=D, RW=RW, pingpong=bs.pingpong, overlap=bs.use_overlap, num_new=num_new,
       q_groups=q_groups, q_tokens=T_q,
-      mask_tiles=has_mask, lse_in_k=lse_in_k, compiled=not interpret,
+      mask_tiles=has_mask, compiled=not interpret,
       consumer_regs=bs.consumer_registers, producer_regs=bs.producer_registers)
   kw = {}
   if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA and wgmma simulated on CPU)

@@ -82,36 +82,6 @@ def test_rows_attention_matches_reference(layout, lengths, splits, stages, rows_
   assert not empty.any() or float(jnp.max(jnp.abs(o[empty]))) == 0.0
 
 
-def test_lse_in_the_k_ring_where_its_own_buffer_does_not_fit(monkeypatch):
-  """Where shared memory has no room left for the log-sum-exps' buffer (192-key blocks at
-  D=128 on an H100), they are written into the K ring's memory once both consumers are done
-  with it. Forced here by a smaller limit; ragged lengths, 2 splits, overlap and ping-pong."""
-  bs = hopper.HopperBlockSizes(block_kv=64, splits=2)
-  smem, lse = hopper.smem_bytes(bs, 64, 2, False)
-  monkeypatch.setattr(hopper, "SMEM_BYTES", smem + lse - 1)
-  rng = np.random.default_rng(13)
-  D, L, R = 64, 256, 128
-  lengths = jnp.asarray([200, 0, 70], jnp.int32)
-  q = jnp.asarray(rng.standard_normal((3, 1, R, D)), jnp.bfloat16)
-  k = jnp.asarray(rng.standard_normal((3, 1, L, D)), jnp.bfloat16)
-  v = jnp.asarray(rng.standard_normal((3, 1, L, D)), jnp.bfloat16)
-  bad = jnp.arange(L)[None, None, :, None] >= lengths[:, None, None, None]
-  kg = jnp.where(bad, jnp.nan, k).astype(jnp.bfloat16)
-  vg = jnp.where(bad, jnp.nan, v).astype(jnp.bfloat16)
-  scale = 1 / math.sqrt(D)
-  o, lse = hopper.attention(q, kg, vg, lengths, kv_layout="BKSD", sm_scale=scale,
-                            block_sizes=bs, interpret=True, out_dtype=jnp.float32)
-  ro, rl = _reference(q, k, v, lengths, "BKSD", scale)
-  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rl))
-  fin = np.isfinite(rl)
-  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rl)[fin], atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(o, ro, atol=1e-2, rtol=1e-2)
-  monkeypatch.setattr(hopper, "SMEM_BYTES", smem - 1)  # no room even without it
-  with pytest.raises(ValueError, match="shared memory"):
-    hopper.attention(q, kg, vg, lengths, kv_layout="BKSD", sm_scale=scale, block_sizes=bs,
-                     interpret=True)
-
-
 def test_splits_share_the_valid_keys_not_the_key_axis():
   """A cache padded far past its valid keys (a prefix bucket): the splits divide the valid
   length at run time, so every split gets work (split at the key axis, 256 valid keys of

@@ -128,26 +128,24 @@ def key_from_seed(seed) -> Array:
     return jax.random.fold_in(key, 1 if seed < 0 else 0)
 
 
-def _concrete_wants_filtering(top_k: Any, top_p: Any) -> bool | None:
+def _concrete(*settings: Any) -> list[np.ndarray] | None:
+    """The settings as numpy arrays when all are concrete; None when any is traced."""
     try:
-        k = np.asarray(top_k)
-        p = np.asarray(top_p)
+        arrays = [np.asarray(x) for x in settings]
     except Exception:  # tracers
         return None
-    if k.dtype == object or p.dtype == object:
-        return None
-    return bool(np.any(k > 0) or np.any(p < 1.0))
+    return None if any(a.dtype == object for a in arrays) else arrays
+
+
+def _concrete_wants_filtering(top_k: Any, top_p: Any) -> bool | None:
+    kp = _concrete(top_k, top_p)
+    return None if kp is None else bool(np.any(kp[0] > 0) or np.any(kp[1] < 1.0))
 
 
 def _concrete_samples(temperature: Any) -> bool | None:
     """Whether some row samples (a concrete temperature > 0); None for traced values."""
-    try:
-        t = np.asarray(temperature)
-    except Exception:  # tracers
-        return None
-    if t.dtype == object:
-        return None
-    return bool(np.any(t > 0))
+    t = _concrete(temperature)
+    return None if t is None else bool(np.any(t[0] > 0))
 
 
 def _per_row(a: Array, ndim: int) -> Array:

@@ -128,8 +128,6 @@ class _Static:
   D: int          # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
 
 
-
-
 def _prefix_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, c: _Static):
   _, si, p, h = (pl.program_id(i) for i in range(4))
   bq, bk = c.block_q, c.block_k

@@ -72,7 +72,10 @@ long as its bytes); a 64-node token tree in 729 us; the B=64, P=1, L=16k prefix 
 warpgroups (one program per KV head, each prefix byte read once) lose on the prefix: 101 us at block_kv=128 (S and O accumulators alone need 256 registers per thread at
 D=128, over the 240 cap), 49 us at block_kv=64 (probe_prefix_rows_h100.log, _bkv64_h100.log). A
 sustained T=64-only load reaches the H100's 700 W cap and the clock falls
-to ~1.6 GHz (benchmarks/probe_loop_overhead_h100.md).
+to ~1.6 GHz (benchmarks/probe_loop_overhead_h100.md). Tried at T=64 and left out: 2-CTA
+clusters multicasting each K/V tile into both row tiles of a stream (2.9-4.5% slower), 3-deep
+K or V rings (within 1%), benchmarks/hopper_multicast_rings_h100_s17.md; 192-key tiles and
+3 + 3 stages (slower, benchmarks/hopper_attention_h200_s16.md).
 """
 from __future__ import annotations
 
@@ -130,16 +133,12 @@ class HopperBlockSizes:
   overlap: bool | None = None
   longest_first: bool = True
   registers: tuple[int, int] | None = None
-  multicast: bool = False
-  k_stages: int | None = None
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
     if self.stages < 2:
       raise ValueError(f"stages must be >= 2, got {self.stages}")
-    if self.k_stages is not None and self.k_stages < 2:
-      raise ValueError(f"k_stages must be >= 2, got {self.k_stages}")
     if self.splits is not None and self.splits < 1:
       raise ValueError(f"splits must be >= 1, got {self.splits}")
     if self.rows_per_wg not in (64, 128):
@@ -167,10 +166,6 @@ class HopperBlockSizes:
   @property
   def producer_registers(self) -> int:
     return self.registers[1] if self.registers else (24 if self.rows_per_wg == 128 else 40)
-
-  @property
-  def key_stages(self) -> int:
-    return self.stages if self.k_stages is None else self.k_stages
 
   @property
   def use_overlap(self) -> bool:
@@ -216,9 +211,9 @@ def check_requested(fits: bool, need: str, interpret) -> None:
 
 
 def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
-            layered, N2, splits, block_kv, stages, k_stages, scale_log2, dtype, D, RW, pingpong,
+            layered, N2, splits, block_kv, stages, scale_log2, dtype, D, RW, pingpong,
             overlap, num_new, q_groups, q_tokens, mask_tiles, compiled, consumer_regs,
-            producer_regs, multicast):
+            producer_regs):
   if mask_tiles:
     mask_ref, *refs = refs
   out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, *refs = refs
@@ -228,10 +223,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
   if mask_tiles:
     mask_ready, *refs = refs
   token, = refs
-  if multicast:  # a cluster of two row tiles of one stream, sharing each K/V tile fetched
-    r_tile = lax.axis_index("r") * 2 + lax.axis_index("c")
-  else:
-    r_tile = lax.axis_index("r")
+  r_tile = lax.axis_index("r")
   split = lax.axis_index("s")
   n = lax.axis_index("n")
   # Streams are launched in ``order`` (longest first where the lengths are ragged: the
@@ -355,8 +347,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
 
     def step(i, carry, masked):
       acc, m, l = carry
-      slot = lax.rem(i, jnp.int32(k_stages))
-      vslot = lax.rem(i, jnp.int32(stages))
+      slot = lax.rem(i, jnp.int32(stages))
 
       def qk_scope(ref):
         plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -376,24 +367,24 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
       if pingpong:
         plgpu.barrier_arrive(turn)  # softmax done
-      plgpu.barrier_wait(v_ready.at[vslot])
+      plgpu.barrier_wait(v_ready.at[slot])
       if pingpong:
         plgpu.barrier_wait(turn)  # the tensor cores are ours again
 
       def wait_next_k():  # under this block's PV product
         @pl.when(i + 1 < nblocks)
         def _():
-          plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, jnp.int32(k_stages))])
+          plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, jnp.int32(stages))])
 
       def pv(ref):
-        plgpu.wgmma(ref, p16, v_smem.at[vslot])
+        plgpu.wgmma(ref, p16, v_smem.at[slot])
         wait_next_k()
       if compiled:  # accumulate in place into the running output
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       else:  # the CPU interpreter takes no register operand in wgmma: the same product via jnp
-        acc = acc + jnp.dot(p16, v_smem[vslot], preferred_element_type=jnp.float32)
+        acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
         wait_next_k()
-      plgpu.barrier_arrive(v_free.at[vslot])
+      plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
     def qk_dot(slot):  # the interpreter's QK^T (it cannot transpose a wgmma operand)
@@ -424,7 +415,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
 
     def ov_step(i, carry, masked):
       acc, m, l, p16 = carry
-      slot = lax.rem(i, jnp.int32(k_stages))
+      slot = lax.rem(i, jnp.int32(stages))
       pslot = lax.rem(i - 1, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_wait(v_ready.at[pslot])
@@ -509,22 +500,16 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
   @pl.when(wg == CONSUMERS)
   def _producer():
     plgpu.set_max_registers(producer_regs, action="decrease")
-    # With a cluster each CTA fetches half of every K/V tile and multicasts it into both
-    # (the free barriers are cluster barriers: a slot is reloaded once all four consumers
-    # of the pair are done with it).
-    mc = dict(collective_axes="c") if multicast else {}
 
     @pl.loop(0, nblocks)
     def _(i):
-      kslot = lax.rem(i, jnp.int32(k_stages))
       slot = lax.rem(i, jnp.int32(stages))
       start = block_start(i)
 
-      @pl.when(i >= k_stages)
+      @pl.when(i >= stages)
       def _():
-        plgpu.barrier_wait(k_free.at[kslot])
-      plgpu.copy_gmem_to_smem(kv_slice(k_ref, start), k_smem.at[kslot], k_ready.at[kslot],
-                              **mc)
+        plgpu.barrier_wait(k_free.at[slot])
+      plgpu.copy_gmem_to_smem(kv_slice(k_ref, start), k_smem.at[slot], k_ready.at[slot])
 
       @pl.when(i >= stages)
       def _():
@@ -532,8 +517,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
 
       @pl.when(i < nfull)
       def _():
-        plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_ready.at[slot],
-                                **mc)
+        plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_ready.at[slot])
 
       @pl.when(i >= nfull)
       def _():
@@ -541,7 +525,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
         # or past hi may hold anything (NaN included), and a probability of 0 times NaN is
         # NaN in the PV product. So those rows are zeroed here before the consumers are told
         # the block is ready.
-        plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_tail, **mc)
+        plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_tail)
         plgpu.barrier_wait(v_tail)
         nvalid = hi - start
         for c in range(block_kv // 64):  # in WGMMA-shaped chunks of 64 rows
@@ -555,13 +539,11 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
 
     # Observe the consumers' last hand-backs too, so that every barrier phase is consumed
     # when the kernel ends (the interpreter checks it; the hardware does not care).
-    @pl.loop(jnp.maximum(nblocks - k_stages, 0), nblocks)
-    def _(i):
-      plgpu.barrier_wait(k_free.at[lax.rem(i, jnp.int32(k_stages))])
-
     @pl.loop(jnp.maximum(nblocks - stages, 0), nblocks)
     def _(i):
-      plgpu.barrier_wait(v_free.at[lax.rem(i, jnp.int32(stages))])
+      slot = lax.rem(i, jnp.int32(stages))
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
 
 
 def _num_sms() -> int:
@@ -603,8 +585,7 @@ def smem_bytes(bs: HopperBlockSizes, D: int, itemsize: int, has_mask: bool) -> i
   ran 1.42x / 1.08x slower than 128 x 2 at T=64 (benchmarks/hopper_attention_h200_s16.md)."""
   kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
   rw = bs.rows_per_wg
-  return (kib(CONSUMERS * rw * D * itemsize)
-          + kib((bs.stages + bs.key_stages) * bs.block_kv * D * itemsize)
+  return (kib(CONSUMERS * rw * D * itemsize) + 2 * kib(bs.stages * bs.block_kv * D * itemsize)
           + kib(CONSUMERS * rw * 4) + 2304
           + (kib(CONSUMERS * rw * bs.block_kv * itemsize) if has_mask else 0))
 
@@ -725,26 +706,23 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     raise ValueError(f"block_kv={bs.block_kv} x stages={bs.stages} at D={D} needs about "
                      f"{smem} bytes of shared memory; an H100/H200 block has {SMEM_BYTES}")
   r_tiles = R // bs.rows_per_program
-  multicast = bs.multicast and r_tiles % 2 == 0 and not interpret
   splits = plan_splits(r_tiles * N1 * N2, L, bs)
-  stages, k_stages = bs.stages, bs.key_stages
+  stages = bs.stages
   dtype = q_N1N2RD.dtype
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   has_mask = new_mask is not None
   scratch = (
       plgpu.SMEM((CONSUMERS, RW, D), dtype, transforms=tiled),
-      plgpu.SMEM((k_stages, bs.block_kv, D), dtype, transforms=tiled),
+      plgpu.SMEM((stages, bs.block_kv, D), dtype, transforms=tiled),
       plgpu.SMEM((stages, bs.block_kv, D), dtype, transforms=tiled),
       plgpu.SMEM((CONSUMERS, RW), jnp.float32),
       *((plgpu.SMEM((CONSUMERS, RW, bs.block_kv), dtype, transforms=tiled),)  # mask tiles
         if has_mask else ()),
-      plgpu.Barrier(num_barriers=k_stages),                        # k_ready
+      plgpu.Barrier(num_barriers=stages),                          # k_ready
       plgpu.Barrier(num_barriers=stages),                          # v_ready
       plgpu.Barrier(num_arrivals=max(q_groups, 1), num_barriers=CONSUMERS),  # q_ready
-      *((plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=CONSUMERS,
-                              num_barriers=n) for n in (k_stages, stages)) if multicast else
-        (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=n)
-         for n in (k_stages, stages))),                            # k_free, v_free
+      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # k_free
+      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # v_free
       plgpu.Barrier(num_arrivals=CONSUMERS),  # turn: the consumers' turn on the tensor cores
       plgpu.Barrier(),                                             # v_tail
       *((plgpu.Barrier(num_arrivals=max(q_groups, 1), num_barriers=CONSUMERS),)  # mask_ready
@@ -753,12 +731,11 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
   )
   body = functools.partial(
       _kernel, kv_layout=kv_layout, layered=layered, N2=N2, splits=splits,
-      block_kv=bs.block_kv, stages=stages, k_stages=k_stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype,
+      block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype,
       D=D, RW=RW, pingpong=bs.pingpong, overlap=bs.use_overlap, num_new=num_new,
       q_groups=q_groups, q_tokens=T_q,
       mask_tiles=has_mask, compiled=not interpret,
-      consumer_regs=bs.consumer_registers, producer_regs=bs.producer_registers,
-      multicast=multicast)
+      consumer_regs=bs.consumer_registers, producer_regs=bs.producer_registers)
   kw = {}
   if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA and wgmma simulated on CPU)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -788,9 +765,8 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       scratch_types=scratch,
       # Mosaic GPU launches the last grid axis fastest: the row tiles of one stream run
       # side by side and share its K/V through L2.
-      grid=(N1 * N2, splits, r_tiles // 2 if multicast else r_tiles),
+      grid=(N1 * N2, splits, r_tiles),
       grid_names=("n", "s", "r"),
-      **(dict(cluster=(2,), cluster_names=("c",)) if multicast else {}),
       num_threads=CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),

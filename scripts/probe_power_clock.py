@@ -54,8 +54,13 @@ def kernel_times(fn, arrays, *, calls, pause_s):
   return [sum(g) for g in groups]
 
 
-def sample_smi(seconds, period_ms=20):
+def sample_smi(period_ms=20):
+  """nvidia-smi sampling into a temporary CSV until terminated: (process, file), or
+  (None, file) without nvidia-smi (no NVIDIA GPU here)."""
+  import shutil
   f = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+  if shutil.which("nvidia-smi") is None:
+    return None, f
   p = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,"
                         "clocks_event_reasons.active", "--format=csv,noheader,nounits",
                         f"-lms={period_ms}"], stdout=f, stderr=subprocess.DEVNULL)
@@ -70,6 +75,8 @@ def main():
   ap.add_argument("--burst", type=int, default=10)
   ap.add_argument("--sustain", type=float, default=2.0)
   a = ap.parse_args()
+  if jax.default_backend() != "gpu":
+    sys.exit("probe_power_clock.py times GPU kernels from a profiler trace: it needs a GPU")
   from pallas_kernels import decode_attention, prefix_attention
   env = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
              python=platform.python_version(), command="python3 " + " ".join(sys.argv),
@@ -110,7 +117,7 @@ def main():
     bursts = [t / a.burst for t in kernel_times(burst, (q, k, v, n), calls=7, pause_s=a.pause)]
     # sustained: back-to-back bursts for a.sustain seconds while nvidia-smi samples
     jax.block_until_ready(burst(q, k, v, n))
-    p, fcsv = sample_smi(a.sustain + 0.5)
+    p, fcsv = sample_smi()
     time.sleep(0.3)
     t0, nb = time.perf_counter(), 0
     while time.perf_counter() - t0 < a.sustain:
@@ -118,8 +125,9 @@ def main():
       nb += 1
     sus_us = (time.perf_counter() - t0) / (nb * a.burst) * 1e6
     time.sleep(0.2)
-    p.terminate()
-    p.wait()
+    if p is not None:
+      p.terminate()
+      p.wait()
     fcsv.seek(0)
     rows = [r.split(", ") for r in fcsv.read().strip().splitlines()]
     clocks = [float(r[1]) for r in rows if len(r) >= 4 and r[1].strip().isdigit()]

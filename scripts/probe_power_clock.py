@@ -12,7 +12,6 @@ Usage: python scripts/probe_power_clock.py --out benchmarks/probe_power_clock_h1
 """
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -82,7 +81,7 @@ def main():
              python=platform.python_version(), command="python3 " + " ".join(sys.argv),
              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
   log(env)
-  wall, gpu = copy_ceiling(1 << 30, inner=10, reps=3)
+  _, gpu = copy_ceiling(1 << 30, inner=10, reps=3)
   copy_tbps = max(gpu.values()) if gpu else float("nan")
   log(f"copy ceiling (GPU time) {copy_tbps:.3f} TB/s")
   ks = jax.random.split(jax.random.key(0), 3)

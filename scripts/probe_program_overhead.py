@@ -18,7 +18,6 @@ Usage: python scripts/probe_program_overhead.py --out benchmarks/probe_program_o
 """
 import argparse
 import json
-import math
 import os
 import platform
 import sys

@@ -74,14 +74,15 @@ D=128, over the 240 cap), 49 us at block_kv=64 (probe_prefix_rows_h100.log, _bkv
 sustained T=64-only load reaches the H100's 700 W cap and the clock falls
 to ~1.6 GHz (benchmarks/probe_loop_overhead_h100.md). Tried at T=64 and left out: 2-CTA
 clusters multicasting each K/V tile into both row tiles of a stream (2.9-4.5% slower), 3-deep
-K or V rings (within 1%), benchmarks/hopper_multicast_rings_h100_s17.md; 192-key tiles and
-3 + 3 stages (slower, benchmarks/hopper_attention_h200_s16.md).
+K or V rings (within 1%), benchmarks/hopper_multicast_rings_h100_s17.md; persistent programs
+that load the next item's K/V and rows under the last one's end (equal, 681 vs 679 us:
+the per-item cost is the consumers' own, benchmarks/hopper_persistent_h100_s17.md); 192-key
+tiles and 3 + 3 stages (slower, benchmarks/hopper_attention_h200_s16.md).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,12 +122,6 @@ class HopperBlockSizes:
     programs that start last are then the short ones, so fewer SMs idle at the end; 2-3%
     faster at the 64 x 8k T=64 verification and its token tree on the H100, GPU time,
     benchmarks/hopper_attention_h100_s12b.md).
-  persistent: one program per SM (``programs`` of them, None: the SM count) works through
-    the (stream, split, row tile) items in turn, in a snake order over the programs; its
-    producer loads the next item's K/V while the consumers finish the last one, and the
-    consumers load the next item's rows before storing the last one's output (through a
-    buffer of its own). Taken with ``overlap`` and ``pingpong``, without a new-token mask
-    array, and when there are more items than programs; otherwise one program per item.
   registers: (per consumer thread, per producer thread) register caps (``setmaxnreg``);
     None: (232, 40) for 64-row warpgroups, (240, 24) for 128-row ones. 2 x consumer +
     producer must stay within 504 (the block's launch allocation of 168 per thread), with
@@ -140,16 +135,12 @@ class HopperBlockSizes:
   overlap: bool | None = None
   longest_first: bool = True
   registers: tuple[int, int] | None = None
-  persistent: bool = False
-  programs: int | None = None
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
     if self.stages < 2:
       raise ValueError(f"stages must be >= 2, got {self.stages}")
-    if self.programs is not None and self.programs < 1:
-      raise ValueError(f"programs must be >= 1, got {self.programs}")
     if self.splits is not None and self.splits < 1:
       raise ValueError(f"splits must be >= 1, got {self.splits}")
     if self.rows_per_wg not in (64, 128):
@@ -221,97 +212,54 @@ def check_requested(fits: bool, need: str, interpret) -> None:
     raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
 
 
-class _Item(NamedTuple):
-  """One unit of a program's work: a (stream, key split, row tile) and its key range."""
-  n1: jax.Array
-  n2: jax.Array
-  split: jax.Array
-  r_tile: jax.Array
-  length: jax.Array
-  hi: jax.Array
-  nblocks: jax.Array
-  nfull: jax.Array
-  first_new_block: jax.Array
-  lo_blk: jax.Array
-
-
 def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
             layered, N2, splits, block_kv, stages, scale_log2, dtype, D, RW, pingpong,
             overlap, num_new, q_groups, q_tokens, mask_tiles, compiled, consumer_regs,
-            producer_regs, persistent, r_tiles, programs, num_items):
+            producer_regs):
   if mask_tiles:
     mask_ref, *refs = refs
   out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, *refs = refs
   if mask_tiles:
     mask_smem, *refs = refs
-  if persistent:
-    o_smem, *refs = refs
   k_ready, v_ready, q_ready, k_free, v_free, turn, v_tail, *refs = refs
   if mask_tiles:
     mask_ready, *refs = refs
   token, = refs
+  r_tile = lax.axis_index("r")
+  split = lax.axis_index("s")
+  n = lax.axis_index("n")
+  # Streams are launched in ``order`` (longest first where the lengths are ragged: the
+  # programs that start last are then the short ones, and fewer SMs idle at the end).
+  n1 = order_ref[lax.div(n, jnp.int32(N2))]
+  n2 = lax.rem(n, jnp.int32(N2))
   wg = lax.axis_index("wg")
 
-  def item(n, split, r_tile):
-    """The work of one (stream, key split, row tile): where its keys and rows are."""
-    # Streams are launched in ``order`` (longest first where the lengths are ragged: the
-    # programs that start last are then the short ones, and fewer SMs idle at the end).
-    n1 = order_ref[lax.div(n, jnp.int32(N2))]
-    n2 = lax.rem(n, jnp.int32(N2))
-    length = lengths_ref[n1]  # context keys; then num_new new-token keys under the mask
-    # The key splits share this stream's valid keys at run time (not the L slots of the
-    # cache): a prefix cache padded to a bucket, or a short sequence in a long cache, still
-    # spreads its keys over every split. Ranges start at whole blocks (TMA tiles).
-    lo, hi = split_bounds(split, length + num_new, splits, block_kv)
-    nkeys = jnp.maximum(hi - lo, 0)
-    nblocks = lax.div(nkeys + (block_kv - 1), jnp.int32(block_kv))
-    # Blocks every row sees whole run unmasked; the rest (a ragged last block, the blocks
-    # holding new tokens) run masked.
-    nfull = jnp.clip(lax.div(jnp.minimum(hi, length) - lo, jnp.int32(block_kv)), 0, nblocks)
-    # lo is a whole number of blocks (or the end of an empty split): its key offsets are
-    # written as (block index) x block_kv, so that Mosaic GPU's layout inference sees TMA
-    # starts that are multiples of the tile (a start through min() fails to lower in jax 0.11).
-    return _Item(n1=n1, n2=n2, split=split, r_tile=r_tile, length=length, hi=hi,
-                 nblocks=nblocks, nfull=nfull, first_new_block=lax.div(length, jnp.int32(block_kv)),
-                 lo_blk=lax.div(lo, jnp.int32(block_kv)))
+  length = lengths_ref[n1]  # context keys; then num_new new-token keys under the mask
+  # The key splits share this stream's valid keys at run time (not the L slots of the
+  # cache): a prefix cache padded to a bucket, or a short sequence in a long cache, still
+  # spreads its keys over every split. Ranges start at whole blocks (TMA tiles).
+  lo, hi = split_bounds(split, length + num_new, splits, block_kv)
+  nkeys = jnp.maximum(hi - lo, 0)
+  nblocks = lax.div(nkeys + (block_kv - 1), jnp.int32(block_kv))
+  # Blocks every row sees whole run unmasked; the rest (a ragged last block, the blocks
+  # holding new tokens) run masked.
+  nfull = jnp.clip(lax.div(jnp.minimum(hi, length) - lo, jnp.int32(block_kv)), 0, nblocks)
+  first_new_block = lax.div(length, jnp.int32(block_kv))
 
-  if persistent:
-    # ``programs`` programs, one per SM, each taking items k * programs + (its index, or the
-    # mirror image on odd rounds): a snake over the items in launch order (longest first),
-    # so that every program gets a similar share of the ragged work, and the row tiles of one
-    # stream run side by side on neighbouring programs (their K/V shared through L2).
-    pid = lax.axis_index("p")
+  # lo is a whole number of blocks (or the end of an empty split): its key offsets are
+  # written as (block index) x block_kv, so that Mosaic GPU's layout inference sees TMA
+  # starts that are multiples of the tile (a start through min() fails to lower in jax 0.11).
+  lo_blk = lax.div(lo, jnp.int32(block_kv))
 
-    def item_at(k):
-      pos = jnp.where(lax.rem(k, 2) == 0, pid, programs - 1 - pid)
-      idx = k * programs + pos
-      r = lax.rem(idx, jnp.int32(r_tiles))
-      rest = lax.div(idx, jnp.int32(r_tiles))
-      return item(lax.div(rest, jnp.int32(splits)), lax.rem(rest, jnp.int32(splits)), r)
-    rounds, rem = divmod(num_items, programs)
-    last_pos = programs - 1 - pid if rounds % 2 else pid
-    count = rounds + (last_pos < rem).astype(jnp.int32)
-  else:
-    def item_at(k):
-      del k
-      return item(lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("r"))
-    count = 1
+  def block_start(i):
+    return (lo_blk + i) * block_kv
 
-  def over_items(body, init):
-    """``body(k, carry)`` for this program's items k in turn (one outside a persistent run)."""
-    if persistent:
-      return lax.fori_loop(0, count, body, init)
-    return body(jnp.int32(0), init)
-
-  def block_start(it, i):
-    return (it.lo_blk + i) * block_kv
-
-  def kv_slice(it, ref, start):
+  def kv_slice(ref, start):
     if layered:  # stacked caches [layers, ...]: the layer is a (possibly traced) input
       ref = ref.at[layer_ref[0]]
     if kv_layout == "PLKD":
-      return ref.at[it.n1, pl.ds(start, block_kv), it.n2]
-    return ref.at[it.n1, it.n2, pl.ds(start, block_kv)]
+      return ref.at[n1, pl.ds(start, block_kv), n2]
+    return ref.at[n1, n2, pl.ds(start, block_kv)]
 
   def rendezvous():
     """Both consumers meet here. Warpgroup 1 starts one meeting behind warpgroup 0, so
@@ -343,305 +291,259 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
       return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
     return lax.broadcasted_iota(jnp.int32, shape, dim)
 
-  Tt = RW // q_groups if q_groups else 0  # tokens per warpgroup with q read in place
-
   @pl.when(wg < CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(consumer_regs, action="increase")
+    row0 = (r_tile * CONSUMERS + wg) * RW
     qo = q_smem.at[wg]
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m0 = lay(jnp.full((RW,), -jnp.inf, jnp.float32), row_layout)
     l0 = lay(jnp.full((RW,), 0.0, jnp.float32), row_layout)
     acc0 = lay(jnp.zeros((RW, D), jnp.float32), plgpu.Layout.WGMMA)
+    if q_groups:  # q[B, T, H, D] read in place: G strided boxes of Tt tokens, rows (g, t)
+      Tt = RW // q_groups
+      t0 = (r_tile * CONSUMERS + wg) * Tt
+      for g in range(q_groups):
+        plgpu.copy_gmem_to_smem(q_ref.at[n1, pl.ds(t0, Tt), n2 * q_groups + g],
+                                qo.at[pl.ds(g * Tt, Tt)], q_ready.at[wg])
+    else:
+      plgpu.copy_gmem_to_smem(q_ref.at[n1, n2, pl.ds(row0, RW)], qo, q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
 
-    def load_q(it):
-      row0 = (it.r_tile * CONSUMERS + wg) * RW
-      if q_groups:  # q[B, T, H, D] read in place: G strided boxes of Tt tokens, rows (g, t)
-        t0 = (it.r_tile * CONSUMERS + wg) * Tt
-        for g in range(q_groups):
-          plgpu.copy_gmem_to_smem(q_ref.at[it.n1, pl.ds(t0, Tt), it.n2 * q_groups + g],
-                                  qo.at[pl.ds(g * Tt, Tt)], q_ready.at[wg])
-      else:
-        plgpu.copy_gmem_to_smem(q_ref.at[it.n1, it.n2, pl.ds(row0, RW)], qo, q_ready.at[wg])
+    def softmax(s, i, m, l, masked):
+      """The online softmax of block i's scores s: (m, l, alpha, p), p in float32."""
+      if masked:
+        if mask_tiles:  # this block's tile of the new-token mask (0 seen, -inf hidden)
+          rel = lax.div(block_start(i), jnp.int32(block_kv)) - first_new_block
+          if q_groups:  # a tile per token: the G heads of a token share its row
+            for g in range(q_groups):
+              plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(t0, Tt)],
+                                      mask_smem.at[wg, pl.ds(g * Tt, Tt)], mask_ready.at[wg])
+          else:
+            plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(row0, RW)], mask_smem.at[wg],
+                                    mask_ready.at[wg])
+          plgpu.barrier_wait(mask_ready.at[wg])
+          bias = mask_smem.at[wg][...].astype(jnp.float32)
+          if compiled:
+            bias = lay(bias, plgpu.Layout.WGMMA)
+          s = s + bias
+        elif num_new:  # causal over the new tokens, from indices: token t is new token
+          # num_new - q_tokens + t and sees new token j <= that (and all context, j < 0)
+          t = t0 + lax.rem(iota((RW, block_kv), 0), jnp.int32(Tt))
+          j = iota((RW, block_kv), 1) + (block_start(i) - length)
+          s = jnp.where((j < 0) | (j <= t + (num_new - q_tokens)), s, -jnp.inf)
+        # keys at or past hi are nobody's (garbage, NaN included)
+        s = jnp.where(iota((RW, block_kv), 1) < hi - block_start(i), s, -jnp.inf)
+      # m is kept in scaled base-2 units, so p is one fused multiply-add and an exp2.
+      m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+      # In a masked block a row may have seen no key yet (m_new = -inf: e.g. a split of
+      # new tokens it does not see); shift by 0 then, so that exp2 gives 0, not NaN.
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+      alpha = jnp.exp2(m - m_use)
+      p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      return m_new, l, alpha, p
 
-    def attend(it, g0):
-      """This warpgroup's (acc, m, l) for item ``it`` over its key blocks, which are the
-      producer's blocks ``g0, g0 + 1, ...`` of this program (ring slot = block % stages)."""
-      n1, hi, length = it.n1, it.hi, it.length
-      nblocks, nfull, first_new_block = it.nblocks, it.nfull, it.first_new_block
-      row0 = (it.r_tile * CONSUMERS + wg) * RW
-      t0 = (it.r_tile * CONSUMERS + wg) * Tt
-      slot0 = lax.rem(g0, jnp.int32(stages))
+    def scale_rows(x, alpha):
+      return x * lax.broadcast_in_dim(alpha, x.shape, [0])
 
-      def block_start(i):
-        return (it.lo_blk + i) * block_kv
+    def step(i, carry, masked):
+      acc, m, l = carry
+      slot = lax.rem(i, jnp.int32(stages))
 
-      def softmax(s, i, m, l, masked):
-        """The online softmax of block i's scores s: (m, l, alpha, p), p in float32."""
-        if masked:
-          if mask_tiles:  # this block's tile of the new-token mask (0 seen, -inf hidden)
-            rel = lax.div(block_start(i), jnp.int32(block_kv)) - first_new_block
-            if q_groups:  # a tile per token: the G heads of a token share its row
-              for g in range(q_groups):
-                plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(t0, Tt)],
-                                        mask_smem.at[wg, pl.ds(g * Tt, Tt)], mask_ready.at[wg])
-            else:
-              plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(row0, RW)], mask_smem.at[wg],
-                                      mask_ready.at[wg])
-            plgpu.barrier_wait(mask_ready.at[wg])
-            bias = mask_smem.at[wg][...].astype(jnp.float32)
-            if compiled:
-              bias = lay(bias, plgpu.Layout.WGMMA)
-            s = s + bias
-          elif num_new:  # causal over the new tokens, from indices: token t is new token
-            # num_new - q_tokens + t and sees new token j <= that (and all context, j < 0)
-            t = t0 + lax.rem(iota((RW, block_kv), 0), jnp.int32(Tt))
-            j = iota((RW, block_kv), 1) + (block_start(i) - length)
-            s = jnp.where((j < 0) | (j <= t + (num_new - q_tokens)), s, -jnp.inf)
-          # keys at or past hi are nobody's (garbage, NaN included)
-          s = jnp.where(iota((RW, block_kv), 1) < hi - block_start(i), s, -jnp.inf)
-        # m is kept in scaled base-2 units, so p is one fused multiply-add and an exp2.
-        m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-        # In a masked block a row may have seen no key yet (m_new = -inf: e.g. a split of
-        # new tokens it does not see); shift by 0 then, so that exp2 gives 0, not NaN.
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        return m_new, l, alpha, p
+      def qk_scope(ref):
+        plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        rendezvous()  # hand the tensor cores over while this product runs
+        return ref[...]
+      if compiled:
+        s = pl.run_scoped(qk_scope, plgpu.ACC((RW, block_kv), jnp.float32))
+      else:  # the CPU interpreter cannot transpose a wgmma operand: the same product via jnp
+        s = lax.dot_general(qo[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+        rendezvous()
+      plgpu.barrier_arrive(k_free.at[slot])
+      m_new, l, alpha, p = softmax(s, i, m, l, masked)
+      p16 = p.astype(dtype)
+      acc = scale_rows(acc, alpha)
+      if compiled:
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+      if pingpong:
+        plgpu.barrier_arrive(turn)  # softmax done
+      plgpu.barrier_wait(v_ready.at[slot])
+      if pingpong:
+        plgpu.barrier_wait(turn)  # the tensor cores are ours again
 
-      def scale_rows(x, alpha):
-        return x * lax.broadcast_in_dim(alpha, x.shape, [0])
+      def wait_next_k():  # under this block's PV product
+        @pl.when(i + 1 < nblocks)
+        def _():
+          plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, jnp.int32(stages))])
 
-      def step(i, carry, masked):
-        acc, m, l = carry
-        slot = lax.rem(g0 + i, jnp.int32(stages))
+      def pv(ref):
+        plgpu.wgmma(ref, p16, v_smem.at[slot])
+        wait_next_k()
+      if compiled:  # accumulate in place into the running output
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      else:  # the CPU interpreter takes no register operand in wgmma: the same product via jnp
+        acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+        wait_next_k()
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
 
-        def qk_scope(ref):
-          plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-          rendezvous()  # hand the tensor cores over while this product runs
+    def qk_dot(slot):  # the interpreter's QK^T (it cannot transpose a wgmma operand)
+      return lax.dot_general(qo[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+    def pv_dot(p16, slot):  # the interpreter's PV (it takes no register operand in wgmma)
+      return jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+
+    # Overlapped (FlashAttention-3's intra-warpgroup pipelining): the carry holds block
+    # i-1's probabilities; step i issues QK^T of block i and PV of block i-1 in one turn on
+    # the tensor cores, waits for the first only, and runs block i's softmax under PV.
+    def ov_first(masked):  # block 0: QK^T and softmax, no PV yet
+      plgpu.barrier_wait(k_ready.at[0])
+      my_turn()
+      if compiled:
+        def scope(ref):
+          plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[0], (1, 0)))
+          pass_turn()
           return ref[...]
-        if compiled:
-          s = pl.run_scoped(qk_scope, plgpu.ACC((RW, block_kv), jnp.float32))
-        else:  # the CPU interpreter cannot transpose a wgmma operand: the same product via jnp
-          s = lax.dot_general(qo[...], k_smem[slot], (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-          rendezvous()
-        plgpu.barrier_arrive(k_free.at[slot])
-        m_new, l, alpha, p = softmax(s, i, m, l, masked)
-        p16 = p.astype(dtype)
-        acc = scale_rows(acc, alpha)
-        if compiled:
-          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        if pingpong:
-          plgpu.barrier_arrive(turn)  # softmax done
-        plgpu.barrier_wait(v_ready.at[slot])
-        if pingpong:
-          plgpu.barrier_wait(turn)  # the tensor cores are ours again
+        s = pl.run_scoped(scope, plgpu.ACC((RW, block_kv), jnp.float32))
+      else:
+        s = qk_dot(0)
+        pass_turn()
+      plgpu.barrier_arrive(k_free.at[0])
+      m_new, l_new, _, p = softmax(s, 0, m0, l0, masked)
+      return acc0, m_new, l_new, p.astype(dtype)
 
-        def wait_next_k():  # under this block's PV product
-          @pl.when(i + 1 < nblocks)
-          def _():
-            plgpu.barrier_wait(k_ready.at[lax.rem(g0 + i + 1, jnp.int32(stages))])
-
-        def pv(ref):
-          plgpu.wgmma(ref, p16, v_smem.at[slot])
-          wait_next_k()
-        if compiled:  # accumulate in place into the running output
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        else:  # the CPU interpreter takes no register operand in wgmma: the same product via jnp
-          acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-          wait_next_k()
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
-
-      def qk_dot(slot):  # the interpreter's QK^T (it cannot transpose a wgmma operand)
-        return lax.dot_general(qo[...], k_smem[slot], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-
-      def pv_dot(p16, slot):  # the interpreter's PV (it takes no register operand in wgmma)
-        return jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
-
-      # Overlapped (FlashAttention-3's intra-warpgroup pipelining): the carry holds block
-      # i-1's probabilities; step i issues QK^T of block i and PV of block i-1 in one turn on
-      # the tensor cores, waits for the first only, and runs block i's softmax under PV.
-      def ov_first(masked):  # block 0: QK^T and softmax, no PV yet
-        plgpu.barrier_wait(k_ready.at[slot0])
-        my_turn()
-        if compiled:
-          def scope(ref):
-            plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[slot0], (1, 0)))
-            pass_turn()
-            return ref[...]
-          s = pl.run_scoped(scope, plgpu.ACC((RW, block_kv), jnp.float32))
-        else:
-          s = qk_dot(slot0)
-          pass_turn()
-        plgpu.barrier_arrive(k_free.at[slot0])
-        m_new, l_new, _, p = softmax(s, 0, m0, l0, masked)
-        return acc0, m_new, l_new, p.astype(dtype)
-
-      def ov_step(i, carry, masked):
-        acc, m, l, p16 = carry
-        slot = lax.rem(g0 + i, jnp.int32(stages))
-        pslot = lax.rem(g0 + i - 1, jnp.int32(stages))
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_wait(v_ready.at[pslot])
-        my_turn()
-        if compiled:
-          def scope(s_ref, o_ref):
-            o_ref[...] = acc
-            plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-            plgpu.wgmma(o_ref, p16, v_smem.at[pslot])
-            pass_turn()  # both products run on while the other consumer issues its own
-            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T only
-            plgpu.barrier_arrive(k_free.at[slot])
-            m_new, l_new, alpha, p = softmax(s, i, m, l, masked)
-            o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-            # Only now (PV done) write the registers of the next PV's operand: a write while
-            # a product that reads them is in flight makes ptxas serialize every wgmma.
-            return lax.optimization_barrier((scale_rows(o, alpha), m_new, l_new,
-                                             p.astype(dtype)))
-          out = pl.run_scoped(scope, plgpu.ACC((RW, block_kv), jnp.float32),
-                              plgpu.ACC((RW, D), jnp.float32))
-        else:
-          s = qk_dot(slot)
-          o = acc + pv_dot(p16, pslot)
-          pass_turn()
+    def ov_step(i, carry, masked):
+      acc, m, l, p16 = carry
+      slot = lax.rem(i, jnp.int32(stages))
+      pslot = lax.rem(i - 1, jnp.int32(stages))
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[pslot])
+      my_turn()
+      if compiled:
+        def scope(s_ref, o_ref):
+          o_ref[...] = acc
+          plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          plgpu.wgmma(o_ref, p16, v_smem.at[pslot])
+          pass_turn()  # both products run on while the other consumer issues its own
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T only
           plgpu.barrier_arrive(k_free.at[slot])
           m_new, l_new, alpha, p = softmax(s, i, m, l, masked)
-          out = scale_rows(o, alpha), m_new, l_new, p.astype(dtype)
-        plgpu.barrier_arrive(v_free.at[pslot])
-        return out
+          o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+          # Only now (PV done) write the registers of the next PV's operand: a write while
+          # a product that reads them is in flight makes ptxas serialize every wgmma.
+          return lax.optimization_barrier((scale_rows(o, alpha), m_new, l_new,
+                                           p.astype(dtype)))
+        out = pl.run_scoped(scope, plgpu.ACC((RW, block_kv), jnp.float32),
+                            plgpu.ACC((RW, D), jnp.float32))
+      else:
+        s = qk_dot(slot)
+        o = acc + pv_dot(p16, pslot)
+        pass_turn()
+        plgpu.barrier_arrive(k_free.at[slot])
+        m_new, l_new, alpha, p = softmax(s, i, m, l, masked)
+        out = scale_rows(o, alpha), m_new, l_new, p.astype(dtype)
+      plgpu.barrier_arrive(v_free.at[pslot])
+      return out
 
-      def ov_last(carry):  # PV of the last block
-        acc, m, l, p16 = carry
-        pslot = lax.rem(g0 + nblocks - 1, jnp.int32(stages))
-        plgpu.barrier_wait(v_ready.at[pslot])
-        my_turn()
-        if compiled:
-          def pv(ref):
-            plgpu.wgmma(ref, p16, v_smem.at[pslot])
-            pass_turn(last=True)
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        else:
-          acc = acc + pv_dot(p16, pslot)
+    def ov_last(carry):  # PV of the last block
+      acc, m, l, p16 = carry
+      pslot = lax.rem(nblocks - 1, jnp.int32(stages))
+      plgpu.barrier_wait(v_ready.at[pslot])
+      my_turn()
+      if compiled:
+        def pv(ref):
+          plgpu.wgmma(ref, p16, v_smem.at[pslot])
           pass_turn(last=True)
-        plgpu.barrier_arrive(v_free.at[pslot])
-        return acc, m, l
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      else:
+        acc = acc + pv_dot(p16, pslot)
+        pass_turn(last=True)
+      plgpu.barrier_arrive(v_free.at[pslot])
+      return acc, m, l
 
-      def ov_run():
-        if pingpong:  # warpgroup 0 issues first
-          pl.when(wg == 1)(lambda: plgpu.barrier_arrive(token.at[0]))
-        carry = lax.cond(nfull > 0, functools.partial(ov_first, masked=False),
-                         functools.partial(ov_first, masked=True))
-        start = jnp.maximum(nfull, 1)
-        carry = lax.fori_loop(1, start, functools.partial(ov_step, masked=False), carry)
-        carry = lax.fori_loop(start, nblocks, functools.partial(ov_step, masked=True), carry)
-        return ov_last(carry)
+    def ov_run():
+      if pingpong:  # warpgroup 0 issues first
+        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(token.at[0]))
+      carry = lax.cond(nfull > 0, functools.partial(ov_first, masked=False),
+                       functools.partial(ov_first, masked=True))
+      start = jnp.maximum(nfull, 1)
+      carry = lax.fori_loop(1, start, functools.partial(ov_step, masked=False), carry)
+      carry = lax.fori_loop(start, nblocks, functools.partial(ov_step, masked=True), carry)
+      return ov_last(carry)
 
-      if overlap:
-        return lax.cond(nblocks > 0, ov_run, lambda: (acc0, m0, l0))
-
+    if overlap:
+      acc, m, l = lax.cond(nblocks > 0, ov_run, lambda: (acc0, m0, l0))
+    else:
       @pl.when(nblocks > 0)
       def _():
-        plgpu.barrier_wait(k_ready.at[slot0])
+        plgpu.barrier_wait(k_ready.at[0])
       pl.when(wg == 1)(rendezvous)
       carry = lax.fori_loop(0, nfull, functools.partial(step, masked=False), (acc0, m0, l0))
-      carry = lax.fori_loop(nfull, nblocks, functools.partial(step, masked=True), carry)
+      acc, m, l = lax.fori_loop(nfull, nblocks, functools.partial(step, masked=True), carry)
       pl.when(wg == 0)(rendezvous)
-      return carry
 
-    def finish(it, acc, m, l, buf):
-      """Normalizes and stores this warpgroup's rows of item ``it`` (out through ``buf``)."""
-      row0 = (it.r_tile * CONSUMERS + wg) * RW
-      empty = l == 0.0
-      inv = 1.0 / jnp.where(empty, 1.0, l)
-      buf[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-      lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
-      plgpu.commit_smem()
-      if q_groups:  # out[splits, B, T, H, D] written in place (rows past T are clipped by TMA)
-        t0 = (it.r_tile * CONSUMERS + wg) * Tt
-        for g in range(q_groups):
-          plgpu.copy_smem_to_gmem(
-              buf.at[pl.ds(g * Tt, Tt)],
-              out_ref.at[it.split, it.n1, pl.ds(t0, Tt), it.n2 * q_groups + g])
-      else:
-        plgpu.copy_smem_to_gmem(buf, out_ref.at[it.split, it.n1, it.n2, pl.ds(row0, RW)])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                              lse_ref.at[it.split, it.n1, it.n2, pl.ds(row0, RW)])
-
-    def run_item(k, g0):
-      it = item_at(k)
-      plgpu.barrier_wait(q_ready.at[wg])
-      acc, m, l = attend(it, g0)
-      if persistent:
-        # q is read by QK^T only: the next item's rows load while this one finishes; its
-        # output goes out through a buffer of its own, free once the last store read it.
-        pl.when(k + 1 < count)(lambda: load_q(item_at(k + 1)))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        finish(it, acc, m, l, o_smem.at[wg])
-      else:
-        finish(it, acc, m, l, qo)
-      return g0 + it.nblocks
-
-    load_q(item_at(0))
-    over_items(run_item, jnp.int32(0))
+    empty = l == 0.0
+    inv = 1.0 / jnp.where(empty, 1.0, l)
+    qo[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+    lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    plgpu.commit_smem()
+    if q_groups:  # out[splits, B, T, H, D] written in place (rows past T are clipped by TMA)
+      for g in range(q_groups):
+        plgpu.copy_smem_to_gmem(qo.at[pl.ds(g * Tt, Tt)],
+                                out_ref.at[split, n1, pl.ds(t0, Tt), n2 * q_groups + g])
+    else:
+      plgpu.copy_smem_to_gmem(qo, out_ref.at[split, n1, n2, pl.ds(row0, RW)])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, n1, n2, pl.ds(row0, RW)])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == CONSUMERS)
   def _producer():
     plgpu.set_max_registers(producer_regs, action="decrease")
 
-    def produce(k, g0):
-      it = item_at(k)
+    @pl.loop(0, nblocks)
+    def _(i):
+      slot = lax.rem(i, jnp.int32(stages))
+      start = block_start(i)
 
-      @pl.loop(0, it.nblocks)
-      def _(i):
-        g = g0 + i  # the program's block counter: ring slots and phases run on across items
-        slot = lax.rem(g, jnp.int32(stages))
-        start = block_start(it, i)
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+      plgpu.copy_gmem_to_smem(kv_slice(k_ref, start), k_smem.at[slot], k_ready.at[slot])
 
-        @pl.when(g >= stages)
-        def _():
-          plgpu.barrier_wait(k_free.at[slot])
-        plgpu.copy_gmem_to_smem(kv_slice(it, k_ref, start), k_smem.at[slot], k_ready.at[slot])
+      @pl.when(i >= stages)
+      def _():
+        plgpu.barrier_wait(v_free.at[slot])
 
-        @pl.when(g >= stages)
-        def _():
-          plgpu.barrier_wait(v_free.at[slot])
+      @pl.when(i < nfull)
+      def _():
+        plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_ready.at[slot])
 
-        @pl.when(i < it.nfull)
-        def _():
-          plgpu.copy_gmem_to_smem(kv_slice(it, v_ref, start), v_smem.at[slot],
-                                  v_ready.at[slot])
-
-        @pl.when(i >= it.nfull)
-        def _():
-          # A masked block (the ragged last one, those holding new tokens): its value rows
-          # at or past hi may hold anything (NaN included), and a probability of 0 times NaN
-          # is NaN in the PV product. So those rows are zeroed here before the consumers are
-          # told the block is ready.
-          plgpu.copy_gmem_to_smem(kv_slice(it, v_ref, start), v_smem.at[slot], v_tail)
-          plgpu.barrier_wait(v_tail)
-          nvalid = it.hi - start
-          for c in range(block_kv // 64):  # in WGMMA-shaped chunks of 64 rows
-            chunk = v_smem.at[slot, pl.ds(c * 64, 64)]
-            x = chunk[...]
-            if compiled:
-              x = lay(x, plgpu.Layout.WGMMA)
-            chunk[...] = jnp.where(iota((64, D), 0) + c * 64 < nvalid, x, jnp.zeros_like(x))
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(v_ready.at[slot])
-      return g0 + it.nblocks
-
-    g_end = over_items(produce, jnp.int32(0))
+      @pl.when(i >= nfull)
+      def _():
+        # A masked block (the ragged last one, those holding new tokens): its value rows at
+        # or past hi may hold anything (NaN included), and a probability of 0 times NaN is
+        # NaN in the PV product. So those rows are zeroed here before the consumers are told
+        # the block is ready.
+        plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_tail)
+        plgpu.barrier_wait(v_tail)
+        nvalid = hi - start
+        for c in range(block_kv // 64):  # in WGMMA-shaped chunks of 64 rows
+          chunk = v_smem.at[slot, pl.ds(c * 64, 64)]
+          x = chunk[...]
+          if compiled:
+            x = lay(x, plgpu.Layout.WGMMA)
+          chunk[...] = jnp.where(iota((64, D), 0) + c * 64 < nvalid, x, jnp.zeros_like(x))
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(v_ready.at[slot])
 
     # Observe the consumers' last hand-backs too, so that every barrier phase is consumed
     # when the kernel ends (the interpreter checks it; the hardware does not care).
-    @pl.loop(jnp.maximum(g_end - stages, 0), g_end)
-    def _(g):
-      slot = lax.rem(g, jnp.int32(stages))
+    @pl.loop(jnp.maximum(nblocks - stages, 0), nblocks)
+    def _(i):
+      slot = lax.rem(i, jnp.int32(stages))
       plgpu.barrier_wait(k_free.at[slot])
       plgpu.barrier_wait(v_free.at[slot])
 
@@ -677,8 +579,7 @@ def plan_splits(programs: int, max_len: int, bs: HopperBlockSizes) -> int:
   return best
 
 
-def smem_bytes(bs: HopperBlockSizes, D: int, itemsize: int, has_mask: bool,
-               persistent: bool = False) -> int:
+def smem_bytes(bs: HopperBlockSizes, D: int, itemsize: int, has_mask: bool) -> int:
   """Estimated shared memory of the kernel (bytes). Each buffer is 1 KiB aligned; Mosaic GPU
   adds about 2 KiB of its own (barriers and the like: 234640 bytes measured where these
   buffers came to 232448). 192-key blocks or 3 stages of 128 at D=128 are just over the
@@ -688,8 +589,7 @@ def smem_bytes(bs: HopperBlockSizes, D: int, itemsize: int, has_mask: bool,
   rw = bs.rows_per_wg
   return (kib(CONSUMERS * rw * D * itemsize) + 2 * kib(bs.stages * bs.block_kv * D * itemsize)
           + kib(CONSUMERS * rw * 4) + 2304
-          + (kib(CONSUMERS * rw * bs.block_kv * itemsize) if has_mask else 0)
-          + (kib(CONSUMERS * rw * D * itemsize) if persistent else 0))
+          + (kib(CONSUMERS * rw * bs.block_kv * itemsize) if has_mask else 0))
 
 
 def q_groups_in_place(G: int, bs: HopperBlockSizes) -> bool:
@@ -803,18 +703,12 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     if new_mask.shape != want or new_mask.dtype != q_N1N2RD.dtype:
       raise ValueError(f"new_mask must be {want} {q_N1N2RD.dtype}, got "
                        f"{new_mask.shape} {new_mask.dtype}")
-  r_tiles = R // bs.rows_per_program
-  splits = plan_splits(r_tiles * N1 * N2, L, bs)
-  num_items = N1 * N2 * splits * r_tiles
-  programs = min(bs.programs or _num_sms(), num_items)
-  itemsize = jnp.dtype(k.dtype).itemsize
-  persistent = (bs.persistent and bs.use_overlap and bs.pingpong and new_mask is None
-                and num_items > programs
-                and smem_bytes(bs, D, itemsize, False, True) <= SMEM_BYTES)
-  smem = smem_bytes(bs, D, itemsize, new_mask is not None, persistent)
+  smem = smem_bytes(bs, D, jnp.dtype(k.dtype).itemsize, new_mask is not None)
   if smem > SMEM_BYTES:
     raise ValueError(f"block_kv={bs.block_kv} x stages={bs.stages} at D={D} needs about "
                      f"{smem} bytes of shared memory; an H100/H200 block has {SMEM_BYTES}")
+  r_tiles = R // bs.rows_per_program
+  splits = plan_splits(r_tiles * N1 * N2, L, bs)
   stages = bs.stages
   dtype = q_N1N2RD.dtype
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -826,8 +720,6 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       plgpu.SMEM((CONSUMERS, RW), jnp.float32),
       *((plgpu.SMEM((CONSUMERS, RW, bs.block_kv), dtype, transforms=tiled),)  # mask tiles
         if has_mask else ()),
-      *((plgpu.SMEM((CONSUMERS, RW, D), dtype, transforms=tiled),)  # persistent: out staging
-        if persistent else ()),
       plgpu.Barrier(num_barriers=stages),                          # k_ready
       plgpu.Barrier(num_barriers=stages),                          # v_ready
       plgpu.Barrier(num_arrivals=max(q_groups, 1), num_barriers=CONSUMERS),  # q_ready
@@ -845,8 +737,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       D=D, RW=RW, pingpong=bs.pingpong, overlap=bs.use_overlap, num_new=num_new,
       q_groups=q_groups, q_tokens=T_q,
       mask_tiles=has_mask, compiled=not interpret,
-      consumer_regs=bs.consumer_registers, producer_regs=bs.producer_registers,
-      persistent=persistent, r_tiles=r_tiles, programs=programs, num_items=num_items)
+      consumer_regs=bs.consumer_registers, producer_regs=bs.producer_registers)
   kw = {}
   if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA and wgmma simulated on CPU)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -876,8 +767,8 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
       scratch_types=scratch,
       # Mosaic GPU launches the last grid axis fastest: the row tiles of one stream run
       # side by side and share its K/V through L2.
-      grid=(programs,) if persistent else (N1 * N2, splits, r_tiles),
-      grid_names=("p",) if persistent else ("n", "s", "r"),
+      grid=(N1 * N2, splits, r_tiles),
+      grid_names=("n", "s", "r"),
       num_threads=CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -46,15 +46,14 @@ OV = VARIANTS[0]
 
 def hb_of(v, splits=None):
   from pallas_kernels import hopper
-  rw, bkv, st, pp, ov, *pers = v
+  rw, bkv, st, pp, ov = v
   return hopper.HopperBlockSizes(block_kv=bkv, stages=st, rows_per_wg=rw, pingpong=pp,
-                                 overlap=ov, splits=splits, persistent=bool(pers and pers[0]))
+                                 overlap=ov, splits=splits)
 
 
 def name(v):
-  rw, bkv, st, pp, ov, *pers = v
-  return (f"hopper rw={rw} bkv={bkv} st={st} pp={int(pp)} ov={int(ov)}"
-          + (" persistent" if pers and pers[0] else ""))
+  rw, bkv, st, pp, ov = v
+  return f"hopper rw={rw} bkv={bkv} st={st} pp={int(pp)} ov={int(ov)}"
 
 
 def _rows_reference(q, k, v, lengths, layout):
@@ -400,17 +399,14 @@ def main():
                   "calls: their GPU kernels per call")
   ap.add_argument("--variants", nargs="*", help="Hopper variants to check and time instead of "
                   "the built-in three, each rows_per_wg,block_kv,stages,pingpong,overlap (e.g. "
-                  "64,192,2,1,1, or with a sixth 1: persistent programs); the first is the reference "
-                  "variant, at least three")
+                  "64,192,2,1,1); the first is the reference variant, at least three")
   a = ap.parse_args()
   if a.variants:
     global VARIANTS, OV
     vs = [tuple(int(x) for x in v.split(",")) for v in a.variants]
-    if len(vs) < 3 or any(len(v) not in (5, 6) for v in vs):
-      ap.error("--variants takes at least three rows_per_wg,block_kv,stages,pingpong,overlap"
-               "[,persistent]")
-    VARIANTS = [(rw, bkv, st, bool(pp), bool(ov), *map(bool, pers))
-                for rw, bkv, st, pp, ov, *pers in vs]
+    if len(vs) < 3 or any(len(v) != 5 for v in vs):
+      ap.error("--variants takes at least three rows_per_wg,block_kv,stages,pingpong,overlap")
+    VARIANTS = [(rw, bkv, st, bool(pp), bool(ov)) for rw, bkv, st, pp, ov in vs]
     OV = VARIANTS[0]
   from bench_prefix import ceilings
   dev = jax.devices()[0]

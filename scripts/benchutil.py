@@ -81,19 +81,40 @@ def device_time(step, arrays, *, inner, reps):
   return device_time_of(loop, arrays, calls=inner, reps=reps)
 
 
-def _traced(run, reps):
-  """GPU events of ``reps`` calls of ``run()`` under a profiler, a pause before each."""
+def _traced(run, reps, pause_s=_REP_PAUSE_S):
+  """GPU events of ``reps`` calls of ``run()`` under a profiler, ``pause_s`` before each."""
   import shutil
   import tempfile
   d = tempfile.mkdtemp(prefix="devtime")
   try:
     with jax.profiler.trace(d, create_perfetto_trace=True):
       for _ in range(reps):
-        time.sleep(_REP_PAUSE_S)
+        time.sleep(pause_s)
         run()
     return gpu_events(d)
   finally:
     shutil.rmtree(d, ignore_errors=True)
+
+
+def call_times(ev, gap_us):
+  """The GPU time (us, the sum of its kernels' durations) of each call in ``ev`` (``gpu_events``
+  of calls made with pauses between them): calls are told apart by idle gaps over ``gap_us``."""
+  groups, cur, end = [], 0.0, None
+  for ts, dur, _ in ev:
+    if end is not None and ts - end > gap_us:
+      groups.append(cur)
+      cur = 0.0
+    cur += dur
+    end = ts + dur if end is None else max(end, ts + dur)
+  return groups + [cur] if ev else []
+
+
+def single_call_times(fn, arrays, *, calls, pause_s):
+  """GPU time (us) of each of ``calls`` calls of a jitted ``fn(*arrays)``, made ``pause_s``
+  apart (after one untimed call); [] without GPU events (CPU)."""
+  jax.block_until_ready(fn(*arrays))
+  ev = _traced(lambda: jax.block_until_ready(fn(*arrays)), calls, pause_s)
+  return call_times(ev, min(pause_s * 1e6 / 2, 1000.0))
 
 
 def device_time_of(fn, arrays, *, calls, reps):
@@ -105,16 +126,9 @@ def device_time_of(fn, arrays, *, calls, reps):
   ev = _traced(lambda: jax.block_until_ready(fn(*arrays)), reps)
   if not ev:
     return None
-  groups, cur, end = [], [], None
-  for ts, dur, _ in ev:
-    if end is not None and ts - end > _REP_PAUSE_S * 1e6 / 2:
-      groups.append(cur)
-      cur = []
-    cur.append(dur)
-    end = ts + dur if end is None else max(end, ts + dur)
-  groups.append(cur)
+  groups = call_times(ev, _REP_PAUSE_S * 1e6 / 2)
   if len(groups) == reps:
-    per = sorted(sum(g) / calls * 1e-6 for g in groups)
+    per = sorted(g / calls * 1e-6 for g in groups)
   else:  # a pause inside a call: the calls cannot be told apart, so their mean
     log(f"device_time: {len(groups)} groups of GPU events for {reps} calls; using the mean")
     per = [sum(dur for _, dur, _ in ev) / (calls * reps) * 1e-6] * reps

@@ -28,29 +28,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchutil import copy_ceiling, gpu_events, log  # noqa: E402
+from benchutil import copy_ceiling, log, single_call_times  # noqa: E402
 
 K, G, D = 8, 4, 128
-
-
-def kernel_times(fn, arrays, *, calls, pause_s):
-  """GPU time (us) of each of ``calls`` calls of ``fn(*arrays)``, ``pause_s`` idle before each."""
-  jax.block_until_ready(fn(*arrays))
-  d = tempfile.mkdtemp(prefix="power")
-  with jax.profiler.trace(d, create_perfetto_trace=True):
-    for _ in range(calls):
-      time.sleep(pause_s)
-      jax.block_until_ready(fn(*arrays))
-  ev = gpu_events(d)
-  groups, cur, end = [], [], None
-  for ts, dur, _ in ev:
-    if end is not None and ts - end > 1000:  # a pause of > 1 ms separates calls
-      groups.append(cur)
-      cur = []
-    cur.append(dur)
-    end = ts + dur if end is None else max(end, ts + dur)
-  groups.append(cur)
-  return [sum(g) for g in groups]
 
 
 def sample_smi(period_ms=20):
@@ -112,8 +92,8 @@ def main():
       return jax.lax.fori_loop(0, a.burst, lambda i, acc: acc + f(q, k, v, n - (i % 2))[0][
           0, 0, 0, 0].astype(jnp.float32), jnp.float32(0))
     burst = jax.jit(burst_fn)
-    single = kernel_times(one, (q, k, v, n), calls=a.single, pause_s=a.pause)
-    bursts = [t / a.burst for t in kernel_times(burst, (q, k, v, n), calls=7, pause_s=a.pause)]
+    single = single_call_times(one, (q, k, v, n), calls=a.single, pause_s=a.pause)
+    bursts = [t / a.burst for t in single_call_times(burst, (q, k, v, n), calls=7, pause_s=a.pause)]
     # sustained: back-to-back bursts for a.sustain seconds while nvidia-smi samples
     jax.block_until_ready(burst(q, k, v, n))
     p, fcsv = sample_smi()

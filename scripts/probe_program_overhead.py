@@ -35,7 +35,7 @@ from benchutil import device_time, log  # noqa: E402
 
 
 def schedule_model(block_us, sms=132, overheads=(0.0, 0.5, 1.0, 2.0, 3.3), B=64, S=8192,
-                   T=64, K=8, row_tiles=2, block_kv=128):
+                   T=64, K=8, D=128, row_tiles=2, block_kv=128):
   """Predicted GPU time (us) of the ragged T=64 verification for per-program costs c (blocks):
   the hardware's dynamic block scheduling (each program to the SM that frees first, launch
   order longest first) and a static snake order over the SMs (a persistent kernel's)."""
@@ -44,7 +44,7 @@ def schedule_model(block_us, sms=132, overheads=(0.0, 0.5, 1.0, 2.0, 3.3), B=64,
   jobs = []
   for b in sorted(range(B), key=lambda b: -lengths[b]):
     jobs += [-(-(int(lengths[b]) + T) // block_kv)] * (K * row_tiles)
-  out = dict(ideal_us=sum(jobs) / sms * block_us, kv_bytes=2 * K * 128 * 2 * float(sum(lengths)))
+  out = dict(ideal_us=sum(jobs) / sms * block_us, kv_bytes=2 * K * D * 2 * float(sum(lengths)))
   for c in overheads:
     dyn = [0.0] * sms
     for j in jobs:

@@ -6,34 +6,7 @@ import argparse
 import json
 import sys
 
-
-def _parse_tree(s: str | None):
-    if not s:
-        return None
-    try:
-        return tuple(int(x) for x in s.split(","))
-    except ValueError:
-        return s  # a named tree from the optimizer
-
-
-def _parse_gamma(s: str):
-    """``--gamma``: an int >= 1 or 'auto'."""
-    if s == "auto":
-        return s
-    try:
-        return int(s)
-    except ValueError:
-        raise ValueError(f"--gamma must be an int >= 1 or 'auto', got {s!r}") from None
-
-
-def _window_arg(s: str):
-    """``--window``: an int, or 'none' (a draft model with a full cache instead of a ring)."""
-    if s.lower() == "none":
-        return None
-    try:
-        return int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int or 'none', got {s!r}") from None
+from jaxspec.args import mesh_from_args, parse_gamma, parse_tree, window_arg
 
 
 def _cmd_convert(a):
@@ -52,31 +25,18 @@ def _cmd_fetch(a):
     print(f"checkpoint ready at {out}")
 
 
-def _mesh_from_args(a):
-    """``--tp N --dp M``: a data x model mesh (None when both are 1 or absent)."""
-    tp, dp = a.tp, a.dp
-    if tp is None and dp is None:
-        return None
-    if (tp is not None and tp < 1) or (dp is not None and dp < 1):
-        raise ValueError(f"--tp and --dp must be >= 1, got --tp {tp} --dp {dp}")
-    if (tp or 1) * (dp or 1) == 1:
-        return None
-    from jaxspec.sharding import make_mesh
-    return make_mesh(data=dp or 1, model=tp)
-
-
 def _cmd_generate(a):
     import jaxspec
-    mesh = _mesh_from_args(a)
+    mesh = mesh_from_args(a)
     model = jaxspec.load(a.model, dtype=a.dtype, mesh=mesh)
     if not a.prompt:
         raise SystemExit("give at least one --prompt")
     spec = None
     if a.draft is not None:
         draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype, mesh=mesh)
-        spec = jaxspec.Speculation(draft=draft, gamma=_parse_gamma(a.gamma), sink=a.sink,
+        spec = jaxspec.Speculation(draft=draft, gamma=a.gamma, sink=a.sink,
                                    window=a.window,
-                                   tree=_parse_tree(a.tree))
+                                   tree=parse_tree(a.tree))
     res = jaxspec.generate(model, a.prompt, max_new_tokens=a.max_new_tokens,
                            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                            speculation=spec, chat=a.chat)
@@ -152,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default=None)
     g.add_argument("--draft", default=None, help="'self' or a draft checkpoint path")
-    g.add_argument("--gamma", default="4")
+    g.add_argument("--gamma", type=parse_gamma, default=4)
     g.add_argument("--sink", type=int, default=16)
-    g.add_argument("--window", type=_window_arg, default=496,
+    g.add_argument("--window", type=window_arg, default=496,
                    help="draft window (StreamingLLM); 'none': a draft model with a full cache")
     g.add_argument("--tree", default=None, help="expansion config, e.g. 1,1,3,1")
     g.add_argument("--tp", type=int, default=None,

@@ -27,6 +27,7 @@ import uuid
 from importlib import resources
 from typing import Any
 
+from jaxspec.args import parse_gamma, parse_tree, window_arg
 from jaxspec.serving import (EngineStopped, PromptTooLong, QueueFull, SamplingOptions, Sequence,
                              ServingEngine)
 
@@ -506,10 +507,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--draft", default=None, help="'self' or a draft checkpoint path (speculation)")
-    p.add_argument("--gamma", default="4", help="drafts per round, or 'auto'")
+    p.add_argument("--gamma", type=parse_gamma, default=4, help="drafts per round, or 'auto'")
     p.add_argument("--sink", type=int, default=16)
-    from jaxspec.cli import _window_arg
-    p.add_argument("--window", type=_window_arg, default=496,
+    p.add_argument("--window", type=window_arg, default=496,
                    help="draft window (StreamingLLM); 'none': a draft model with a full cache")
     p.add_argument("--tree", default=None, help="token-tree expansion config, e.g. 1,1,3,1")
     p.add_argument("--max-batch", type=int, default=None,
@@ -541,11 +541,10 @@ def build_engine(a) -> tuple[ServingEngine, str]:
     model = jaxspec.load(path, dtype=a.dtype)
     spec = None
     if a.draft is not None:
-        from jaxspec.cli import _parse_gamma, _parse_tree
         draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype)
-        spec = jaxspec.Speculation(draft=draft, gamma=_parse_gamma(a.gamma), sink=a.sink,
+        spec = jaxspec.Speculation(draft=draft, gamma=a.gamma, sink=a.sink,
                                    window=a.window,
-                                   tree=_parse_tree(a.tree))
+                                   tree=parse_tree(a.tree))
     import jax
     cpu = jax.default_backend() == "cpu"
     max_batch = a.max_batch or (4 if cpu else 64)

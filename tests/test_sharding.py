@@ -334,7 +334,8 @@ def test_multi_process_two_by_four(tmp_path):
 
 @need8
 def test_cli_tp_dp_flags():
-    from jaxspec.cli import _mesh_from_args, build_parser
+    from jaxspec.args import mesh_from_args as _mesh_from_args
+    from jaxspec.cli import build_parser
     parse = lambda *a: build_parser().parse_args(["generate", "ckpt", *a])
     assert _mesh_from_args(parse()) is None
     assert _mesh_from_args(parse("--tp", "1")) is None

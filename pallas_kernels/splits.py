@@ -14,20 +14,20 @@ from jax import lax
 
 
 def split_bounds(si, n, num_splits: int, block: int, split_size: int | None = None):
-  """``[lo, hi)`` of split ``si`` (traced or not) over ``n`` valid keys (a traced int32):
-  with ``split_size=None`` the n keys are shared evenly by ``num_splits`` splits in whole
-  ``block``s (the last ones may be empty); otherwise split ``si`` owns the fixed range
-  ``[si, si + 1) x split_size``. The ranges partition ``[0, n)`` in order."""
-  if split_size is None:
-    split_size = lax.div(lax.div(n + (num_splits - 1), jnp.int32(num_splits)) + (block - 1),
-                         jnp.int32(block)) * block
-  lo = jnp.minimum(si * split_size, n)
-  hi = jnp.minimum(lo + split_size, n)
-  return lo, hi
+    """``[lo, hi)`` of split ``si`` (traced or not) over ``n`` valid keys (a traced int32):
+    with ``split_size=None`` the n keys are shared evenly by ``num_splits`` splits in whole
+    ``block``s (the last ones may be empty); otherwise split ``si`` owns the fixed range
+    ``[si, si + 1) x split_size``. The ranges partition ``[0, n)`` in order."""
+    if split_size is None:
+        split_size = lax.div(lax.div(n + (num_splits - 1), jnp.int32(num_splits)) + (block - 1),
+                             jnp.int32(block)) * block
+    lo = jnp.minimum(si * split_size, n)
+    hi = jnp.minimum(lo + split_size, n)
+    return lo, hi
 
 
 def split_range(si, n, c):
-  """``split_bounds`` from a kernel's static description ``c`` (``block_k``, ``num_splits``,
-  ``split_size`` and ``dynamic_split``: an explicit split_size is static)."""
-  return split_bounds(si, n, c.num_splits, c.block_k,
-                      None if c.dynamic_split else c.split_size)
+    """``split_bounds`` from a kernel's static description ``c`` (``block_k``, ``num_splits``,
+    ``split_size`` and ``dynamic_split``: an explicit split_size is static)."""
+    return split_bounds(si, n, c.num_splits, c.block_k,
+                        None if c.dynamic_split else c.split_size)

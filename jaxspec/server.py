@@ -9,6 +9,16 @@ error body, a prompt that does not fit gives 400 naming the limits, a full queue
 ``Retry-After``. A client that disconnects frees its slots; an exception while serving one request
 fails that request only.
 
+Hostile clients (see `ServerLimits` and ``--help``): with an API key (``--api-key`` or
+``JAXSPEC_API_KEY``) every path but ``/health`` (and ``/metrics`` with ``--metrics-public``, ``/``
+with ``--page-public``) answers 401 without ``Authorization: Bearer KEY``; request bodies are
+capped in bytes (413, counted as they arrive, never buffered past the cap); a request must arrive
+whole (headers and body) within ``--request-read-timeout`` seconds of its first byte, or the
+connection is closed (408 where a response can still be sent); prompts, messages, stop strings and
+``n x max_tokens`` are capped per request. On SIGTERM (or Ctrl-C) the server stops admitting (503),
+lets running requests finish for up to ``--shutdown-timeout`` seconds, then ends the rest with an
+error (a final error chunk for streams) and exits.
+
 Extensions (ignored by OpenAI clients): every streamed choice carries ``"jaxspec": {"segments":
 [[text, from_draft], ...], "n_tokens", "accepted", "proposed"}`` (which text came from accepted
 draft tokens); ``"return_token_ids": true`` in a request adds ``"token_ids"`` to each choice.
@@ -19,9 +29,17 @@ Run it with ``python scripts/serve.py`` or ``jaxspec serve`` (see `add_arguments
 
 import argparse
 import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
+import dataclasses
+import hashlib
+import hmac
+import inspect
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from importlib import resources
@@ -33,7 +51,47 @@ from jaxspec.serving import (EngineStopped, PromptTooLong, QueueFull, SamplingOp
 
 log = logging.getLogger("jaxspec.server")
 
-MAX_STOP = 4
+API_KEY_ENV = "JAXSPEC_API_KEY"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What one client may ask of the server; every field has a ``serve`` flag of the same name
+    (``max_body_bytes`` is ``--max-body-bytes``), documented in ``--help``.
+
+    max_body_bytes: request body size; past it 413 (a larger Content-Length is refused before a
+        byte of the body is read, a chunked body as soon as its bytes pass the cap).
+    request_read_timeout: seconds a client has to send a whole request (headers and body), from
+        its first byte (or from the end of the previous response on a kept-alive connection);
+        then 408 and the connection is closed. Slow senders hold no worker.
+    keep_alive_timeout: seconds an idle kept-alive connection stays open (uvicorn's).
+    max_generation_tokens: completion tokens one request may ask for, prompts x n x max_tokens
+        (a chat request without max_tokens counts the room its prompt leaves in the context).
+    max_prompts: prompts in one completions request (a list of strings or of token-id lists).
+    max_messages: messages in one chat request.
+    max_stop: stop strings per request (OpenAI's limit is 4).
+    max_stop_chars: characters of one stop string.
+    """
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    request_read_timeout: float = 60.0
+    keep_alive_timeout: float = 5.0
+    max_generation_tokens: int = 65536
+    max_prompts: int = 64
+    max_messages: int = 1024
+    max_stop: int = 4
+    max_stop_chars: int = 256
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 \
+                    or not math.isfinite(v):
+                raise ValueError(f"ServerLimits.{f.name} must be a positive number, got {v!r}")
+
+    @classmethod
+    def from_args(cls, a) -> "ServerLimits":
+        return cls(**{f.name: getattr(a, f.name) for f in dataclasses.fields(cls)})
 
 
 class APIError(Exception):
@@ -47,10 +105,27 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
+    def json_bytes(self) -> bytes:
+        # ASCII-escaped: a message may quote client input (lone surrogates included)
+        return json.dumps(self.body(), separators=(",", ":")).encode()
+
 
 # ----------------------------------------------------------------------------- validation
 def _bad(message, param=None, code=None):
     return APIError(400, message, param=param, code=code)
+
+
+def _preview(v) -> str:
+    """A short description of a JSON value for an error message (bounded, whatever its size or
+    depth)."""
+    if isinstance(v, dict):
+        return f"an object with {len(v)} keys"
+    if isinstance(v, list):
+        return f"a list of {len(v)} items"
+    if isinstance(v, str):
+        return json.dumps(v[:40] + ("..." if len(v) > 40 else ""))
+    text = json.dumps(v) if isinstance(v, (bool, float)) or v is None else str(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _opt(body: dict, name: str, kind: str, default=None, *, lo=None, hi=None, lo_open=False):
@@ -65,18 +140,19 @@ def _opt(body: dict, name: str, kind: str, default=None, *, lo=None, hi=None, lo
     if not ok:
         want = {"int": "an integer", "number": "a number", "bool": "a boolean",
                 "str": "a string"}[kind]
-        raise _bad(f"'{name}' must be {want}, got {json.dumps(v)[:60]}", name, "invalid_type")
+        raise _bad(f"'{name}' must be {want}, got {_preview(v)}", name, "invalid_type")
     if kind == "number" and not math.isfinite(v):
         raise _bad(f"'{name}' must be finite", name, "invalid_value")
     if lo is not None and (v <= lo if lo_open else v < lo):
-        raise _bad(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v}", name,
+        raise _bad(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {_preview(v)}", name,
                    "invalid_value")
     if hi is not None and v > hi:
-        raise _bad(f"'{name}' must be <= {hi}, got {v}", name, "invalid_value")
+        raise _bad(f"'{name}' must be <= {hi}, got {_preview(v)}", name, "invalid_value")
     return v
 
 
-def _options(body: dict, engine: ServingEngine, *, chat: bool) -> tuple[SamplingOptions, int]:
+def _options(body: dict, engine: ServingEngine, limits: ServerLimits, *,
+             chat: bool) -> tuple[SamplingOptions, int]:
     max_tokens = _opt(body, "max_tokens", "int", None, lo=1)
     if chat:
         max_tokens = _opt(body, "max_completion_tokens", "int", max_tokens, lo=1)
@@ -93,14 +169,18 @@ def _options(body: dict, engine: ServingEngine, *, chat: bool) -> tuple[Sampling
     elif isinstance(stop, str):
         stop = (stop,)
     elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
-        if len(stop) > MAX_STOP:
-            raise _bad(f"'stop' has {len(stop)} strings; at most {MAX_STOP}", "stop",
+        if len(stop) > limits.max_stop:
+            raise _bad(f"'stop' has {len(stop)} strings; at most {limits.max_stop}", "stop",
                        "invalid_value")
         stop = tuple(stop)
     else:
         raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
     if any(s == "" for s in stop):
         raise _bad("'stop' strings must not be empty", "stop", "invalid_value")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > limits.max_stop_chars:
+        raise _bad(f"a 'stop' string has {longest} characters; at most "
+                   f"{limits.max_stop_chars}", "stop", "invalid_value")
     for name in ("logprobs", "top_logprobs"):
         v = body.get(name)
         if v is True or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
@@ -109,44 +189,58 @@ def _options(body: dict, engine: ServingEngine, *, chat: bool) -> tuple[Sampling
         raise _bad("'echo' is not supported by this server", "echo", "unsupported")
     if body.get("best_of") not in (None, 1, n):
         raise _bad("'best_of' is not supported by this server", "best_of", "unsupported")
+    # top_k >= the vocabulary keeps every token: the same as off (and fits the engine's int32)
+    top_k = 0 if top_k < 0 or top_k >= engine.config.vocab_size else int(top_k)
     opts = SamplingOptions(max_tokens=max_tokens, temperature=float(temperature),
-                           top_k=0 if top_k < 0 else int(top_k), top_p=float(top_p),
-                           stop=stop, seed=seed)
+                           top_k=top_k, top_p=float(top_p), stop=stop, seed=seed)
     return opts, n
 
 
-def _completion_prompts(body: dict, engine: ServingEngine) -> list[list[int]]:
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _completion_items(body: dict, limits: ServerLimits) -> list:
+    """The prompts of a completions request, checked for shape and count (not yet encoded)."""
     p = body.get("prompt", None)
     if p is None:
         raise _bad("'prompt' is required", "prompt", "missing")
     if isinstance(p, str):
-        items = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool)
-                                           for x in p):
-        items = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        items = p
-    elif isinstance(p, list) and p and all(
-            isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-            for x in p):
-        items = p
-    else:
-        raise _bad("'prompt' must be a string, a list of strings, a list of token ids or a list "
-                   "of token-id lists (non-empty)", "prompt", "invalid_type")
+        return [p]
+    if isinstance(p, list) and p and _is_ids(p):
+        return [p]
+    if isinstance(p, list) and p and (all(isinstance(x, str) for x in p)
+                                      or all(_is_ids(x) for x in p)):
+        if len(p) > limits.max_prompts:
+            raise _bad(f"'prompt' is a list of {len(p)} prompts; at most {limits.max_prompts} "
+                       f"per request", "prompt", "invalid_value")
+        return p
+    raise _bad("'prompt' must be a string, a list of strings, a list of token ids or a list "
+               "of token-id lists (non-empty)", "prompt", "invalid_type")
+
+
+def _encode_completion(items: list, engine: ServingEngine) -> list[list[int]]:
     out = []
     for x in items:
         try:
             out.append(engine.encode_prompt(x))
-        except ValueError as e:
+        except ValueError as e:  # also UnicodeError (lone surrogates)
             raise _bad(str(e), "prompt", "invalid_value") from None
     return out
 
 
-def _chat_prompt(body: dict, engine: ServingEngine) -> list[int]:
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def _chat_messages(body: dict, limits: ServerLimits) -> list[dict]:
+    """The messages of a chat request, checked and flattened to text (not yet encoded)."""
     msgs = body.get("messages", None)
     if not isinstance(msgs, list) or not msgs:
         raise _bad("'messages' must be a non-empty list of messages", "messages",
                    "invalid_type" if msgs is not None else "missing")
+    if len(msgs) > limits.max_messages:
+        raise _bad(f"'messages' has {len(msgs)} messages; at most {limits.max_messages} per "
+                   f"request", "messages", "invalid_value")
     clean = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -167,10 +261,14 @@ def _chat_prompt(body: dict, engine: ServingEngine) -> list[int]:
         elif not isinstance(c, str):
             raise _bad(f"messages[{i}].content must be a string or a list of text parts",
                        "messages", "invalid_type")
-        if m["role"] not in ("system", "user", "assistant", "developer", "tool"):
-            raise _bad(f"messages[{i}].role {m['role']!r} is not one of system, user, "
+        if m["role"] not in _ROLES:
+            raise _bad(f"messages[{i}].role {_preview(m['role'])} is not one of system, user, "
                        f"assistant, developer, tool", "messages", "invalid_value")
         clean.append({"role": m["role"], "content": c})
+    return clean
+
+
+def _encode_chat(clean: list[dict], engine: ServingEngine) -> list[int]:
     try:
         return engine.encode_chat(clean)
     except ValueError as e:
@@ -188,7 +286,8 @@ class HTTPStats:
         self.streams_disconnected = 0
 
 
-def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str) -> str:
+def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
+                    shutdown: "Shutdown | None" = None) -> str:
     m = engine.metrics()
     lines = []
 
@@ -235,6 +334,11 @@ def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str) -> 
            [({}, m["tokens_per_target_step"])])
     metric("queue_full_rejections_total", "counter", "Requests refused with 503.",
            [({}, m.get("rejected_queue_full", 0))])
+    if shutdown is not None:
+        metric("draining", "gauge", "1 while the server shuts down (refusing new requests).",
+               [({}, float(shutdown.draining))])
+        metric("shutdown_cut_off_total", "counter", "Requests ended by the shutdown deadline.",
+               [({}, shutdown.cut_off)])
     lines.append(f'# HELP jaxspec_model_info The served model.\n# TYPE jaxspec_model_info gauge\n'
                  f'jaxspec_model_info{{model="{model_name}",gamma="{engine.gamma}"}} 1')
     return "\n".join(lines) + "\n"
@@ -270,21 +374,383 @@ _KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/completions",
                 "/v1/chat/completions"}
 
 
+# ----------------------------------------------------------------------------- hostile clients
+def _header(scope, name: bytes) -> bytes | None:
+    for k, v in scope.get("headers", ()):
+        if k.lower() == name:
+            return v
+    return None
+
+
+async def _send_error(send, e: APIError, *, close: bool = True):
+    """An OpenAI-style error response straight from a middleware (``close``: end the connection
+    after it, as the request body may be left unread)."""
+    body = e.json_bytes()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), str(v).encode("latin-1"))
+                for k, v in e.headers.items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _timeout_error(seconds: float) -> APIError:
+    return APIError(408, f"the request was not received in full within {seconds:g} seconds",
+                    code="request_timeout")
+
+
+# The connection's `_ReadGuard`, seen by the tasks the HTTP protocol starts for its requests
+# (asyncio tasks copy the context they are created in).
+_GUARD: contextvars.ContextVar = contextvars.ContextVar("jaxspec_read_guard", default=None)
+
+
+class _ReadGuard:
+    """One connection's read deadline. While no request of the connection is being served, a
+    timer runs: a connection that sends nothing, or only part of a request's headers, for
+    ``timeout`` seconds (counted from its first byte once it sends one) gets a 408 (if it sent
+    anything) and is closed. Once the headers are in, `_Gate` reads the body under the same
+    deadline. uvicorn itself times out only idle kept-alive connections."""
+
+    def __init__(self, transport, timeout: float):
+        self.transport, self.timeout = transport, float(timeout)
+        self.loop = asyncio.get_running_loop()
+        self.timer = None
+        self.serving = 0  # requests of this connection inside the app
+        self.received = False  # bytes of a new request arrived since the last arm()
+        self.deadline = 0.0
+        self.arm()
+
+    def _schedule(self):
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.loop.call_at(self.deadline, self._expire)
+
+    def arm(self):
+        self.received = False
+        self.deadline = self.loop.time() + self.timeout
+        self._schedule()
+
+    def data(self):
+        if not self.received and self.serving == 0:  # a new request starts: its own deadline
+            self.received = True
+            self.deadline = self.loop.time() + self.timeout
+            self._schedule()
+
+    def request_started(self) -> float:
+        """The headers are in: stops the timer; returns the deadline for the body."""
+        first = self.serving == 0
+        self.serving += 1
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        return self.deadline if first else self.loop.time() + self.timeout
+
+    def request_finished(self):
+        self.serving -= 1
+        if self.serving == 0 and not self.transport.is_closing():
+            self.arm()
+
+    def _expire(self):
+        self.timer = None
+        if self.serving or self.transport.is_closing():
+            return
+        if self.received:  # part of a request: say why before closing
+            body = _timeout_error(self.timeout).json_bytes()
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+                + body)
+        self.transport.close()
+
+    def close(self):
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+def guarded_protocol(read_timeout: float):
+    """uvicorn's HTTP protocol class with a `_ReadGuard` on every connection (pass it as
+    ``uvicorn.Config(http=...)``)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class GuardedHTTPProtocol(AutoHTTPProtocol):
+        def connection_made(self, transport):
+            self.jaxspec_guard = _ReadGuard(transport, read_timeout)
+            super().connection_made(transport)
+
+        def data_received(self, data):
+            guard = self.jaxspec_guard
+            guard.data()
+            token = _GUARD.set(guard)
+            try:
+                super().data_received(data)
+            finally:
+                _GUARD.reset(token)
+
+        def connection_lost(self, exc):
+            self.jaxspec_guard.close()
+            super().connection_lost(exc)
+
+    return GuardedHTTPProtocol
+
+
+class _Gate:
+    """ASGI middleware in front of the routes: the API key, refusal while shutting down, and the
+    request body, read here under the size cap and the read deadline and replayed to the app
+    (at most ``max_body_bytes`` are ever held)."""
+
+    def __init__(self, app, *, api_key: str | None, public: set[str], limits: ServerLimits,
+                 shutdown: "Shutdown"):
+        self.app = app
+        self.key_digest = None if api_key is None else hashlib.sha256(api_key.encode()).digest()
+        self.public = frozenset(public)
+        self.limits, self.shutdown = limits, shutdown
+
+    def authorized(self, scope) -> bool:
+        if self.key_digest is None or scope.get("path") in self.public:
+            return True
+        value = _header(scope, b"authorization")
+        if value is None:
+            return False
+        scheme, _, token = value.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        # digests of equal length, compared in constant time: neither the key nor its length
+        # leaks through timing
+        return hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.key_digest)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.shutdown.attach()
+        guard = _GUARD.get()
+        deadline = guard.request_started() if guard is not None else None
+        try:
+            await self.serve(scope, receive, send, deadline)
+        finally:
+            if guard is not None:
+                guard.request_finished()
+
+    async def serve(self, scope, receive, send, deadline):
+        if not self.authorized(scope):
+            return await _send_error(send, APIError(
+                401, "missing or incorrect API key: send the header 'Authorization: Bearer "
+                     "<key>'", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+        if self.shutdown.draining and scope.get("path") != "/metrics":
+            return await _send_error(send, APIError(
+                503, "the server is shutting down; retry on another server",
+                type="unavailable", code="shutting_down"))
+        limit = self.limits.max_body_bytes
+        cl = _header(scope, b"content-length")
+        if cl is not None:
+            try:
+                declared = int(cl)
+            except ValueError:
+                return await _send_error(send, _bad("the Content-Length header is not a number",
+                                                    None, "invalid_header"))
+            if declared > limit:
+                return await _send_error(send, APIError(
+                    413, f"the request body has {declared} bytes; at most {limit}",
+                    code="request_too_large"))
+        loop = asyncio.get_running_loop()
+        timeout = self.limits.request_read_timeout
+        if deadline is None:
+            deadline = loop.time() + timeout
+        chunks, size = [], 0
+        while True:
+            left = deadline - loop.time()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(receive(), left)
+            except (TimeoutError, asyncio.TimeoutError):
+                return await _send_error(send, _timeout_error(timeout))
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its request
+            part = message.get("body", b"")
+            size += len(part)
+            if size > limit:
+                return await _send_error(send, APIError(
+                    413, f"the request body has more than {limit} bytes", code="request_too_large"))
+            chunks.append(part)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        del chunks
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+# ----------------------------------------------------------------------------- shutting down
+class _InFlight:
+    """One admitted request: its queue and sequences, while a handler serves it."""
+
+    __slots__ = ("queue", "seqs", "started", "closed")
+
+    def __init__(self, queue, seqs):
+        self.queue, self.seqs = queue, seqs
+        self.started = False  # its handler began reading the queue
+        self.closed = False
+
+    def live(self) -> bool:
+        return not self.closed and (self.started or not all(s.finished_flag for s in self.seqs))
+
+
+class Shutdown:
+    """Graceful shutdown of one app. `request()` (from a signal handler or any thread; only sets a
+    counter, which a task on the server's loop polls) stops admission: every new request but
+    ``/metrics`` gets 503. Requests already admitted get ``timeout`` seconds to finish; then each
+    is ended (a final error chunk for a stream, 503 otherwise) and its sequences cancelled. A
+    second `request()` cuts the wait short. ``on_done`` runs when the drain is over (the HTTP
+    server then closes its connections and exits)."""
+
+    POLL = 0.05
+
+    def __init__(self, engine: ServingEngine, timeout: float = 30.0):
+        if not (isinstance(timeout, (int, float)) and timeout >= 0 and math.isfinite(timeout)):
+            raise ValueError(f"shutdown_timeout must be a finite number >= 0, got {timeout!r}")
+        self.engine, self.timeout = engine, float(timeout)
+        self.draining = False
+        self.requested = 0
+        self.cut_off = 0  # requests ended by the deadline
+        self.finished_in_time = 0  # requests in flight at the start that finished normally
+        self.on_done = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.inflight: set[_InFlight] = set()
+        self._watch: asyncio.Task | None = None
+
+    def request(self):
+        self.requested += 1
+
+    def attach(self):
+        """Starts the watcher on the running loop (the app's lifespan does; idempotent)."""
+        if self._watch is None:
+            self.loop = asyncio.get_running_loop()
+            self._watch = self.loop.create_task(self._run())
+
+    async def close(self):
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
+
+    def track(self, queue, seqs) -> _InFlight:
+        self.inflight = {e for e in self.inflight if e.live()}
+        e = _InFlight(queue, seqs)
+        self.inflight.add(e)
+        return e
+
+    def untrack(self, e: _InFlight):
+        e.closed = True
+        self.inflight.discard(e)
+
+    def live(self) -> list[_InFlight]:
+        return [e for e in self.inflight if e.live()]
+
+    async def _run(self):
+        while not self.requested:
+            await asyncio.sleep(self.POLL)
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        start = self.live()
+        log.info("shutting down: refusing new requests; %d in flight get up to %g s",
+                 len(start), self.timeout)
+        try:
+            while self.live() and loop.time() - t0 < self.timeout and self.requested < 2:
+                await asyncio.sleep(self.POLL)
+            left = self.live()
+            self.finished_in_time = len(start) - len([e for e in start if e in left])
+            if left:
+                log.warning("shutting down: ending %d requests still in flight", len(left))
+                self.cut_off += len(left)
+                for e in left:
+                    e.queue.put_nowait({"type": "shutdown", "tag": None})
+                    for s in e.seqs:
+                        if not s.finished_flag:
+                            self.engine.cancel(s)
+                t1 = loop.time()  # their handlers send the error and return
+                while self.live() and loop.time() - t1 < 5.0:
+                    await asyncio.sleep(self.POLL)
+        finally:
+            log.info("shutting down: drained after %.1f s", loop.time() - t0)
+            if self.on_done is not None:
+                self.on_done()
+
+
+def _shutdown_error(timeout: float) -> APIError:
+    return APIError(503, f"the server shut down before this request finished (it gives running "
+                         f"requests {timeout:g} seconds)", type="unavailable",
+                    code="shutting_down")
+
+
 # ----------------------------------------------------------------------------- the app
-def create_app(engine: ServingEngine, model_name: str = "jaxspec"):
-    """The FastAPI app over a started `ServingEngine`."""
+def create_app(engine: ServingEngine, model_name: str = "jaxspec", *, api_key: str | None = None,
+               limits: ServerLimits | None = None, metrics_public: bool = False,
+               page_public: bool = False, shutdown_timeout: float = 30.0):
+    """The FastAPI app over a started `ServingEngine`.
+
+    api_key: None (no authentication) or the key every request but ``/health`` must send as
+        ``Authorization: Bearer KEY``; ``metrics_public`` / ``page_public`` exempt ``/metrics``
+        and the demo page ``/``.
+    limits: a `ServerLimits` (default: its defaults).
+    shutdown_timeout: seconds running requests get once a shutdown starts (``app.state.shutdown``,
+        a `Shutdown`; `serve` wires SIGTERM / SIGINT to it).
+    """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    app = FastAPI(title="jaxspec", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string, or None for no authentication")
+    limits = limits or ServerLimits()
+    if not isinstance(limits, ServerLimits):
+        raise TypeError(f"limits must be a ServerLimits, got {type(limits).__name__}")
+    shutdown = Shutdown(engine, shutdown_timeout)
+    pool: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+    def tokenizer_pool():
+        # one thread: tokenizing a long prompt does not stall the event loop, and the tokenizer
+        # is never called from two request threads at once
+        if "p" not in pool:
+            pool["p"] = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="jaxspec-tokenize")
+        return pool["p"]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        shutdown.attach()
+        try:
+            yield
+        finally:
+            await shutdown.close()
+            if "p" in pool:
+                pool.pop("p").shutdown(wait=False)
+
+    app = FastAPI(title="jaxspec", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
     http = HTTPStats()
     app.state.http_stats = http
     app.state.engine = engine
+    app.state.limits = limits
+    app.state.shutdown = shutdown
 
     def error_response(e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return Response(e.json_bytes(), status_code=e.status, headers=e.headers,
+                        media_type="application/json")
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -297,7 +763,8 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec"):
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(e.status_code, str(e.detail), type=kind))
+        return error_response(APIError(e.status_code, str(e.detail), type=kind,
+                                       headers=dict(getattr(e, "headers", None) or {})))
 
     @app.exception_handler(Exception)
     async def _internal(request, e):
@@ -309,15 +776,17 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec"):
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # not JSON, not UTF-8/16/32, or an integer past Python's digits
             raise _bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+        except RecursionError:
+            raise _bad("the request body is nested too deeply", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object", None, "invalid_json")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _bad("'model' must be a string", "model", "invalid_type")
         if model not in (None, model_name):
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+            raise APIError(404, f"the model {_preview(model)} does not exist; this server serves "
                                 f"'{model_name}'", type="not_found_error", param="model",
                            code="model_not_found")
         return body
@@ -341,8 +810,13 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec"):
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(engine, http, model_name),
+        return PlainTextResponse(prometheus_text(engine, http, model_name, shutdown),
                                  media_type="text/plain; version=0.0.4")
+
+    def too_many_tokens(total, detail):
+        return _bad(f"this request asks for up to {total} completion tokens ({detail}); this "
+                    f"server allows at most {limits.max_generation_tokens} per request",
+                    "max_tokens", "invalid_value")
 
     async def handle(request: Request, chat: bool):
         body = await read_json(request)
@@ -352,31 +826,53 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec"):
             raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
         include_usage = bool(so and so.get("include_usage"))
         return_ids = _opt(body, "return_token_ids", "bool", False)
-        opts, n = _options(body, engine, chat=chat)
-        prompts = [_chat_prompt(body, engine)] if chat else _completion_prompts(body, engine)
+        opts, n = _options(body, engine, limits, chat=chat)
+        what = _chat_messages(body, limits) if chat else _completion_items(body, limits)
+        k = 1 if chat else len(what)
+        if opts.max_tokens is not None and k * n * opts.max_tokens > limits.max_generation_tokens:
+            raise too_many_tokens(k * n * opts.max_tokens,
+                                  f"{k} prompts x n={n} x max_tokens={opts.max_tokens}")
+        max_queue = getattr(engine, "max_queue", None)
+        if max_queue is not None and k * n > max_queue:
+            raise _bad(f"this request makes {k * n} sequences ({k} prompts x n={n}); this "
+                       f"server queues at most {max_queue}", "n", "invalid_value")
         loop = asyncio.get_running_loop()
+        if chat:
+            prompts = [await loop.run_in_executor(tokenizer_pool(), _encode_chat, what, engine)]
+        else:
+            prompts = await loop.run_in_executor(tokenizer_pool(), _encode_completion, what,
+                                                 engine)
+        param = "messages" if chat else "prompt"
+        try:
+            budget = n * sum(engine.check(len(ids), opts.max_tokens) for ids in prompts)
+        except PromptTooLong as e:
+            raise _bad(str(e), param, "context_length_exceeded") from None
+        if budget > limits.max_generation_tokens:
+            raise too_many_tokens(budget, f"{k} prompts x n={n}, each up to the room its prompt "
+                                          f"leaves in the context")
         queue: asyncio.Queue = asyncio.Queue()
         seqs = [Sequence(ids, opts, index=j, loop=loop, queue=queue, tag=i * n + j)
                 for i, ids in enumerate(prompts) for j in range(n)]
         try:
             engine.submit(seqs)
         except PromptTooLong as e:
-            raise _bad(str(e), "messages" if chat else "prompt", "context_length_exceeded") \
-                from None
+            raise _bad(str(e), param, "context_length_exceeded") from None
         except QueueFull as e:
             raise APIError(503, str(e), type="overloaded", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
         except EngineStopped as e:
             raise APIError(503, str(e), type="unavailable") from None
+        entry = shutdown.track(queue, seqs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         base = {"id": rid, "created": created, "model": model_name}
         if stream:
             return StreamingResponse(
-                _stream(engine, seqs, queue, base, chat, include_usage, return_ids),
+                _stream(engine, shutdown, entry, base, chat, include_usage, return_ids),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(engine, request, seqs, queue, base, chat, return_ids)
+        return await _collect(engine, shutdown, entry, request, base, chat, return_ids,
+                              JSONResponse)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -386,6 +882,9 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec"):
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 
+    public = {"/health"} | ({"/metrics"} if metrics_public else set()) | \
+        ({"/"} if page_public else set())
+    app.add_middleware(_Gate, api_key=api_key, public=public, limits=limits, shutdown=shutdown)
     app.add_middleware(_CountRequests, stats=http)
     return app
 
@@ -399,8 +898,9 @@ def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def _collect(engine, request, seqs, queue, base, chat, return_ids):
-    from fastapi.responses import JSONResponse
+async def _collect(engine, shutdown, entry, request, base, chat, return_ids, JSONResponse):
+    seqs, queue = entry.seqs, entry.queue
+    entry.started = True
     texts = {s.tag: [] for s in seqs}
     finished: dict[int, dict] = {}
     try:
@@ -415,12 +915,15 @@ async def _collect(engine, request, seqs, queue, base, chat, return_ids):
                 texts[ev["tag"]].append(ev["text"])
             elif ev["type"] == "error":
                 raise APIError(500, f"generation failed: {ev['message']}", type="internal_error")
+            elif ev["type"] == "shutdown":
+                raise _shutdown_error(shutdown.timeout)
             else:
                 finished[ev["tag"]] = ev
     finally:
         for s in seqs:
             if not s.finished_flag:
                 engine.cancel(s)
+        shutdown.untrack(entry)
     choices = []
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     for s in sorted(seqs, key=lambda s: s.tag):
@@ -444,9 +947,12 @@ async def _collect(engine, request, seqs, queue, base, chat, return_ids):
     return JSONResponse(obj)
 
 
-async def _stream(engine, seqs, queue, base, chat, include_usage, return_ids):
+async def _stream(engine, shutdown, entry, base, chat, include_usage, return_ids):
+    seqs, queue = entry.seqs, entry.queue
+    entry.started = True
     obj_name = "chat.completion.chunk" if chat else "text_completion"
     n_done = 0
+    failed = False
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
     def chunk(choice):
@@ -474,6 +980,11 @@ async def _stream(engine, seqs, queue, base, chat, include_usage, return_ids):
             elif ev["type"] == "error":
                 yield _sse({"error": {"message": f"generation failed: {ev['message']}",
                                       "type": "internal_error", "param": None, "code": None}})
+                failed = True
+                break
+            elif ev["type"] == "shutdown":
+                yield _sse(_shutdown_error(shutdown.timeout).body())
+                failed = True
                 break
             else:
                 n_done += 1
@@ -488,7 +999,7 @@ async def _stream(engine, seqs, queue, base, chat, include_usage, return_ids):
                     c["token_ids"] = ev["token_ids"]
                 yield chunk(c)
                 usage["completion_tokens"] += ev["usage"]["completion_tokens"]
-        if include_usage:
+        if include_usage and not failed:
             usage["prompt_tokens"] = _prompt_tokens(seqs)
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             yield _sse({**base, "object": obj_name, "choices": [], "usage": usage})
@@ -497,9 +1008,45 @@ async def _stream(engine, seqs, queue, base, chat, include_usage, return_ids):
         for s in seqs:
             if not s.finished_flag:
                 engine.cancel(s)
+        shutdown.untrack(entry)
 
 
 # ----------------------------------------------------------------------------- running it
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {s!r}")
+    return v
+
+
+def _seconds(s: str, *, zero_ok=False) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {s!r}") from None
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}, got {s!r}")
+    return v
+
+
+def _api_key_arg(s: str) -> str:
+    if not s or s != s.strip():
+        raise argparse.ArgumentTypeError("must be a non-empty key without surrounding spaces")
+    return s
+
+
+def resolve_api_key(flag: str | None, env=None) -> str | None:
+    """``--api-key`` if given, else ``$JAXSPEC_API_KEY`` (unset or empty: no authentication)."""
+    if flag is not None:
+        return flag
+    value = (os.environ if env is None else env).get(API_KEY_ENV, "")
+    return _api_key_arg(value) if value else None
+
+
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None,
                    help="checkpoint folder (default: fetch and serve smollm2-135m-instruct)")
@@ -517,16 +1064,63 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per sequence (prompt + completion), capped by the model's "
                         "context; default 8192 on GPU/TPU, 1024 on CPU")
-    p.add_argument("--max-queue", type=int, default=1024, help="waiting sequences before 503")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="waiting sequences before 503 with Retry-After (default: %(default)s)")
     p.add_argument("--rounds-per-chunk", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--warmup-prefill", type=int, default=1024,
                    help="compile prefill for prompts up to this many tokens at start-up")
     p.add_argument("--shared-rng", action="store_true",
                    help="one PRNG key for the whole batch (no per-request seeds; no vmap)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s; another address without "
+                        "--api-key serves anyone who can reach it)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
+
+    g = p.add_argument_group(
+        "authentication", f"With a key (--api-key or ${API_KEY_ENV}), every request must send "
+        "'Authorization: Bearer KEY'; others get 401. /health never needs it.")
+    g.add_argument("--api-key", type=_api_key_arg, default=None,
+                   help=f"the API key (default: ${API_KEY_ENV}; unset: no authentication)")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (e.g. to a Prometheus scraper)")
+    g.add_argument("--page-public", action="store_true",
+                   help="serve the demo page / without the API key (the page asks for the key "
+                        "to send with its requests)")
+
+    d = ServerLimits()
+    g = p.add_argument_group(
+        "limits", "What one client may ask for. Past a limit the request gets an OpenAI-style "
+        "error (400, or 408 / 413 as noted) and the server carries on.")
+    g.add_argument("--max-body-bytes", type=_positive_int, default=d.max_body_bytes,
+                   help="request body size; larger bodies get 413 (a larger Content-Length "
+                        "before a byte is read, a chunked body once it passes the limit) "
+                        "(default: %(default)s)")
+    g.add_argument("--request-read-timeout", type=_seconds, default=d.request_read_timeout,
+                   help="seconds a client has to send a whole request, headers and body, from "
+                        "its first byte; then 408 and the connection is closed, so slow senders "
+                        "hold nothing for long (default: %(default)s)")
+    g.add_argument("--keep-alive-timeout", type=_seconds, default=d.keep_alive_timeout,
+                   help="seconds an idle kept-alive connection stays open (default: "
+                        "%(default)s)")
+    g.add_argument("--max-generation-tokens", type=_positive_int,
+                   default=d.max_generation_tokens,
+                   help="completion tokens one request may ask for: prompts x n x max_tokens (a "
+                        "chat request without max_tokens counts the room its prompt leaves) "
+                        "(default: %(default)s)")
+    g.add_argument("--max-prompts", type=_positive_int, default=d.max_prompts,
+                   help="prompts in one /v1/completions request (default: %(default)s)")
+    g.add_argument("--max-messages", type=_positive_int, default=d.max_messages,
+                   help="messages in one /v1/chat/completions request (default: %(default)s)")
+    g.add_argument("--max-stop", type=_positive_int, default=d.max_stop,
+                   help="stop strings per request (default: %(default)s)")
+    g.add_argument("--max-stop-chars", type=_positive_int, default=d.max_stop_chars,
+                   help="characters of one stop string (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=lambda s: _seconds(s, zero_ok=True), default=30.0,
+                   help="on SIGTERM / Ctrl-C: new requests get 503, running ones get this many "
+                        "seconds to finish, then end with an error (streams: a final error "
+                        "chunk); a second signal ends them at once (default: %(default)s)")
     return p
 
 
@@ -557,26 +1151,54 @@ def build_engine(a) -> tuple[ServingEngine, str]:
     return engine, name
 
 
+def uvicorn_config(app, *, limits: ServerLimits, log_level: str = "info",
+                   timeout_graceful_shutdown: float = 5.0, **kw):
+    """uvicorn's Config for an app of `create_app`: the read guard on every connection, the
+    keep-alive timeout of ``limits``, the app's lifespan (its shutdown watcher) on."""
+    import uvicorn
+    opts = dict(log_level=log_level, http=guarded_protocol(limits.request_read_timeout),
+                timeout_keep_alive=limits.keep_alive_timeout, lifespan="on",
+                timeout_graceful_shutdown=timeout_graceful_shutdown)
+    if "reset_contextvars" in inspect.signature(uvicorn.Config).parameters:
+        opts["reset_contextvars"] = False  # the read guard travels in a context variable
+    opts.update(kw)
+    return uvicorn.Config(app, **opts)
+
+
+def uvicorn_server(config, shutdown: Shutdown):
+    """A uvicorn Server whose SIGTERM / SIGINT start ``shutdown`` (the app's graceful drain)
+    instead of closing connections at once; it exits when the drain is over."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            shutdown.request()
+
+    server = _Server(config)
+    shutdown.on_done = lambda: setattr(server, "should_exit", True)
+    return server
+
+
 class BackgroundServer:
-    """uvicorn serving `create_app(engine, name)` from a daemon thread on a socket bound before it
-    starts (``port=0``: a free port), for benchmarks and tests. The engine must be started;
-    ``close()`` stops the HTTP server only (the caller owns the engine)."""
+    """uvicorn serving `create_app(engine, name, **app_options)` from a daemon thread on a socket
+    bound before it starts (``port=0``: a free port), for benchmarks and tests. The engine must be
+    started; ``close()`` stops the HTTP server at once, ``shutdown()`` drains it as SIGTERM does;
+    neither stops the engine (the caller owns it)."""
 
     def __init__(self, engine: ServingEngine, name: str = "jaxspec", host: str = "127.0.0.1",
-                 port: int = 0, log_level: str = "warning", start_timeout: float = 30.0):
+                 port: int = 0, log_level: str = "warning", start_timeout: float = 30.0,
+                 **app_options):
         import socket
         import threading
-
-        import uvicorn
-        self.app = create_app(engine, name)
+        self.app = create_app(engine, name, **app_options)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        cfg = uvicorn.Config(self.app, log_level=log_level, access_log=False,
-                             timeout_graceful_shutdown=2, backlog=4096)
-        self.server = uvicorn.Server(cfg)
+        cfg = uvicorn_config(self.app, limits=self.app.state.limits, log_level=log_level,
+                             access_log=False, timeout_graceful_shutdown=2, backlog=4096)
+        self.server = uvicorn_server(cfg, self.app.state.shutdown)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="jaxspec-http", daemon=True)
         self.thread.start()
@@ -587,6 +1209,17 @@ class BackgroundServer:
                 raise RuntimeError("the HTTP server did not start")
             time.sleep(0.02)
 
+    def shutdown(self, wait: float | None = None) -> bool:
+        """Starts the graceful shutdown (as SIGTERM does); with ``wait``, waits up to that many
+        seconds for the server to exit and says whether it did."""
+        self.app.state.shutdown.request()
+        if wait is None:
+            return False
+        self.thread.join(timeout=wait)
+        if not self.thread.is_alive():
+            self.sock.close()
+        return not self.thread.is_alive()
+
     def close(self):
         self.server.should_exit = True
         self.thread.join(timeout=10)
@@ -594,16 +1227,24 @@ class BackgroundServer:
 
 
 def run_from_args(a):
-    import uvicorn
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    api_key = resolve_api_key(a.api_key)
+    limits = ServerLimits.from_args(a)
     engine, name = build_engine(a)
     log.info("compiling (warm-up) ...")
     engine.start()
-    app = create_app(engine, name)
-    log.info("serving %s on http://%s:%d (slots=%d, max_len=%d, gamma=%d)", name, a.host,
-             a.port, engine.B, engine.max_len, engine.gamma)
+    app = create_app(engine, name, api_key=api_key, limits=limits,
+                     metrics_public=a.metrics_public, page_public=a.page_public,
+                     shutdown_timeout=a.shutdown_timeout)
+    if api_key is None and a.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who can reach it can use it "
+                    "(--api-key or $%s)", a.host, API_KEY_ENV)
+    log.info("serving %s on http://%s:%d (slots=%d, max_len=%d, gamma=%d, auth=%s)", name, a.host,
+             a.port, engine.B, engine.max_len, engine.gamma, "on" if api_key else "off")
+    server = uvicorn_server(uvicorn_config(app, limits=limits, host=a.host, port=a.port,
+                                           log_level=a.log_level), app.state.shutdown)
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+        server.run()
     finally:
         engine.stop()
 

@@ -253,21 +253,73 @@ def _progress(total, desc, enabled):
     return tqdm(total=total, desc=desc, unit="tensor", leave=False)
 
 
-def _load_hf_tokenizer(folder: pathlib.Path):
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model",
-                                                "tokenizer_config.json", "vocab.json")):
+#: Files whose presence means a folder has a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def has_tokenizer(folder: str | os.PathLike) -> bool:
+    """Whether a model folder or checkpoint has tokenizer files (without loading them)."""
+    folder = pathlib.Path(folder)
+    return any((folder / f).exists() for f in TOKENIZER_FILES)
+
+
+def _load_hf_tokenizer(folder: pathlib.Path, *, strict: bool = False):
+    """The tokenizer of a Hugging Face folder or a checkpoint, or None when it has no tokenizer files.
+
+    A tokenizer class this transformers does not know (a checkpoint written under another major
+    version) is read as the generic `PreTrainedTokenizerFast` from its tokenizer.json. A tokenizer
+    that still cannot be read raises `CheckpointError` with ``strict`` (conversion), else warns and
+    gives None (loading a checkpoint: its weights stay usable with token-id prompts).
+    """
+    folder = pathlib.Path(folder)
+    if not has_tokenizer(folder):
         return None
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     try:
-        from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(folder))
-    except Exception:  # noqa: BLE001 - a broken tokenizer should not block the weights
-        return None
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for unreadable files
+        error = e
+    if (folder / "tokenizer.json").exists():
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(folder))
+        except Exception:  # noqa: BLE001
+            pass
+    message = f"cannot load the tokenizer in {folder}: {type(error).__name__}: {str(error)[:300]}"
+    if strict:
+        raise CheckpointError(f"{message}; fix or remove its tokenizer files, or convert without a "
+                              f"tokenizer (`jaxspec convert --no-tokenizer`; prompts are then token ids)")
+    import warnings
+    warnings.warn(f"{message}; string prompts will not work with this model", stacklevel=3)
+    return None
+
+
+def save_tokenizer(tokenizer, folder: str | os.PathLike) -> None:
+    """``tokenizer.save_pretrained(folder)``, readable by every transformers ``pyproject.toml`` allows.
+
+    transformers 5 names the generic fast tokenizer class ``TokenizersBackend`` in
+    tokenizer_config.json, which transformers 4 cannot load; both read ``PreTrainedTokenizerFast``
+    (5 as an alias of ``TokenizersBackend``) as "the tokenizer in tokenizer.json".
+    """
+    folder = pathlib.Path(folder)
+    tokenizer.save_pretrained(str(folder))
+    config_path = folder / "tokenizer_config.json"
+    if config_path.exists():
+        config = json.loads(config_path.read_text())
+        if config.get("tokenizer_class") == "TokenizersBackend":
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 # ------------------------------------------------------------------------- convert
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfloat16",
-            overwrite: bool = False, progress: bool = True) -> pathlib.Path:
+            overwrite: bool = False, progress: bool = True, tokenizer: bool = True) -> pathlib.Path:
     """Converts a Hugging Face folder (config.json + safetensors) or a ``.gguf`` file to Orbax.
+
+    The source's tokenizer (the folder's tokenizer files, or the one a GGUF's metadata describes,
+    chat template included) is saved with the weights. A tokenizer that cannot be read or rebuilt
+    is an error that names the remedy, raised before any weight is read; ``tokenizer=False``
+    converts the weights alone (prompts are then token ids). A source without any tokenizer gives
+    a checkpoint without one, with a warning.
 
     Returns the checkpoint folder ``dst``. Atomic: on any error (or Ctrl-C) nothing is left at
     ``dst`` and an existing checkpoint there is untouched.
@@ -277,13 +329,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfl
     try:
         np_dtype = jnp.dtype(dtype)
     except TypeError:
-        raise ValueError(f"unknown dtype {dtype!r} (use bfloat16, float16 or float32)") from None
+        np_dtype = None
+    if np_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"unknown dtype {dtype!r} (use bfloat16, float16 or float32)")
     if not src.exists():
         raise FileNotFoundError(f"conversion source {src} does not exist")
     if dst.exists() and any(dst.iterdir()) and not overwrite:
         raise FileExistsError(f"{dst} exists and is not empty; pass overwrite=True "
                               f"(--overwrite) to replace it")
-    tokenizer = None
+    want_tokenizer, tokenizer = tokenizer, None
     if src.is_file():
         if src.suffix != ".gguf":
             raise ValueError(f"{src} is a file but not a .gguf file; give a Hugging Face folder "
@@ -291,22 +345,22 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfl
         from jaxspec.gguf_io import GGUFFile
         g = GGUFFile(src)  # streams one dequantized tensor at a time
         config = ModelConfig.from_hf_dict(g.config)
+        if want_tokenizer:
+            tokenizer = g.tokenizer()  # TokenizerError (a ValueError) names the remedy
         tensors = g.iter_tensors(progress=progress)
-        try:
-            tokenizer = g.tokenizer()
-        except (ImportError, ValueError) as e:  # e.g. a transformers without the GGUF vocab builders
-            import warnings
-            warnings.warn(f"{src.name}: converting the weights without a tokenizer: {e}")
-            tokenizer = None
         source = {"kind": "gguf", "path": str(src.resolve())}
     else:
         cfg_path = src / "config.json"
         if not cfg_path.exists():
             raise FileNotFoundError(f"{src} has no config.json: not a Hugging Face model folder")
         config = ModelConfig.from_json(cfg_path)
+        if want_tokenizer:
+            tokenizer = _load_hf_tokenizer(src, strict=True)
         tensors = _iter_safetensors(src, progress)
-        tokenizer = _load_hf_tokenizer(src)
         source = {"kind": "huggingface", "path": str(src.resolve())}
+    if want_tokenizer and tokenizer is None:
+        import warnings
+        warnings.warn(f"{src} has no tokenizer: the checkpoint takes token-id prompts only", stacklevel=2)
     params = params_from_hf_tensors(config, tensors, dtype=np_dtype, progress=progress)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -314,7 +368,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfl
     try:
         _save_params(tmp / PARAMS_DIR, params)
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+            save_tokenizer(tokenizer, tmp)
         meta = {"format": FORMAT_VERSION, "config": config.to_hf_dict(), "dtype": np_dtype.name,
                 "source": source}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))

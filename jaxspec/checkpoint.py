@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ConfigError, ModelConfig
+from jaxspec.mesh import param_shardings
+from jaxspec.model import Model, param_shapes, stack_layers
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "jaxspec_config.json"
@@ -34,59 +36,6 @@ PARAMS_DIR = "params"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or corrupt."""
-
-
-@dataclasses.dataclass
-class Model:
-    """A loaded model: config, parameter pytree and (when present) tokenizer."""
-
-    config: ModelConfig
-    params: Any
-    tokenizer: Any = None
-    path: pathlib.Path | None = None
-    mesh: Any = None
-
-    @property
-    def dtype(self):
-        return self.params["embed"].dtype
-
-    def decode_params(self):
-        """The parameters in the layout generation runs fastest with on this backend.
-
-        On GPU the stacked layer weights are split once into per-layer arrays (``self.params`` is
-        replaced, no second copy is kept): XLA copies slices of stacked weights before each
-        matmul, which triples the weight traffic of a decode step. On a mesh the per-layer arrays
-        keep the shardings of the partition rules (`jaxspec.sharding.unstack_layers`), so tensor
-        parallel runs get the same layout as single-GPU ones. Elsewhere (CPU, TPU) the layers stay
-        stacked and scanned. ``JAXSPEC_LAYERS=scan`` forces the stacked layout (restacking
-        per-layer params), ``=unrolled`` the split, on any backend and mesh.
-
-        On a single device the per-layer weights are also fused (`jaxspec.model.fuse_layer_params`:
-        wq|wk|wv and w_gate|w_up, three fewer matmuls per layer; measured on an H200 with the
-        Qwen2.5-1.5B shape at batch 64: decode step -3%, draft step -6%, verify of 4/8 tokens
-        -9%/-11%, benchmarks/profiles.md). ``JAXSPEC_FUSE=0`` keeps them apart.
-        """
-        from jaxspec import sharding as shd
-        from jaxspec.model import fuse_layer_params
-        layout = os.environ.get("JAXSPEC_LAYERS", "auto")
-        if layout not in ("auto", "scan", "unrolled"):
-            raise ValueError(f"JAXSPEC_LAYERS must be auto, scan or unrolled, got {layout!r}")
-        per_layer = isinstance(self.params["layers"], (list, tuple))
-        want = layout == "unrolled" or (layout == "auto" and jax.default_backend() == "gpu")
-        if want and not per_layer:
-            self.params = shd.unstack_layers(self.config, self.params, self.mesh)
-        elif layout == "scan" and per_layer:
-            self.params = shd.stack_layers(self.config, self.params, self.mesh)
-        if (want and self.mesh is None and os.environ.get("JAXSPEC_FUSE", "1") != "0"
-                and "wqkv" not in self.params["layers"][0]):
-            self.params = fuse_layer_params(self.params, in_place=True)
-        return self.params
-
-    def __repr__(self):
-        c = self.config
-        return (f"Model({c.model_type}, layers={c.num_layers}, hidden={c.hidden_size}, "
-                f"heads={c.num_heads}/{c.num_kv_heads}, vocab={c.vocab_size}, dtype={self.dtype}, "
-                f"path={self.path})")
 
 
 # ------------------------------------------------------------------------- HF name mapping
@@ -120,7 +69,6 @@ _TOP_MAP = {
 def _expected_layer_names(config: ModelConfig) -> list[str]:
     """The per-layer parameters the model of ``config`` has (its optional biases and norms
     included): the model's own parameter tree decides."""
-    from jaxspec.model import param_shapes
     return list(param_shapes(config)["layers"])
 
 
@@ -172,7 +120,6 @@ def params_from_hf_tensors(config: ModelConfig, tensors: Iterator[tuple[str, np.
 
 
 def _check_shapes(config: ModelConfig, params):
-    from jaxspec.model import param_shapes
     want = param_shapes(config)
     want_flat = {jax.tree_util.keystr(k): v.shape
                  for k, v in jax.tree_util.tree_flatten_with_path(want)[0]}
@@ -408,7 +355,6 @@ def _save_params(path: pathlib.Path, params):
 def save(model_or_params, dst, config: ModelConfig | None = None, tokenizer=None,
          overwrite: bool = False) -> pathlib.Path:
     """Saves an in-memory model (e.g. random weights) as a jaxspec checkpoint (atomically)."""
-    from jaxspec.model import stack_layers
     if isinstance(model_or_params, Model):
         params, config, tokenizer = (model_or_params.params, model_or_params.config,
                                      tokenizer or model_or_params.tokenizer)
@@ -465,13 +411,11 @@ def load(path: str | os.PathLike, *, dtype=None, mesh=None) -> Model:
     params_dir = path / PARAMS_DIR
     if not params_dir.exists():
         raise CheckpointError(f"{path} is incomplete: {PARAMS_DIR}/ is missing")
-    from jaxspec.model import param_shapes
     target_dtype = jnp.dtype(dtype) if dtype is not None else stored_dtype
     abstract = param_shapes(config, stored_dtype)
     shardings = None
     if mesh is not None:
-        from jaxspec import sharding as shd
-        shardings = shd.param_shardings(config, abstract, mesh)
+        shardings = param_shardings(config, abstract, mesh)
         abstract = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     import orbax.checkpoint as ocp

@@ -357,3 +357,13 @@ def llama31_8b_shape(**overrides) -> ModelConfig:
               eos_token_ids=(128001, 128008, 128009))
     kw.update(overrides)
     return ModelConfig(**kw)
+
+
+def sliding_window_of(config: ModelConfig) -> int | None:
+    """The model's sliding attention window W (`jaxspec.attention.AttentionPlan.sliding_window`),
+    or None when it has none or when W >= its context (``max_position_embeddings``: no two
+    positions are W apart, the window never hides a key)."""
+    W = config.sliding_window
+    if W is None or W >= config.max_position_embeddings:
+        return None
+    return int(W)

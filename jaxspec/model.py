@@ -18,7 +18,8 @@ Parameter tree (shapes for L layers, hidden D, heads H x head_dim Dh, KV heads K
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import pathlib
 import zlib
 from typing import Any
 
@@ -29,7 +30,32 @@ import numpy as np
 
 from jaxspec.attention import AttentionPlan, attend
 from jaxspec.cache import KVCache, set_bits
-from jaxspec.config import ModelConfig
+from jaxspec.config import ModelConfig, sliding_window_of  # noqa: F401 (re-exported)
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: config, parameter pytree and (when present) tokenizer."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Any = None
+    path: pathlib.Path | None = None
+    mesh: Any = None
+    # the decoders `jaxspec.generate` made for this model (compiled loops, measured costs)
+    decoders: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                       compare=False)
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+    def __repr__(self):
+        c = self.config
+        return (f"Model({c.model_type}, layers={c.num_layers}, hidden={c.hidden_size}, "
+                f"heads={c.num_heads}/{c.num_kv_heads}, vocab={c.vocab_size}, dtype={self.dtype}, "
+                f"path={self.path})")
+
 
 
 def rms_norm(x, w, eps):
@@ -57,8 +83,6 @@ def apply_rope(x_BTHD, cos, sin):
     return out.astype(x_BTHD.dtype)
 
 
-_SCAN_UNROLL = int(os.environ.get("JAXSPEC_SCAN_UNROLL", "1"))  # layers per scan iteration
-_KV_WRITE = os.environ.get("JAXSPEC_KV_WRITE", "bits")  # bits | native | none (profiling)
 
 
 def _write_rows(cache_LBKSD, layer, start_B, new_BTKD):
@@ -78,15 +102,10 @@ def write_slots(cache_LBKSD, layer, b_idx, slots_BT, new_BTKD):
     """Writes ``new[b, t]`` at ``cache[layer, b, :, slots[b, t]]`` in place (slots past the end are
     dropped). The scatter runs on the raw bits (an unsigned int view of the same width): some
     backends have no native 16-bit float scatter and would otherwise convert the whole cache."""
-    dt = cache_LBKSD.dtype
-    new = new_BTKD.astype(dt)
-    if _KV_WRITE == "none":  # profiling only: skip the write
-        return cache_LBKSD
-    if _KV_WRITE == "rows" or (_KV_WRITE == "bits" and jax.default_backend() == "cpu"):
+    new = new_BTKD.astype(cache_LBKSD.dtype)
+    if jax.default_backend() == "cpu":
         return _write_rows(cache_LBKSD, layer, slots_BT[:, 0], new)
-    if _KV_WRITE == "bits":
-        return set_bits(cache_LBKSD, (layer, b_idx, slice(None), slots_BT), new)
-    return cache_LBKSD.at[layer, b_idx, :, slots_BT].set(new, mode="drop")
+    return set_bits(cache_LBKSD, (layer, b_idx, slice(None), slots_BT), new)
 
 
 def _init(scale):
@@ -238,7 +257,6 @@ class Transformer(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast),
             length=c.num_layers,
-            unroll=_SCAN_UNROLL,
         )
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)
         (x, k, v), _ = Stack(c, dt, name="layers")((x, cache.k, cache.v), layers, rope, plan)
@@ -312,30 +330,19 @@ def _unfuse(p):
     return f
 
 
-def sliding_window_of(config: ModelConfig) -> int | None:
-    """The model's sliding attention window W (`AttentionPlan.sliding_window`), or None when it
-    has none or when W >= its context (``max_position_embeddings``: no two positions are W
-    apart, the window never hides a key)."""
-    W = config.sliding_window
-    if W is None or W >= config.max_position_embeddings:
-        return None
-    return int(W)
-
-
 def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache,
             plan: AttentionPlan, logits_at=None, *, dtype=None):
-    """Functional entry point: ``(logits, cache)`` for params of ``config``. The model's sliding
-    window (`sliding_window_of`) goes into the plan unless ``plan.model_window`` is False."""
+    """Functional entry point: ``(logits, cache)`` for params of ``config``.
+
+    ``positions_BT`` are the tokens' RoPE positions; ``plan`` says which keys each token sees
+    (its context in ``cache``, shared-prefix segments, a sparse view) and where the new K/V go.
+    The model's own sliding window (`sliding_window_of`) joins the plan."""
     if dtype is None:
         dtype = params["embed"].dtype
-    if plan.model_window and plan.sliding_window is None:
+    if plan.sliding_window is None:
         W = sliding_window_of(config)
         if W is not None:
             plan = plan.replace(sliding_window=W)
-    prefix = getattr(cache, "prefix", None)
-    if prefix is not None:  # shared-prefix cache (jaxspec.prefix): slots count after the prefix
-        positions_BT = positions_BT + prefix.offset[:, None]
-        plan = plan.replace(prefix=prefix)
     if isinstance(params["layers"], (list, tuple)):
         return _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logits_at,
                                  dtype)

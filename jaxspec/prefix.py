@@ -13,20 +13,15 @@ one per prompt when ``n`` samples are drawn per prompt, ...). Level ``i`` has ``
 ``B / P_i`` contiguous rows; each level's groups nest in the previous level's (``P_{i-1} | P_i``).
 
 Positions: a row's suffix slot ``s`` holds position ``offset[b] + s`` (``offset`` = total prefix
-length of the row). `PrefixedKVCache` carries the prefix next to the suffix cache; the model's
-`forward` adds ``offset`` to the positions and puts the prefix into the attention plan, so the
-decode and speculative loops run unchanged.
+length of the row). `jaxspec.cache.PrefixedKVCache` carries the prefix next to the suffix cache;
+the loops give the model positions with the offset (`jaxspec.cache.positions_of`) and an attention
+plan with the prefix segments, so decoding and speculation run unchanged. The attention over the
+segments (and the StreamingLLM self-draft's sparse view across prefix and suffix) is
+`jaxspec.attention`.
 
-The StreamingLLM self-draft (``plan.sink`` / ``plan.window``) sees the same sparse view as without
-sharing: positions ``< sink`` (from the prefix) and the last ``window`` positions (from the suffix
-and, where the suffix is shorter than the window, the prefix's tail); it gathers only those slots.
-
-A model with a sliding attention window (`jaxspec.model.sliding_window_of`) shares nothing: the
+A model with a sliding attention window (`jaxspec.config.sliding_window_of`) shares nothing: the
 prefix attention has no window (`plan_sharing` repeats the rows instead, or refuses an explicit
 prefix, and `jaxspec.attention.attend` refuses a prefix with a window).
-
-Both paths take the plan's ``T_new >= T`` new tokens (`AttentionPlan.new_tokens`: the T queries are
-the last T of them, e.g. one token-tree level over the earlier levels' K/V) as the decode path does.
 """
 
 from __future__ import annotations
@@ -34,183 +29,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from jaxspec.attention import AttentionPlan, _kernel, _new_token_mask, _softmax_attend, attention_xla
-from jaxspec.cache import SLOT_ALIGN, KVCache, round_up
+from jaxspec.cache import (SLOT_ALIGN, KVCache, PrefixedKVCache, PrefixLevel,  # noqa: F401
+                           SharedPrefix, positions_of, round_up)
+from jaxspec.prefill import prefill
 
 AUTO_MIN_TOKENS = 32  # shared_prefix="auto": share a common prefix only from this length on
-
-
-# ----------------------------------------------------------------------------- pytrees
-@struct.dataclass
-class PrefixLevel:
-    """One level of shared prefixes: ``P`` groups of up to ``Lp`` tokens, stacked over layers."""
-
-    k: jax.Array  # [L, P, Lp, K, D] (the layout `prefix_attention` reads)
-    v: jax.Array  # [L, P, Lp, K, D]
-    lengths: jax.Array  # [P] int32 valid tokens per group
-    start: jax.Array  # [P] int32 position of the group's first token (earlier levels' length)
-
-    @property
-    def groups(self) -> int:
-        return self.k.shape[1]
-
-
-@struct.dataclass
-class SharedPrefix:
-    levels: tuple  # of PrefixLevel
-    offset: jax.Array  # [B] int32: position of suffix slot 0 of each row (its total prefix length)
-
-
-@struct.dataclass
-class PrefixedKVCache(KVCache):
-    """A suffix `KVCache` plus the shared prefix its rows continue (see module docstring)."""
-
-    prefix: SharedPrefix = None
-
-
-def positions_of(cache):
-    """Position of each row's next slot: ``cache.lengths`` (+ prefix offset for a prefixed cache)."""
-    prefix = getattr(cache, "prefix", None)
-    return cache.lengths if prefix is None else cache.lengths + prefix.offset
-
-
-# ----------------------------------------------------------------------------- attention
-def attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
-    """`jaxspec.attention.attend` when ``plan.prefix`` is set (per shard under a mesh)."""
-    from jaxspec.sharding import _active_mesh
-    pre: SharedPrefix = plan.prefix
-    B = q_BTHD.shape[0]
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(q_BTHD.shape[-1])
-    fn = functools.partial(_sparse if plan.sparse else _dense, plan=plan, sm_scale=sm_scale,
-                           batch=B, num_new=plan.new_tokens(q_BTHD.shape[1]))
-    mesh = _active_mesh()
-    mask = plan.mask
-    layer = jnp.asarray(layer, jnp.int32)
-    if mesh is None:
-        rows = jnp.arange(B, dtype=jnp.int32)
-        return fn(q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, mask, layer, pre, rows, sharded=False)
-    from jax.sharding import PartitionSpec as P
-    kv = P(None, "data", "model", None, None)
-    lvl = P(None, None, None, "model", None)
-    pre_spec = SharedPrefix(levels=tuple(PrefixLevel(k=lvl, v=lvl, lengths=P(), start=P())
-                                         for _ in pre.levels), offset=P("data"))
-    args = [q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, layer, pre,
-            jnp.arange(B, dtype=jnp.int32)]
-    specs = [P("data", None, "model", None), kv, kv, P("data"), P(), pre_spec, P("data")]
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        args.append(mask)
-        specs.append(P("data", None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
-
-    def body(q, k, v, ln, lay, pr, rows, *m):
-        return fn(q, k, v, ln, m[0] if m else None, lay, pr, rows, sharded=True)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
-                         out_specs=P("data", None, "model", None), check_vma=False)(*args)
-
-
-def _use_kernel(impl: str) -> bool:
-    return impl in ("pallas", "interpret") or (
-        impl == "auto" and jax.default_backend() in ("gpu", "tpu"))
-
-
-def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
-           batch, sharded, num_new):
-    """Suffix part (decode kernel / jnp, ragged, causal or tree mask) + one `prefix_attention`
-    per level, merged by log-sum-exp in one pass: the prefix kernels' key splits come back
-    unmerged (``partials=True``) and join the suffix part in the same merge."""
-    from pallas_kernels import prefix_attention, prefix_attention_reference
-    from pallas_kernels.merge import merge_partials
-    impl = plan.impl
-    interpret = True if impl == "interpret" else None
-    kernel = _kernel() if _use_kernel(impl) else None
-    if kernel is not None:
-        o, lse = kernel(q, k_all, v_all, lengths, mask, layer=layer, sm_scale=sm_scale,
-                        interpret=interpret, num_new=num_new)
-    else:
-        k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
-        v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
-        o, lse = attention_xla(q, k, v, lengths, mask, sm_scale=sm_scale, num_new=num_new)
-    outs, lses = [o[None]], [lse[None]]  # partial attentions, each [S, B, T, H(, D)]
-    Bl = q.shape[0]
-    if kernel is None:
-        def fn(*a, **kw):
-            o, lse = prefix_attention_reference(*a, **kw)
-            return o[None], lse[None]
-    else:
-        fn = functools.partial(prefix_attention, partials=True)
-    for lv in pre.levels:
-        n, ln = lv.groups, lv.lengths
-        n_loc = n
-        if sharded:  # this shard's rows: the groups they belong to (contiguous rows)
-            gs = batch // n
-            if Bl % gs and gs % Bl:
-                raise ValueError(f"shared-prefix groups of {gs} rows do not align with "
-                                 f"{Bl} rows per data shard")
-            n_loc = max(1, Bl // gs)
-        if n_loc == n:  # every group: the kernel reads this layer of the stack in place
-            o, lse = fn(q, lv.k, lv.v, ln, sm_scale=sm_scale, interpret=interpret, layer=layer)
-        else:  # this shard's groups of this layer (a copy of them)
-            g0 = rows[0] // gs
-            kp = jax.lax.dynamic_index_in_dim(lv.k, layer, axis=0, keepdims=False)  # [P, Lp, K, D]
-            vp = jax.lax.dynamic_index_in_dim(lv.v, layer, axis=0, keepdims=False)
-            kp = jax.lax.dynamic_slice_in_dim(kp, g0, n_loc, axis=0)
-            vp = jax.lax.dynamic_slice_in_dim(vp, g0, n_loc, axis=0)
-            ln = jax.lax.dynamic_slice_in_dim(ln, g0, n_loc, axis=0)
-            o, lse = fn(q, kp, vp, ln, sm_scale=sm_scale, interpret=interpret)
-        outs.append(o)
-        lses.append(lse)
-    return merge_partials(outs, lses, q.dtype)[0]
-
-
-def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
-            batch, sharded, num_new):
-    """The StreamingLLM view over [prefix levels | suffix]: positions ``< sink`` and the last
-    ``window`` context positions, plus the new tokens. Gathers at most ``sink + window`` slots
-    per level and ``sink + window + T_new`` from the suffix, then one masked softmax."""
-    del sharded
-    B, T, H, D = q.shape
-    sink, window = int(plan.sink or 0), int(plan.window or 0)
-    lengths = lengths.astype(jnp.int32)
-    off = pre.offset.astype(jnp.int32)
-    ctx = off + lengths  # [B] context positions before the new tokens
-    ar_s = jnp.arange(sink, dtype=jnp.int32)[None]
-    ar_w = jnp.arange(window, dtype=jnp.int32)[None]
-    keys, vals, oks = [], [], []
-    for lv in pre.levels:
-        g = rows // (batch // lv.groups)  # [B] group of each row
-        n_len, st = lv.lengths[g][:, None], lv.start[g][:, None]
-        j_s = jnp.broadcast_to(ar_s, (B, sink))
-        ok_s = (j_s < n_len) & (st + j_s < sink)
-        j_w = (ctx[:, None] - window - st) + ar_w
-        ok_w = (j_w >= 0) & (j_w < n_len) & (st + j_w >= sink)
-        idx = jnp.clip(jnp.concatenate([j_s, j_w], 1), 0, lv.k.shape[2] - 1)  # [B, n]
-        keys.append(lv.k[layer, g[:, None], idx])  # [B, n, K, D]
-        vals.append(lv.v[layer, g[:, None], idx])
-        oks.append(jnp.concatenate([ok_s, ok_w], 1))
-    s_s = jnp.broadcast_to(ar_s, (B, sink))
-    ok_s = (off[:, None] + s_s < sink) & (s_s < lengths[:, None])
-    s_w = lengths[:, None] - window + ar_w
-    ok_w = (s_w >= 0) & (off[:, None] + s_w >= sink)
-    s_new = lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None]
-    idx = jnp.clip(jnp.concatenate([s_s, s_w, s_new], 1), 0, k_all.shape[3] - 1)
-    b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
-    keys.append(k_all[layer, b_idx, :, idx])  # [B, n, K, D]
-    vals.append(v_all[layer, b_idx, :, idx])
-    ctx_ok = jnp.concatenate(oks + [ok_s, ok_w], 1)  # [B, n_ctx]
-    visible = jnp.concatenate([jnp.broadcast_to(ctx_ok[:, None], (B, T, ctx_ok.shape[1])),
-                               _new_token_mask(mask, B, T, num_new)], 2)
-    k = jnp.concatenate(keys, 1).transpose(0, 2, 1, 3)  # [B, K, N, D]
-    v = jnp.concatenate(vals, 1).transpose(0, 2, 1, 3)
-    return _softmax_attend(q, k, v, visible, sm_scale)[0]
 
 
 # ----------------------------------------------------------------------------- detection
@@ -309,41 +137,18 @@ def plan_sharing(token_lists, shared_prefix, n: int = 1, *, min_tokens: int | No
 
 
 # ----------------------------------------------------------------------------- prefill
-@functools.partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
-def _prefill_chunk(params, cache: KVCache, tokens_BC, start, offset_B, prefix, *, config, impl):
-    from jaxspec.model import forward
-    B, C = tokens_BC.shape
-    positions = offset_B[:, None] + start + jnp.arange(C, dtype=jnp.int32)[None]
-    plan = AttentionPlan(lengths=jnp.full((B,), start, jnp.int32), impl=impl, prefix=prefix)
-    _, cache = forward(config, params, tokens_BC, positions, cache, plan,
-                       logits_at=jnp.zeros((B, 1), jnp.int32))
-    return cache
-
-
 def _prefill_rows(config, params, rows, offset, prefix, *, S, impl, chunk, dtype, sharding=None,
                   width=None):
-    """A plain KVCache of ``len(rows)`` rows with ``rows`` written from slot 0 (position
-    ``offset + slot``), attending also to ``prefix`` (a SharedPrefix or None). ``width``: prefill as
-    if the longest row had that many tokens (the same chunk shapes for several calls)."""
-    B = len(rows)
-    lens = np.array([len(r) for r in rows], np.int32)
-    cache = KVCache.create(config, B, S, dtype=dtype, sharding=sharding)
-    n_real = int(lens.max()) if B else 0
-    n = n_real if width is None else max(n_real, int(width))
-    if n_real > 0:
-        C = min(chunk, round_up(n, 16))
-        total = round_up(n, C)
-        assert total <= S, (total, S)
-        buf = np.zeros((B, total), np.int32)
-        for i, r in enumerate(rows):
-            buf[i, :len(r)] = r
-        off = jnp.asarray(offset, jnp.int32)
-        for start in range(0, total, C):
-            if start >= n_real:  # nothing left to write (width padding only)
-                break
-            cache = _prefill_chunk(params, cache, jnp.asarray(buf[:, start:start + C]),
-                                   jnp.int32(start), off, prefix, config=config, impl=impl)
-    return cache.replace(lengths=jnp.asarray(lens))
+    """A cache of ``len(rows)`` rows with ``rows`` written from slot 0 (position
+    ``offset + slot``), attending also to ``prefix`` (a SharedPrefix or None)."""
+    cache = KVCache.create(config, len(rows), S, dtype=dtype, sharding=sharding)
+    if prefix is not None:
+        cache = PrefixedKVCache(k=cache.k, v=cache.v, lengths=cache.lengths,
+                                prefix=prefix.replace(offset=jnp.asarray(offset, jnp.int32)))
+    elif np.any(np.asarray(offset) != 0):
+        raise ValueError("offsets need a prefix")
+    cache = prefill(config, params, cache, rows, impl=impl, chunk=chunk, width=width)
+    return cache
 
 
 def prefill_slots(n: int, chunk: int) -> int:

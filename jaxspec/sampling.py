@@ -315,3 +315,42 @@ def draft_children(
         raise ValueError(f"unknown mode {mode!r}")
     greedy = _per_row(params.temperature, kids.ndim) <= 0
     return jnp.where(greedy, best, kids), q
+
+
+# --------------------------------------------------------------------------- per-row keys
+# Every row of a batch draws with its own key (``keys[B, 2]``), so a row's samples depend on its
+# own seed and position only, never on which other rows share the batch.
+
+
+def row_keys(seed, rows: int, first: int = 0) -> Array:
+    """``[rows, 2]`` keys: row i gets ``fold_in(key_from_seed(seed), first + i)``."""
+    base = key_from_seed(seed)
+    idx = jnp.arange(first, first + rows, dtype=jnp.uint32)
+    return jax.vmap(lambda i: jax.random.fold_in(base, i))(idx)
+
+
+def split_rows(keys: Array, num: int = 2) -> tuple[Array, ...]:
+    """Splits every row's key: ``num`` arrays of ``[B, 2]`` keys."""
+    out = jax.vmap(lambda k: jax.random.split(k, num))(keys)  # [B, num, 2]
+    return tuple(out[:, i] for i in range(num))
+
+
+def rowwise(fn, keys: Array, *args):
+    """``fn(key, *row_args)`` for every row, each row seeing a batch of one (``args`` are pytrees of
+    ``[B, ...]`` arrays, e.g. `SamplingParams`); outputs are stacked back to ``[B, ...]``."""
+    def one(k, *a):
+        a = jax.tree_util.tree_map(lambda x: x[None], a)
+        return jax.tree_util.tree_map(lambda x: x[0], fn(k, *a))
+    return jax.vmap(one)(keys, *args)
+
+
+def sample_rows(keys: Array, logits: Array, params: SamplingParams) -> Array:
+    """`sample` with one key per row."""
+    if not params.stochastic:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return rowwise(sample, keys, logits, params)
+
+
+def categorical_rows(keys: Array, probs: Array) -> Array:
+    """`categorical` with one key per row: ``probs[B, ..., V] -> [B, ...]``."""
+    return rowwise(categorical, keys, probs)

@@ -141,7 +141,7 @@ def _opt(body: dict, name: str, kind: str, default=None, *, lo=None, hi=None, lo
         want = {"int": "an integer", "number": "a number", "bool": "a boolean",
                 "str": "a string"}[kind]
         raise _bad(f"'{name}' must be {want}, got {_preview(v)}", name, "invalid_type")
-    if kind == "number" and not math.isfinite(v):
+    if kind == "number" and isinstance(v, float) and not math.isfinite(v):  # ints: any size
         raise _bad(f"'{name}' must be finite", name, "invalid_value")
     if lo is not None and (v <= lo if lo_open else v < lo):
         raise _bad(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {_preview(v)}", name,
@@ -177,6 +177,8 @@ def _options(body: dict, engine: ServingEngine, limits: ServerLimits, *,
         raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
     if any(s == "" for s in stop):
         raise _bad("'stop' strings must not be empty", "stop", "invalid_value")
+    for i, s in enumerate(stop):
+        _check_text(s, "stop", f"stop[{i}]")
     longest = max((len(s) for s in stop), default=0)
     if longest > limits.max_stop_chars:
         raise _bad(f"a 'stop' string has {longest} characters; at most "
@@ -196,6 +198,16 @@ def _options(body: dict, engine: ServingEngine, limits: ServerLimits, *,
     return opts, n
 
 
+def _check_text(s: str, param: str, what: str):
+    """Strings from JSON may hold lone surrogates (``"\\ud800"``), which no tokenizer takes."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(f"{what} is not valid Unicode: it holds the lone surrogate "
+                   f"U+{ord(s[e.start]):04X} at character {e.start}", param,
+                   "invalid_value") from None
+
+
 def _is_ids(x) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -206,6 +218,7 @@ def _completion_items(body: dict, limits: ServerLimits) -> list:
     if p is None:
         raise _bad("'prompt' is required", "prompt", "missing")
     if isinstance(p, str):
+        _check_text(p, "prompt", "'prompt'")
         return [p]
     if isinstance(p, list) and p and _is_ids(p):
         return [p]
@@ -214,6 +227,9 @@ def _completion_items(body: dict, limits: ServerLimits) -> list:
         if len(p) > limits.max_prompts:
             raise _bad(f"'prompt' is a list of {len(p)} prompts; at most {limits.max_prompts} "
                        f"per request", "prompt", "invalid_value")
+        for i, x in enumerate(p):
+            if isinstance(x, str):
+                _check_text(x, "prompt", f"prompt[{i}]")
         return p
     raise _bad("'prompt' must be a string, a list of strings, a list of token ids or a list "
                "of token-id lists (non-empty)", "prompt", "invalid_type")
@@ -224,7 +240,7 @@ def _encode_completion(items: list, engine: ServingEngine) -> list[list[int]]:
     for x in items:
         try:
             out.append(engine.encode_prompt(x))
-        except ValueError as e:  # also UnicodeError (lone surrogates)
+        except (ValueError, TypeError) as e:  # what the tokenizer refuses
             raise _bad(str(e), "prompt", "invalid_value") from None
     return out
 
@@ -264,6 +280,7 @@ def _chat_messages(body: dict, limits: ServerLimits) -> list[dict]:
         if m["role"] not in _ROLES:
             raise _bad(f"messages[{i}].role {_preview(m['role'])} is not one of system, user, "
                        f"assistant, developer, tool", "messages", "invalid_value")
+        _check_text(c, "messages", f"messages[{i}].content")
         clean.append({"role": m["role"], "content": c})
     return clean
 

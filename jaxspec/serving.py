@@ -1,35 +1,31 @@
-"""Continuous batching: many requests share one KV cache and one compiled decode loop.
+"""Continuous batching: many requests share one batch of slots and one compiled decode loop.
 
-The engine owns a fixed number of *slots*, the batch rows of one KV cache ``[L, B_slots, K, S, D]``.
-A request (one `Sequence` per completion; ``n > 1`` or several prompts make several) is tokenized and
-validated on the caller's thread, queued, and then, on the engine's background thread:
+The engine owns a fixed number of *slots*, the rows of one `jaxspec.decoding.DecodeState` made by
+the same `jaxspec.session.Decoder` that `jaxspec.generate` uses (so the server runs what `generate`
+runs: the same rounds, speculation, cost model and mesh). A request (one `Sequence` per completion;
+``n > 1`` or several prompts make several) is tokenized and validated on the caller's thread,
+queued, and then, on the engine's background thread:
 
-1. admitted into a free slot: its prompt (all but the last token) is prefilled into a small B=1
-   cache whose size is a power-of-two bucket of the prompt length (so the number of compilations
-   stays bounded), and that cache is written into the slot's row of the big cache;
-2. decoded together with every other active slot in *chunks*: one jitted call runs at most
-   ``rounds_per_chunk`` rounds of the engine's own loop body (`DecodeLoop.body`, or
-   `SpecLoop.body` for speculative decoding) inside a `lax.while_loop` whose condition also bounds
-   the rounds, and returns;
+1. admitted into a free slot: its prompt (all but the last token) is prefilled into the slot's row
+   (`Decoder.prefill_row`: through a small cache of a power-of-two bucket of the prompt length, so
+   the number of compilations stays bounded; a draft model's cache too);
+2. decoded together with every other active slot in *chunks*: one jitted call of
+   `jaxspec.decoding.run_rounds` runs as many rounds as fit in about `chunk_seconds` (the cost
+   model predicts a round's time and learns it from every chunk), so tokens reach clients at that
+   pace on any device; with speculation each chunk is either speculative rounds or plain steps,
+   as the cost model decides for the rows running and their own acceptance;
 3. between chunks, new tokens are detokenized and pushed to the request's asyncio queue (streaming),
-   stop strings and cancellations are handled, finished sequences leave and waiting ones enter.
+   stop strings and cancellations are handled (a cancelled or disconnected request frees its slot
+   at the next chunk boundary), finished sequences leave and waiting ones enter.
 
-Per-request sampling settings (temperature / top-k / top-p) live in per-slot arrays, so one compiled
-chunk serves them all; the only static switches are "every active row is greedy" and "some row uses
-top-k / top-p", so at most four variants of the chunk function are ever compiled.
+Per-request temperature / top-k / top-p live in per-slot arrays, so one compiled loop serves them
+all; the only static switches are "every active row is greedy" and "some row uses top-k / top-p".
+Every slot draws with its own PRNG key (from the request's ``seed`` and its choice index), so a
+request's samples never depend on which other requests share the batch.
 
-Per-slot randomness (``per_row=True``, the default): the loop body is `jax.vmap`-ed over the slots
-(each row sees a batch of one, with its own PRNG key), so a request's samples depend only on its own
-seed, never on which other requests share the batch, and speculative statistics come back per row.
-``per_row=False`` runs the body on the whole batch with one shared key (``seed`` is then ignored).
-
-Token provenance: in a speculative round a row commits ``n_accepted`` accepted drafts and then one
-token of the target's own (unless a stop token or the budget cuts the round short); every streamed
-piece says which kind it is, so the demo page can show draft tokens differently.
-
-TODO(shared-prefix issue): sequences of one request with ``n > 1`` (and requests whose prompt starts
-with a cached prefix) should share the prefix K/V (Hydragen); today every slot is prefilled and
-stores its own copy.
+Token provenance: a speculative round commits accepted drafts and then one token of the target's
+own; the decode state marks each committed token, and every streamed piece says which kind it is
+(the demo page shows draft tokens differently).
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import itertools
 import logging
 import os
@@ -50,13 +45,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling
-from jaxspec.cache import SLOT_ALIGN, KVCache, round_up
-from jaxspec.checkpoint import Model
-from jaxspec.engine import DecodeLoop, DecodeState, _prefill_chunk, stop_token_ids
+from jaxspec.cache import SLOT_ALIGN, round_up
+from jaxspec.model import Model
+from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
+from jaxspec.session import Decoder, stop_token_ids
 
 log = logging.getLogger("jaxspec.serving")
 
-_ACC_KEYS = ("proposed", "accepted", "committed", "row_steps")
+CHUNK_SECONDS = 0.08  # a decode chunk (the streaming granularity) takes about this long
 
 
 class QueueFull(RuntimeError):
@@ -153,186 +149,67 @@ class Sequence:
         return out
 
 
-# ---------------------------------------------------------------------------- jitted pieces
-def _bucket(n: int, chunk: int) -> tuple[int, int]:
-    """(chunk size, padded length) for prefilling ``n`` tokens: powers of two up to ``chunk``,
-    then whole chunks rounded to a power-of-two count (bounded number of shapes)."""
-    p = 16
-    while p < n:
-        p *= 2
-    C = min(chunk, p)
-    return C, round_up(p, C)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _write_row(cache: KVCache, k1, v1, row, length):
-    """Writes a B=1 cache (``[L, 1, K, S1, D]``, S1 <= S) into row ``row`` of ``cache``."""
-    k = jax.lax.dynamic_update_slice(cache.k, k1.astype(cache.k.dtype), (0, row, 0, 0, 0))
-    v = jax.lax.dynamic_update_slice(cache.v, v1.astype(cache.v.dtype), (0, row, 0, 0, 0))
-    return cache.replace(k=k, v=v, lengths=cache.lengths.at[row].set(length))
-
-
-def _rows_in(tree, axes):
-    """Gives each row of a batched pytree its own leading batch of one: leaves ``[.., B, ..]``
-    (batch at axis ``a >= 0``) become ``[.., B, 1, ..]`` so `jax.vmap` over B hands the body B=1
-    rows; leaves with ``a < 0`` stay as they are."""
-    return jax.tree_util.tree_map(lambda x, a: x if a < 0 else jnp.expand_dims(x, a + 1), tree, axes)
-
-
-def _rows_out(tree, axes):
-    return jax.tree_util.tree_map(lambda x, a: x if a < 0 else jnp.squeeze(x, a + 1), tree, axes)
-
-
-@functools.partial(jax.jit, static_argnames=("loop", "rounds", "per_row"),
-                   donate_argnames=("state", "dstate"))
-def _run_chunk(params, dparams, sp, state: DecodeState, dstate, *, loop, rounds: int,
-               per_row: bool):
-    """At most ``rounds`` rounds of ``loop.body`` (stops early when every row is done). Returns the
-    new state and draft state, the number of rounds run, and per-round records: tokens committed
-    per row ``[R, B]``, accepted drafts per row ``[R, B]`` (per_row) or summed over rows
-    ``[R, 1]``, and proposed drafts summed over rows ``[R]``."""
-    B = state.last.shape[0]
-    spec = not isinstance(loop, DecodeLoop)
-
-    def batch_round(state, dstate, sp):
-        if spec:
-            acc0 = {k: jnp.zeros((), jnp.int32) for k in _ACC_KEYS}
-            st, ds, acc = loop.body(params, dparams, sp, (state, dstate, acc0))
-            return st, ds, acc["accepted"], acc["proposed"]
-        st = loop.body(params, sp, state)
-        return st, dstate, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
-
-    if per_row:
-        # expand: where each leaf's batch axis is (-1: none); vmap: the axes vmap maps over
-        s_exp = DecodeState(cache=KVCache(k=1, v=1, lengths=0), last=0, out=0, n_out=0,
-                            budget=0, done=0, rng=-1, steps=-1)
-        s_map = DecodeState(cache=KVCache(k=1, v=1, lengths=0), last=0, out=0, n_out=0,
-                            budget=0, done=0, rng=0, steps=None)  # rng: one [2] key per row
-        d_exp = jax.tree_util.tree_map(lambda x: 0, dstate).replace(
-            cache=KVCache(k=1, v=1, lengths=0))
-        sp_exp = jax.tree_util.tree_map(lambda x: 0, sp)
-        vm = jax.vmap(batch_round, in_axes=(s_map, d_exp, sp_exp),
-                      out_axes=(s_map, d_exp, 0, 0))
-
-        def one_round(state, dstate):
-            st, ds, acc, prop = vm(_rows_in(state, s_exp), _rows_in(dstate, d_exp),
-                                   _rows_in(sp, sp_exp))
-            st = _rows_out(st, s_exp).replace(steps=state.steps + 1)
-            return st, _rows_out(ds, d_exp), acc, jnp.sum(prop)
-    else:
-        def one_round(state, dstate):
-            st, ds, acc, prop = batch_round(state, dstate, sp)
-            return st, ds, acc[None], prop
-
-    n_acc_cols = B if per_row else 1
-
-    def cond(c):
-        i, st = c[0], c[1]
-        return (i < rounds) & jnp.any(~st.done)
-
-    def body(c):
-        i, st, ds, keep_RB, acc_RB, prop_R = c
-        st2, ds2, acc, prop = one_round(st, ds)
-        keep_RB = keep_RB.at[i].set(st2.n_out - st.n_out)
-        acc_RB = acc_RB.at[i].set(acc.astype(jnp.int32))
-        prop_R = prop_R.at[i].set(prop.astype(jnp.int32))
-        return i + 1, st2, ds2, keep_RB, acc_RB, prop_R
-
-    init = (jnp.zeros((), jnp.int32), state, dstate, jnp.zeros((rounds, B), jnp.int32),
-            jnp.zeros((rounds, n_acc_cols), jnp.int32), jnp.zeros((rounds,), jnp.int32))
-    n, st, ds, keep_RB, acc_RB, prop_R = jax.lax.while_loop(cond, body, init)
-    return st, ds, n, keep_RB, acc_RB, prop_R
-
-
-def provenance(keep_RB: np.ndarray, acc_RB: np.ndarray, done_after: np.ndarray,
-               speculative: bool) -> tuple[list[list[bool]], np.ndarray]:
-    """Which committed tokens of a chunk were accepted drafts, per row, and the accepted count
-    per row. ``acc_RB`` is per row ``[R, B]``, or per round summed over rows ``[R, 1]``: then the
-    split is inferred (a row that did not finish in a round committed ``n_acc + 1`` tokens, the
-    last one the target's; the rest of the round's sum belongs to the rows that finished)."""
-    R, B = keep_RB.shape
-    flags: list[list[bool]] = [[] for _ in range(B)]
-    accepted = np.zeros(B, np.int64)
-    if not speculative:
-        for b in range(B):
-            flags[b] = [False] * int(keep_RB[:, b].sum())
-        return flags, accepted
-    last_round = np.full(B, -1)
-    for b in range(B):
-        nz = np.nonzero(keep_RB[:, b])[0]
-        if len(nz):
-            last_round[b] = nz[-1]
-    for r in range(R):
-        n_r = keep_RB[r]
-        if acc_RB.shape[1] == B:
-            a_r = acc_RB[r].astype(np.int64)
-        else:
-            finishing = [b for b in range(B) if n_r[b] > 0 and done_after[b] and last_round[b] == r]
-            a_r = np.maximum(n_r.astype(np.int64) - 1, 0)
-            rest = int(acc_RB[r, 0]) - int(sum(a_r[b] for b in range(B) if b not in finishing))
-            if len(finishing) == 1:
-                a_r[finishing[0]] = rest
-            # several rows finished in one round: the split of `rest` is unknown; their last
-            # token is labelled the target's (n_acc = n - 1), the others are exact.
-        for b in range(B):
-            n = int(n_r[b])
-            if n:
-                a = int(a_r[b])
-                flags[b].extend(i < a for i in range(n))
-                accepted[b] += min(a, n)
-    return flags, accepted
-
-
 # ---------------------------------------------------------------------------- the engine
 class ServingEngine:
     """Continuous-batching engine over one model (see module docstring).
 
-    model: a `jaxspec.Model` (with a tokenizer for text prompts).
-    max_batch: slots (batch rows of the KV cache).
+    model: a `jaxspec.Model` (with a tokenizer for text prompts; on a mesh when it has one).
+    max_batch: slots (batch rows of the decode state).
     max_len: tokens per sequence (prompt + completion); default: the model's context, at most 4096;
         never more than the model's context, nor than a full-cache draft model's.
     speculation: a `jaxspec.Speculation` (or None for plain decoding).
-    rounds_per_chunk: loop rounds per jitted call (streaming granularity vs. host overhead).
+    chunk_seconds: the time a decode chunk aims at (the streaming granularity).
+    rounds_per_chunk: the most rounds a chunk runs.
     max_queue: waiting sequences beyond which `submit` raises `QueueFull`.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
-                 speculation=None, rounds_per_chunk: int = 8, max_queue: int = 256,
-                 prefill_chunk: int = 512, attn_impl: str = "auto", per_row: bool = True,
-                 stop_tokens=None, warmup_prefill: int = 0):
+                 speculation=None, rounds_per_chunk: int = 64, max_queue: int = 256,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, attn_impl: str = "auto",
+                 stop_tokens=None, warmup_prefill: int = 0,
+                 chunk_seconds: float = CHUNK_SECONDS, per_row: bool = True):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         if max_batch < 1 or rounds_per_chunk < 1 or max_queue < 0:
             raise ValueError("max_batch and rounds_per_chunk must be >= 1, max_queue >= 0")
-        self.model = model
-        # the layout decoding runs fastest with (per-layer arrays on one GPU), as `generate` uses;
-        # decode_params() switches model.params once, so every chunk and prefill sees one layout
-        # (before, gamma="auto" switched it half-way, through its cost measurement)
-        model.decode_params()
-        self.config = cfg = model.config
+        if not chunk_seconds > 0:
+            raise ValueError(f"chunk_seconds must be > 0, got {chunk_seconds!r}")
+        del per_row  # every slot has its own key (kept for callers of the old signature)
+        self.decoder = dec = Decoder(model, speculation, attn_impl=attn_impl,
+                                     prefill_chunk=prefill_chunk)
+        self.model = dec.model
+        self.config = cfg = dec.config
         self.tokenizer = model.tokenizer
         self.B = int(max_batch)
+        if dec.mesh is not None and self.B % dec.mesh.shape["data"]:
+            raise ValueError(f"max_batch ({self.B}) must be a multiple of the mesh's data axis "
+                             f"({dec.mesh.shape['data']})")
         self.rounds = int(rounds_per_chunk)
+        self.chunk_seconds = float(chunk_seconds)
         self.max_queue = int(max_queue)
         self.prefill_chunk = int(prefill_chunk)
         self.impl = attn_impl
-        self.per_row = bool(per_row)
         self.warmup_prefill = int(warmup_prefill)
         self.stop_ids = stop_token_ids(model, stop_tokens)
         ctx = cfg.max_position_embeddings
         self.max_len = int(min(max_len or min(ctx, 4096), ctx))
         self.speculation = speculation
-        self._setup_speculation()
+        self.draft = dec.draft
+        self.tree = dec.tree
         if self.draft is not None and speculation.window is None:  # a full-cache draft model
             # like the target's context above: a sequence never outgrows the draft's cache
             self.max_len = min(self.max_len, self.draft.config.max_position_embeddings)
-        # whole prefill chunks must fit (see _prefill_row)
-        S = round_up(self.max_len + self.extra, max(SLOT_ALIGN, self.prefill_chunk))
-        self.S = S
-        dtype = model.dtype
-        self.cache = KVCache.create(cfg, self.B, S, dtype=dtype)
-        self.dstate = self._empty_draft_state()
-        self.out_len = self.rounds * (self.tokens_per_round)
+        self.extra = dec.extra_slots
+        self.gamma = 0
+        if speculation is not None:
+            self.gamma = dec.max_depth if speculation.gamma != "auto" or self.tree is not None \
+                else 0  # "auto": chosen at warm-up
+        self._auto_gamma = speculation is not None and speculation.gamma == "auto"
+        # whole prefill chunks must fit (see `jaxspec.prefill.prefill_row`)
+        self.S = round_up(self.max_len + self.extra, max(SLOT_ALIGN, self.prefill_chunk))
+        self.tokens_per_round = (dec.max_depth + 1) if speculation is not None else 1
+        self.out_len = self.rounds * self.tokens_per_round
+        self.state = dec.empty_state(self.B, self.S, self.out_len)
         # host mirrors of the per-slot state
         self.last = np.zeros(self.B, np.int32)
         self.remaining = np.zeros(self.B, np.int32)
@@ -341,7 +218,8 @@ class ServingEngine:
         self.top_k = np.zeros(self.B, np.int32)
         self.top_p = np.ones(self.B, np.float32)
         self.rng_rows = np.zeros((self.B, 2), np.uint32)
-        self.rng = jax.random.PRNGKey(int.from_bytes(os.urandom(4), "little"))
+        self.row_rounds = np.zeros(self.B, np.int64)  # speculative rounds of the slot's sequence
+        self.row_committed = np.zeros(self.B, np.int64)  # tokens those rounds committed
         self.slots: list[Sequence | None] = [None] * self.B
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
@@ -349,68 +227,19 @@ class ServingEngine:
         self._running = False
         self._paused = False
         self.fault_hook = None  # tests: called with each Sequence at admission (may raise)
+        self.step_fault_hook = None  # tests: called before each decode chunk (may raise)
         # metrics counters; every key exists from the start (other threads read them while the
         # engine thread updates them)
         self.m = collections.Counter({k: 0 for k in (
             "sequences_submitted", "sequences_admitted", "prompt_tokens", "prefill_tokens",
             "generation_tokens", "chunks", "rounds", "chunk_seconds", "busy_slot_rounds",
             "slot_rounds", "draft_proposed", "draft_accepted", "target_row_steps",
-            "rejected_queue_full", "finished_stop", "finished_length", "finished_cancelled",
-            "finished_error")})
+            "speculative_chunks", "plain_chunks", "rejected_queue_full", "finished_stop",
+            "finished_length", "finished_cancelled", "finished_error")})
         self.started_at = time.time()
+        self.warm = False  # set once the programs are compiled (`warmup`)
 
-    # ------------------------------------------------------------------ set-up
-    def _setup_speculation(self):
-        spec = self.speculation
-        self.gamma = 0
-        self.draft = None
-        self.tree = None
-        self.extra = 1
-        self.tokens_per_round = 1
-        if spec is None:
-            return
-        from jaxspec.speculative import prepare_speculation
-        runner = prepare_speculation(spec, self.model, [[0]], 1)
-        self.draft = runner.draft
-        if self.draft is not None:
-            self.draft.decode_params()
-        self.tree = getattr(runner, "tree", None)
-        self.gamma = runner.gamma
-        self.extra = runner.extra_slots
-        if self.tree is not None:
-            self.tokens_per_round = self.tree.max_depth + 1
-        else:
-            self.tokens_per_round = self.gamma + 1
-        self._auto_gamma = spec.gamma == "auto"
-
-    def _empty_draft_state(self):
-        from jaxspec.speculative import DraftState
-        cfg = self.config
-        if self.draft is None:
-            dc = KVCache.create(cfg, self.B, 1, self.model.dtype)
-        elif self.speculation.window is None:
-            dc = KVCache.create(self.draft.config, self.B, self.S, self.draft.dtype)
-        else:
-            from jaxspec.speculative import ring_cache_len
-            C = max(8, min(256, self.speculation.window // 2))
-            Sd = ring_cache_len(self.speculation.sink, self.speculation.window, self.extra, C)
-            dc = KVCache.create(self.draft.config, self.B, Sd, self.draft.dtype)
-        return DraftState(cache=dc, prev=jnp.zeros((self.B,), jnp.int32))
-
-    def _loop(self, greedy: bool):
-        if self.speculation is None or self.gamma == 0:
-            return DecodeLoop(config=self.config, stop_ids=self.stop_ids, impl=self.impl)
-        from jaxspec.speculative import SpecLoop
-        spec = self.speculation
-        kw = dict(config=self.config, stop_ids=self.stop_ids, gamma=self.gamma, sink=spec.sink,
-                  window=spec.window, greedy=greedy, impl=self.impl,
-                  draft_config=None if self.draft is None else self.draft.config,
-                  ring=self.draft is not None and spec.window is not None)
-        if self.tree is not None:
-            kw["tree"] = self.tree
-            kw["tree_mode"] = getattr(spec, "tree_sampling", "without_replacement")
-        return SpecLoop(**kw)
-
+    # ------------------------------------------------------------------ properties
     @property
     def alive(self) -> bool:
         return self._running and self._thread is not None and self._thread.is_alive()
@@ -418,6 +247,10 @@ class ServingEngine:
     @property
     def speculative(self) -> bool:
         return self.speculation is not None and self.gamma > 0
+
+    def _round(self, greedy: bool):
+        return self.decoder.round(self.gamma if self.speculative else 0, greedy=greedy,
+                                  stop_ids=self.stop_ids)
 
     # ------------------------------------------------------------------ requests (any thread)
     def encode_prompt(self, prompt) -> list[int]:
@@ -505,6 +338,8 @@ class ServingEngine:
             return self
         if warmup:
             self.warmup(variants)
+        else:
+            self.warm = True
         self._running = True
         self._thread = threading.Thread(target=self._main, name="jaxspec-engine", daemon=True)
         self._thread.start()
@@ -525,64 +360,77 @@ class ServingEngine:
         """Compiles the chunk variants with every slot idle: ``variants`` is a list of
         ``(greedy, filtering)`` pairs (default: greedy, sampling, sampling with top-k / top-p; a
         benchmark that only sends greedy requests passes ``[(True, False)]``), then prefill."""
-        if self.speculation is not None and getattr(self, "_auto_gamma", False):
+        self.decoder.costs.rates  # the device benchmark of the cost model, before serving
+        if self._auto_gamma:
             self._choose_gamma()
         if variants is None:
             variants = ((True, False), (False, False), (False, True))
         for greedy, filtering in variants:
-            self._chunk(bool(greedy), bool(filtering))
+            rd = self._round(bool(greedy))
+            kinds = [rd, rd.plain()] if rd.speculative and self.speculation.adaptive else [rd]
+            for r in kinds:
+                self._run_chunk(r, bool(greedy), bool(filtering), rounds=1, compile_only=True)
         n = 16  # prefill shapes (power-of-two buckets) up to warmup_prefill tokens, in free row 0
         while n <= min(self.warmup_prefill, self.max_len - 1):
-            self.cache = self._prefill_row(self.config, self.model.params, self.cache, 0, [0] * n)
-            if self.draft is not None:
-                self._prefill_draft_row(0, [0] * n)
+            self.state = self.decoder.prefill_row(self.state, 0, [0] * n)
             n *= 2
+        self.warm = True
 
     def _choose_gamma(self):
-        """gamma='auto': the MagicDec cost model over step times measured on the slot cache."""
-        from jaxspec import speculative as spc
-        state = self._state()
-        costs, state, self.dstate = spc.measure_costs(
-            self.model, self.speculation, self.draft, state, self.dstate, self.impl,
-            spc.GAMMA_CANDIDATES)
-        self.cache = state.cache
-        g, _ = spc.choose_gamma(costs, spc.PRIOR_ACCEPTANCE)
-        log.info("gamma=auto chose gamma=%d from step costs %s", g, costs)
+        """gamma='auto': the cost model at full slots, each at half the context."""
+        ctx = np.full(self.B, self.max_len / 2.0)
+        from jaxspec.speculation import GAMMA_CANDIDATES
+        g, predicted = self.decoder.costs.choose_gamma(ctx, GAMMA_CANDIDATES)
+        log.info("gamma=auto chose gamma=%d (predicted %.2fx at %d slots x %d tokens)", g,
+                 predicted, self.B, self.max_len // 2)
         self.gamma = g
         self.tokens_per_round = g + 1
-        self.out_len = self.rounds * self.tokens_per_round
 
     # ------------------------------------------------------------------ engine thread
-    def _state(self) -> DecodeState:
-        rng = jnp.asarray(self.rng_rows) if self.per_row else self.rng
-        return DecodeState(cache=self.cache, last=jnp.asarray(self.last),
-                           out=jnp.zeros((self.B, self.out_len), jnp.int32),
-                           n_out=jnp.zeros((self.B,), jnp.int32),
-                           budget=jnp.asarray(np.where(self.done, 0, self.remaining), jnp.int32),
-                           done=jnp.asarray(self.done), rng=rng,
-                           steps=jnp.zeros((), jnp.int32))
+    def _sampling(self, greedy: bool, filtering: bool):
+        return sampling.SamplingParams(temperature=jnp.asarray(self.temperature),
+                                       top_k=jnp.asarray(self.top_k),
+                                       top_p=jnp.asarray(self.top_p), filtering=filtering,
+                                       stochastic=not greedy)
 
-    def _chunk(self, greedy: bool, filtering: bool):
-        sp = sampling.SamplingParams(temperature=jnp.asarray(self.temperature),
-                                     top_k=jnp.asarray(self.top_k),
-                                     top_p=jnp.asarray(self.top_p), filtering=filtering,
-                                     stochastic=not greedy)
-        loop = self._loop(greedy)
-        dparams = self.draft.params if self.draft is not None else jnp.zeros(())
-        st, ds, n, keep_RB, acc_RB, prop_R = _run_chunk(
-            self.model.params, dparams, sp, self._state(), self.dstate, loop=loop,
-            rounds=self.rounds, per_row=self.per_row)
-        self.cache = st.cache
-        self.dstate = ds
-        host = jax.device_get((st.out, st.n_out, st.done, st.last, st.rng, n, keep_RB, acc_RB,
-                               prop_R))
-        out, n_out, done, last, rng, n, keep_RB, acc_RB, prop_R = host
-        if self.per_row:
-            self.rng_rows = np.array(rng, np.uint32)
+    def _chunk_state(self):
+        st = self.state
+        B, W = self.B, self.out_len
+        return st.replace(
+            last=jnp.asarray(self.last), out=jnp.zeros((B, W), jnp.int32),
+            from_draft=jnp.zeros((B, W), bool), n_out=jnp.zeros((B,), jnp.int32),
+            budget=jnp.asarray(np.where(self.done, 0, self.remaining), jnp.int32),
+            done=jnp.asarray(self.done), rng=jnp.asarray(self.rng_rows),
+            steps=jnp.zeros((), jnp.int32), stats=st.stats.zeros(B))
+
+    def _run_chunk(self, rd, greedy, filtering, rounds, compile_only=False):
+        sp = self._sampling(greedy, filtering)
+        state = self._chunk_state()
+        if self.decoder.mesh is not None:
+            from jaxspec.mesh import put_batch
+            state, sp = put_batch((state, sp), self.decoder.mesh, self.B)
+        state, t_compile = self.decoder.run(rd, sp, state, 0 if compile_only else rounds)
+        self.state = state
+        return state, t_compile
+
+    def _choose_chunk(self, greedy: bool):
+        """The next chunk's round kind and its number of rounds."""
+        dec = self.decoder
+        act = ~self.done
+        ctx = np.asarray(jax.device_get(self.state.cache.lengths), np.float64)[act]
+        rd = self._round(greedy)
+        if rd.speculative:
+            stats = self.state.stats.replace(
+                spec_rounds=self.row_rounds.astype(np.int32),
+                committed=self.row_committed.astype(np.int32))
+            rd, _ = dec.next_round(rd, (act, ctx, stats), self.rounds)
+        if rd.speculative:
+            levels, nodes = dec._levels(rd)
+            t_round = dec.costs.round_time(ctx, levels, nodes)
         else:
-            self.rng = st.rng
-        self.last = np.array(last, np.int32)
-        return out, n_out, done, int(n), keep_RB[:int(n)], acc_RB[:int(n)], prop_R[:int(n)]
+            t_round = dec.costs.plain_time(ctx)
+        rounds = int(np.clip(self.chunk_seconds / max(t_round, 1e-9), 1, self.rounds))
+        return rd, rounds, ctx
 
     def _main(self):
         while True:
@@ -616,8 +464,7 @@ class ServingEngine:
                 log.exception("decode chunk failed")
                 for s in [s for s in self.slots if s is not None]:
                     self._fail(s, f"decoding failed: {type(e).__name__}: {e}")
-                self.cache = KVCache.create(self.config, self.B, self.S, dtype=self.model.dtype)
-                self.dstate = self._empty_draft_state()
+                self.state = self.decoder.empty_state(self.B, self.S, self.out_len)
 
     def _has_work(self) -> bool:
         if any(s is not None for s in self.slots):
@@ -629,9 +476,10 @@ class ServingEngine:
             self.fault_hook(s)
         ids = s.prompt_ids
         n = len(ids) - 1
-        self.cache = self._prefill_row(self.config, self.model.params, self.cache, b, ids[:-1])
-        if self.draft is not None:
-            self._prefill_draft_row(b, ids[:-1])
+        self.state = self.decoder.prefill_row(self.state, b, ids[:-1])
+        if self.state.draft is not None:
+            d = self.state.draft
+            self.state = self.state.replace(draft=d.replace(prev=d.prev.at[b].set(ids[-1])))
         o = s.options
         self.last[b] = ids[-1]
         self.remaining[b] = s.budget
@@ -640,8 +488,9 @@ class ServingEngine:
         self.top_k[b] = o.top_k
         self.top_p[b] = o.top_p
         seed = o.seed if o.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.rng_rows[b] = np.asarray(jax.random.fold_in(sampling.key_from_seed(seed), s.index),
-                                      np.uint32)
+        self.rng_rows[b] = np.asarray(sampling.row_keys(seed, 1, first=s.index)[0], np.uint32)
+        self.row_rounds[b] = 0
+        self.row_committed[b] = 0
         self.slots[b] = s
         s.slot = b
         self.m["prompt_tokens"] += len(ids)
@@ -650,52 +499,40 @@ class ServingEngine:
         if s.budget <= 0:
             self._finish(s, "length")
 
-    def _prefill_row(self, cfg, params, cache, b, ids):
-        n = len(ids)
-        if n == 0:
-            return cache.replace(lengths=cache.lengths.at[b].set(0))
-        C, total = _bucket(n, self.prefill_chunk)
-        S1 = min(round_up(total, SLOT_ALIGN), cache.max_len)
-        small = KVCache.create(cfg, 1, S1, dtype=cache.k.dtype)
-        buf = np.zeros((1, round_up(n, C)), np.int32)
-        buf[0, :n] = ids
-        for start in range(0, n, C):
-            small = _prefill_chunk(params, small, jnp.asarray(buf[:, start:start + C]),
-                                   jnp.int32(start), config=cfg, impl=self.impl)
-        return _write_row(cache, small.k, small.v, jnp.int32(b), jnp.int32(n))
-
-    def _prefill_draft_row(self, b, ids):
-        d = self.draft
-        dc = self.dstate.cache
-        if self.speculation.window is None:
-            dc = self._prefill_row(d.config, d.params, dc, b, ids)
-        else:
-            from jaxspec.speculative import ring_prefill
-            one = ring_prefill(d.config, d.params, [ids], sink=self.speculation.sink,
-                               window=self.speculation.window, scratch=self.extra,
-                               impl=self.impl, dtype=dc.k.dtype)
-            dc = _write_row(dc, one.k, one.v, jnp.int32(b), jnp.int32(len(ids)))
-        self.dstate = self.dstate.replace(cache=dc, prev=self.dstate.prev.at[b].set(
-            int(self.last[b])))
-
     def _step(self):
         active = [b for b in range(self.B) if self.slots[b] is not None and not self.done[b]]
         if not active:
             return
+        if self.step_fault_hook is not None:
+            self.step_fault_hook([self.slots[b] for b in active])
         greedy = bool(np.all(self.temperature[active] <= 0))
         filtering = bool(np.any((self.top_k[active] > 0) | (self.top_p[active] < 1.0)))
+        rd, rounds, ctx = self._choose_chunk(greedy)
         t0 = time.perf_counter()
-        out, n_out, done, n, keep_RB, acc_RB, prop_R = self._chunk(greedy, filtering)
-        dt = time.perf_counter() - t0
+        state, t_compile = self._run_chunk(rd, greedy, filtering, rounds)
+        host = jax.device_get((state.out, state.from_draft, state.n_out, state.done, state.last,
+                               state.rng, state.steps, state.stats, state.cache.lengths))
+        out, flags, n_out, done, last, rng, n, stats, lengths = host
+        dt = time.perf_counter() - t0 - t_compile
+        n = int(n)
+        act = ~self.done
+        self.decoder._observe(rd, ctx, np.asarray(lengths, np.float64)[act & ~np.asarray(done)],
+                              n, dt)
+        self.rng_rows = np.array(rng, np.uint32)
+        self.last = np.array(last, np.int32)
         self.m["chunks"] += 1
+        self.m["speculative_chunks" if rd.speculative else "plain_chunks"] += 1
         self.m["rounds"] += n
         self.m["chunk_seconds"] += dt
-        self.m["busy_slot_rounds"] += int((keep_RB > 0).sum())
+        busy = int(np.asarray(stats.spec_rounds).sum()) if rd.speculative else int(n_out.sum())
+        self.m["busy_slot_rounds"] += busy
         self.m["slot_rounds"] += n * self.B
-        flags, accepted = provenance(keep_RB, acc_RB, done, self.speculative)
-        self.m["draft_proposed"] += int(prop_R.sum())
-        self.m["draft_accepted"] += int(accepted.sum())
-        self.m["target_row_steps"] += int((keep_RB > 0).sum())
+        if rd.speculative:
+            self.m["draft_proposed"] += int(np.asarray(stats.proposed).sum())
+            self.m["draft_accepted"] += int(np.asarray(stats.accepted).sum())
+            self.row_rounds += np.asarray(stats.spec_rounds)
+            self.row_committed += np.asarray(stats.committed)
+        self.m["target_row_steps"] += busy
         for b in active:
             s = self.slots[b]
             k = int(n_out[b])
@@ -703,12 +540,15 @@ class ServingEngine:
             self.done[b] = bool(done[b])
             if s is None:
                 continue
-            s.rounds += int((keep_RB[:, b] > 0).sum())
-            s.accepted += int(accepted[b])
-            if self.speculative:
-                s.proposed += int((keep_RB[:, b] > 0).sum()) * max(self.tokens_per_round - 1, 0)
+            if rd.speculative:
+                s.rounds += int(stats.spec_rounds[b])
+                s.accepted += int(stats.accepted[b])
+                s.proposed += int(stats.proposed[b])
+            else:
+                s.rounds += k
             try:
-                self._deliver(s, out[b, :k].tolist(), flags[b][:k], bool(done[b]))
+                self._deliver(s, out[b, :k].tolist(), [bool(f) for f in flags[b, :k]],
+                              bool(done[b]))
             except Exception as e:  # noqa: BLE001 - fail this request only
                 log.exception("delivering tokens of sequence %d failed", s.id)
                 self._fail(s, f"{type(e).__name__}: {e}")

@@ -1,6 +1,7 @@
 """Sharding over many devices: one ``("data", "model")`` mesh, one table of partition rules.
 
-Tensor parallelism (Megatron-style) over ``model``: attention q/k/v by heads (output columns) and
+Laying out a model on a ``("data", "model")`` mesh (the mesh and the partition rules are
+`jaxspec.mesh`). Tensor parallelism (Megatron-style) over ``model``: attention q/k/v by heads (output columns) and
 o by rows, MLP gate/up by columns and down by rows, embedding and LM head by vocabulary; batch over
 ``data``. Every parameter and cache dimension has a *logical* axis name (`PARAM_AXES`,
 `CACHE_AXES`) and `RULES` maps logical names to mesh axes. Arrays carry ``NamedSharding``s and XLA
@@ -22,10 +23,11 @@ replicated (correct, just not split).
 
 Layer layout: the rules name a ``layers`` axis for the stacked ``[L, ...]`` leaves that the scanned
 model runs, and `param_specs` also accepts per-layer leaves (``layers`` dropped). On GPU
-`Model.decode_params` splits the stacked leaves into per-layer arrays once (XLA copies slices of
+`decode_params` splits the stacked leaves into per-layer arrays once (XLA copies slices of
 stacked weights before their matmuls, tripling the weight traffic of a decode step); on a mesh
 `unstack_layers` gives each per-layer array the rules' sharding, so tensor-parallel runs read the
-weights the way single-GPU runs do. ``JAXSPEC_LAYERS=unrolled`` / ``scan`` forces either layout.
+weights the way single-GPU runs do. ``decode_params(model, layout=...)``
+chooses either layout explicitly.
 
 Multi-host: call ``jax.distributed.initialize(...)`` in every process first, then build the mesh
 from the global device list (`make_mesh`) and load with ``jaxspec.load(path, mesh=mesh)``; every
@@ -34,211 +36,22 @@ process runs the same program on the same prompts (see README, "Multiple devices
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import weakref
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
-from jaxspec.checkpoint import Model
 from jaxspec.config import ModelConfig
-
-AXES = ("data", "model")
-
-# Logical axis names of every parameter dimension (see the tree in jaxspec/model.py).
-PARAM_AXES = {
-    "embed": ("vocab", "hidden"),
-    "lm_head": ("hidden", "vocab"),
-    "final_norm": ("hidden",),
-    "attn_norm": ("layers", "hidden"),
-    "mlp_norm": ("layers", "hidden"),
-    "wq": ("layers", "hidden", "heads"),
-    "wk": ("layers", "hidden", "kv_heads"),
-    "wv": ("layers", "hidden", "kv_heads"),
-    "bq": ("layers", "heads"),
-    "bk": ("layers", "kv_heads"),
-    "bv": ("layers", "kv_heads"),
-    "wo": ("layers", "heads", "hidden"),
-    "bo": ("layers", "hidden"),
-    "q_norm": ("layers", "head_dim"),
-    "k_norm": ("layers", "head_dim"),
-    "w_gate": ("layers", "hidden", "mlp"),
-    "w_up": ("layers", "hidden", "mlp"),
-    "w_down": ("layers", "mlp", "hidden"),
-    "b_gate": ("layers", "mlp"),
-    "b_up": ("layers", "mlp"),
-    "b_down": ("layers", "hidden"),
-}
-CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")  # KVCache.k / .v [L, B, K, S, D]
-
-# The one table: logical axis -> mesh axis (None: replicated).
-RULES = {
-    "batch": "data",
-    "heads": "model",
-    "kv_heads": "model",
-    "mlp": "model",
-    "vocab": "model",
-    "hidden": None,
-    "layers": None,
-    "seq": None,
-    "head_dim": None,
-}
-
-
-class ShardingError(ValueError):
-    """A model / batch that cannot be laid out on the requested mesh."""
-
-
-# ----------------------------------------------------------------------------- mesh
-def make_mesh(data: int = 1, model: int | None = None, *, devices=None) -> Mesh:
-    """A ``Mesh`` with axes ``("data", "model")`` over ``devices`` (default: all, of every
-    process); ``model=None`` takes all devices the data axis leaves. Axes are ``AxisType.Auto``:
-    the compiler propagates shardings from the arrays'."""
-    devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
-    if not isinstance(data, (int, np.integer)) or data < 1:
-        raise ShardingError(f"data must be an int >= 1, got {data!r}")
-    if model is None:
-        if n % data:
-            raise ShardingError(f"data={data} does not divide the {n} devices")
-        model = n // data
-    if not isinstance(model, (int, np.integer)) or model < 1:
-        raise ShardingError(f"model must be an int >= 1, got {model!r}")
-    if data * model > n:
-        raise ShardingError(f"a {data} x {model} (data x model) mesh needs {data * model} devices; "
-                            f"{n} are available")
-    return jax.make_mesh((data, model), AXES, axis_types=(AxisType.Auto, AxisType.Auto),
-                         devices=devices[:data * model])
-
-
-def _axis_size(mesh, name) -> int:
-    return int(dict(mesh.shape).get(name, 1)) if name is not None else 1
-
-
-def check_config(config: ModelConfig, mesh) -> None:
-    """Raises `ShardingError` when the query heads or KV heads of ``config`` cannot be split over
-    the model axis (see the module docstring)."""
-    m = _axis_size(mesh, "model")
-    H, K = config.num_heads, config.num_kv_heads
-    if H % m:
-        raise ShardingError(f"{H} attention heads do not divide over a model axis of {m} devices; "
-                            f"use a model axis size that divides {H} (and put the remaining "
-                            f"devices on the data axis)")
-    if K % m and m % K:
-        raise ShardingError(f"{K} KV heads cannot be split over a model axis of {m} devices: "
-                            f"{K} is neither a multiple nor a divisor of {m} (KV heads are "
-                            f"replicated only when {m} is a multiple of {K})")
-
-
-def _mesh_axis(logical: str, size: int, mesh, config: ModelConfig | None):
-    axis = RULES[logical]
-    n = _axis_size(mesh, axis)
-    if axis is None or n == 1:
-        return None
-    if logical == "heads":
-        return axis  # checked by check_config: num_heads % n == 0
-    if logical == "kv_heads":
-        return axis if config.num_kv_heads % n == 0 else None  # else replicated (then widened)
-    if logical == "batch":
-        if size % n:
-            raise ShardingError(f"batch {size} does not divide over the data axis of {n} devices")
-        return axis
-    return axis if size % n == 0 else None  # mlp / vocab: replicate when it does not divide
-
-
-def logical_spec(logical_axes, shape, mesh, config=None) -> P:
-    return P(*(_mesh_axis(a, s, mesh, config) for a, s in zip(logical_axes, shape)))
-
-
-def _leaf_name(path) -> str:
-    last = path[-1]
-    return str(getattr(last, "key", getattr(last, "name", last)))
-
-
-def param_specs(config: ModelConfig, abstract_params, mesh):
-    """``PartitionSpec`` of every parameter (same tree as ``abstract_params``)."""
-    check_config(config, mesh)
-
-    def spec(path, x):
-        name = _leaf_name(path)
-        if name not in PARAM_AXES:
-            raise ShardingError(f"no partition rule for parameter {jax.tree_util.keystr(path)}")
-        axes = PARAM_AXES[name]
-        if len(axes) == len(x.shape) + 1 and axes[0] == "layers":
-            axes = axes[1:]  # per-layer arrays (unstacked layout, see Model.decode_params)
-        if len(axes) != len(x.shape):
-            raise ShardingError(f"parameter {jax.tree_util.keystr(path)} has shape {x.shape}, "
-                                f"expected axes {axes}")
-        return logical_spec(axes, x.shape, mesh, config)
-    return jax.tree_util.tree_map_with_path(spec, abstract_params)
-
-
-def param_shardings(config: ModelConfig, abstract_params, mesh):
-    """``NamedSharding`` of every parameter (used by `jaxspec.load` to restore sharded)."""
-    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s),
-                                  param_specs(config, abstract_params, mesh),
-                                  is_leaf=lambda x: isinstance(x, P))
-
-
-def cache_spec(config: ModelConfig, mesh, batch: int | None = None) -> P:
-    """Spec of ``KVCache.k`` / ``.v`` ``[L, B, K, S, D]``: batch over data, KV heads over model."""
-    check_config(config, mesh)
-    B = batch if batch is not None else _axis_size(mesh, "data")
-    shape = (config.num_layers, B, config.num_kv_heads, 1, config.head_dim)
-    return logical_spec(CACHE_AXES, shape, mesh, config)
-
-
-def cache_sharding(config: ModelConfig, mesh, batch: int | None = None) -> NamedSharding:
-    return NamedSharding(mesh, cache_spec(config, mesh, batch))
-
-
-def mesh_of(params):
-    """The ``("data", "model")`` mesh the params are sharded on, or None."""
-    for leaf in jax.tree_util.tree_leaves(params):
-        s = getattr(leaf, "sharding", None)
-        if isinstance(s, NamedSharding) and set(AXES) <= set(s.mesh.axis_names):
-            return s.mesh
-        return None
-    return None
-
-
-def cache_sharding_like(config: ModelConfig, params, batch: int | None = None):
-    """Cache sharding for a model whose params are ``params`` (None when they are not sharded)."""
-    mesh = mesh_of(params)
-    return None if mesh is None else cache_sharding(config, mesh, batch)
-
-
-def batch_sharding(mesh, ndim: int) -> NamedSharding:
-    return NamedSharding(mesh, P("data", *([None] * (ndim - 1))))
-
-
-def put_batch(tree, mesh, batch: int):
-    """Puts every leaf with leading dimension ``batch`` batch-sharded over data (leaves that are
-    already sharded, e.g. caches, keep their sharding), everything else replicated."""
-    rep = NamedSharding(mesh, P())
-
-    def put(x):
-        s = getattr(x, "sharding", None)
-        if isinstance(s, NamedSharding) and s.mesh == mesh:
-            return x
-        x = np.asarray(x) if not isinstance(x, jax.Array) else x
-        if x.ndim >= 1 and x.shape[0] == batch:
-            return jax.device_put(x, batch_sharding(mesh, x.ndim))
-        return jax.device_put(x, rep)
-    return jax.tree_util.tree_map(put, tree)
-
-
-def pad_batch(token_lists: list, mesh) -> list:
-    """Pads the batch to a multiple of the data axis with one-token dummy prompts (the engine
-    gives them no budget and drops them from the results)."""
-    d = _axis_size(mesh, "data")
-    n = -len(token_lists) % d
-    return list(token_lists) + [[0] for _ in range(n)]
-
+from jaxspec.mesh import (AXES, CACHE_AXES, PARAM_AXES, RULES, ShardingError, active_mesh, leaf_name,  # noqa: F401
+                          axis_size, batch_sharding, cache_sharding, cache_sharding_like,
+                          cache_spec, check_config, fetch, logical_spec, make_mesh, mesh_of,
+                          pad_batch, param_shardings, param_specs, per_shard_attention, put_batch,
+                          use_mesh)
+from jaxspec.model import Model, fuse_layer_params, unfuse_layer_params
+from jaxspec.model import stack_layers as _stack, unstack_layers as _split
 
 # ----------------------------------------------------------------------------- models
 _KV_PARAMS = ("wk", "wv", "bk", "bv")
@@ -256,10 +69,10 @@ def _widen_kv(config: ModelConfig, params, r: int, mesh):
     widen = functools.partial(_widen_array, K=config.num_kv_heads, Dh=config.head_dim, r=r)
     wide = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * r)
     abstract = jax.tree_util.tree_map_with_path(
-        lambda p, x: jax.eval_shape(widen, x) if _leaf_name(p) in _KV_PARAMS else x, params)
+        lambda p, x: jax.eval_shape(widen, x) if leaf_name(p) in _KV_PARAMS else x, params)
     shardings = param_shardings(wide, abstract, mesh)
     return wide, jax.tree_util.tree_map_with_path(
-        lambda p, x, s: jax.jit(widen, out_shardings=s)(x) if _leaf_name(p) in _KV_PARAMS else x,
+        lambda p, x, s: jax.jit(widen, out_shardings=s)(x) if leaf_name(p) in _KV_PARAMS else x,
         params, shardings)
 
 
@@ -269,10 +82,9 @@ def shard_model(model: Model, mesh) -> Model:
     returned config has ``num_kv_heads`` = model axis size (see the module docstring)."""
     if not isinstance(model, Model):
         raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
-    from jaxspec.model import unfuse_layer_params
     config = model.config
     check_config(config, mesh)
-    m = _axis_size(mesh, "model")
+    m = axis_size(mesh, "model")
     params = unfuse_layer_params(model.params)  # fused columns would not follow the heads
     if config.num_kv_heads % m:  # K < m, m % K == 0: replicate KV heads
         config, params = _widen_kv(config, params, m // config.num_kv_heads, mesh)
@@ -292,7 +104,7 @@ def _has_shardings(params, shardings) -> bool:
 # ----------------------------------------------------------------------------- layer layout
 def unstack_layers(config: ModelConfig, params, mesh=None):
     """Stacked ``layers`` (``[L, ...]`` leaves) -> a list of per-layer dicts (the layout
-    `jaxspec.model._forward_unrolled` runs; see `Model.decode_params`), sliced in one jit. On a
+    `jaxspec.model` runs with per-layer params; see `decode_params`), sliced in one jit. On a
     ``mesh`` the per-layer arrays carry the ``NamedSharding``s of the partition rules (with the
     rules' replicated ``layers`` axis every device slices its own shards: no communication);
     without one they stay where the stacked arrays are. The other leaves are returned as they
@@ -306,16 +118,13 @@ def unstack_layers(config: ModelConfig, params, mesh=None):
         abstract = {n: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for n, x in layers.items()}
         per_layer = param_shardings(config, {"layers": abstract}, mesh)["layers"]
         out_shardings = [dict(per_layer) for _ in range(L)]
-
-    from jaxspec.model import unstack_layers as split
-    return {**params, "layers": jax.jit(lambda stacked: split({"layers": stacked})["layers"],
+    return {**params, "layers": jax.jit(lambda stacked: _split({"layers": stacked})["layers"],
                                         out_shardings=out_shardings)(dict(layers))}
 
 
 def stack_layers(config: ModelConfig, params, mesh=None):
     """Inverse of `unstack_layers`: stacked ``[L, ...]`` leaves (on a ``mesh``: with the rules'
     shardings), in one jit."""
-    from jaxspec.model import stack_layers as stack, unfuse_layer_params
     params = unfuse_layer_params(params)
     layers = params["layers"]
     if not isinstance(layers, (list, tuple)):
@@ -325,7 +134,7 @@ def stack_layers(config: ModelConfig, params, mesh=None):
     if mesh is not None:
         abstract = {n: jax.ShapeDtypeStruct((L, *x.shape), x.dtype) for n, x in layers[0].items()}
         out_shardings = dict(param_shardings(config, {"layers": abstract}, mesh)["layers"])
-    return {**params, "layers": jax.jit(lambda per_layer: stack({"layers": per_layer})["layers"],
+    return {**params, "layers": jax.jit(lambda per_layer: _stack({"layers": per_layer})["layers"],
                                         out_shardings=out_shardings)([dict(l) for l in layers])}
 
 
@@ -341,7 +150,7 @@ def prepare(model: Model, mesh=None) -> Model:
     hit = _PREPARED.get(id(model))
     if hit is not None and hit[0]() is model and hit[1] == id(model.params) and hit[2] == mesh:
         return hit[3]
-    m = _axis_size(mesh, "model")
+    m = axis_size(mesh, "model")
     if (model.mesh == mesh and model.config.num_kv_heads % m == 0
             and _has_shardings(model.params, param_shardings(model.config, model.params, mesh))):
         return model
@@ -352,75 +161,29 @@ def prepare(model: Model, mesh=None) -> Model:
     return out
 
 
-def sharded_generate(fn):
-    """Decorator of ``jaxspec.generate``: when the model has a mesh, lays out the model (and a
-    draft model, on the same mesh) and runs ``fn`` with that mesh active (so attention runs per
-    shard)."""
-    @functools.wraps(fn)
-    def wrapper(model, prompts, *args, speculation=None, **kwargs):
-        mesh = getattr(model, "mesh", None) if isinstance(model, Model) else None
-        draft = getattr(speculation, "draft", None)
-        if mesh is None:
-            if isinstance(draft, Model) and draft.mesh is not None:
-                raise ShardingError("the draft model is sharded but the target is not: load both "
-                                    "with the same mesh")
-            return fn(model, prompts, *args, speculation=speculation, **kwargs)
-        model = prepare(model, mesh)
-        if isinstance(draft, Model):
-            if draft.mesh is not None and draft.mesh != mesh:
-                raise ShardingError("the draft model is sharded on a different mesh than the "
-                                    "target")
-            speculation = dataclasses.replace(speculation, draft=prepare(draft, mesh))
-        with use_mesh(mesh):
-            return fn(model, prompts, *args, speculation=speculation, **kwargs)
-    return wrapper
+LAYOUTS = ("auto", "scan", "unrolled")
 
 
-def use_mesh(mesh):
-    """Context in which ``mesh`` is the active mesh (`per_shard_attention` reads it)."""
-    if mesh is None:
-        return contextlib.nullcontext()
-    return jax.set_mesh(mesh)
+def decode_params(model: Model, *, layout: str = "auto", fuse: bool = True):
+    """The parameters of ``model`` in the layout decoding runs fastest with on this backend
+    (``model.params`` is replaced by them, so no second copy is kept).
 
-
-def fetch(x) -> np.ndarray:
-    """A (possibly multi-process) array as a host numpy array on every process."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
-# ----------------------------------------------------------------------------- attention
-def _active_mesh():
-    am = jax.sharding.get_abstract_mesh()
-    if am is None or am.empty or not set(AXES) <= set(am.axis_names):
-        return None
-    if any(t == AxisType.Manual for t in am.axis_types):
-        return None  # already inside a shard_map
-    if am.size == 1:
-        return None
-    return am
-
-
-def per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer):
-    """``fn(q, k, v, lengths, mask, layer) -> out[B, T, H, D]``, run per shard inside
-    ``jax.shard_map`` when a ``("data", "model")`` mesh is active (batch over data, KV heads and
-    their query heads over model), else called directly."""
-    mesh = _active_mesh()
-    if mesh is None:
-        return fn(q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer)
-    layer = jnp.asarray(layer, jnp.int32)
-    kv = P(None, "data", "model", None, None)
-    args = [q_BTHD, k_LBKSD, v_LBKSD, lengths, layer]
-    specs = [P("data", None, "model", None), kv, kv, P("data"), P()]
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        args.append(mask)
-        specs.append(P("data", None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
-
-    def body(q, k, v, ln, lay, *m):
-        return fn(q, k, v, ln, m[0] if m else None, lay)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
-                         out_specs=P("data", None, "model", None), check_vma=False)(*args)
+    ``layout="auto"``: on GPU the stacked layer weights are split once into per-layer arrays
+    (XLA copies slices of stacked weights before each matmul, which triples the weight traffic
+    of a decode step); elsewhere (CPU, TPU) the layers stay as they are (stacked and scanned
+    unless already split). ``"unrolled"`` / ``"scan"`` force either layout on any backend and
+    mesh. On a mesh the per-layer arrays keep the shardings of the partition rules
+    (`unstack_layers`). On a single device the per-layer weights are also fused with ``fuse``
+    (`jaxspec.model.fuse_layer_params`: wq|wk|wv and w_gate|w_up, three fewer matmuls per
+    layer); a tensor-parallel split of fused columns would not follow the heads."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    per_layer = isinstance(model.params["layers"], (list, tuple))
+    want = layout == "unrolled" or (layout == "auto" and (per_layer or jax.default_backend() == "gpu"))
+    if want and not per_layer:
+        model.params = unstack_layers(model.config, model.params, model.mesh)
+    elif layout == "scan" and per_layer:
+        model.params = stack_layers(model.config, model.params, model.mesh)
+    if want and fuse and model.mesh is None and "wqkv" not in model.params["layers"][0]:
+        model.params = fuse_layer_params(model.params, in_place=True)
+    return model.params

@@ -1,0 +1,258 @@
+"""The cost model that decides when speculation pays, held by whoever decodes (`jaxspec.session`).
+
+A decode forward of T new tokens per row over ``n`` running rows whose contexts add up to ``C``
+keys reads the weights once and ``C`` keys' K/V, and does ``2 N n T`` FLOPs in its matrix products
+plus ``4 T C H Dh L`` in attention. Its time is predicted from the roofline of measured device
+rates (copy bandwidth and matmul rate, measured once per cost model with a short device benchmark):
+``max(bytes / bandwidth, flops / rate)``. A self-speculation draft step reads only the sink +
+window keys of each row; a separate draft model its own weights and cache.
+
+Predictions are corrected online: every timed stretch of plain steps or speculative rounds
+(`observe`) updates a factor per kind (measured / predicted), so the model converges on what this
+device, model and batch actually cost (kernel counts, launch gaps, cache effects), and keeps it
+across calls. The acceptance of drafts (per token, for the gamma choice) is learned the same way;
+within a call each row's own running acceptance is used (`expected_row_tokens`).
+
+Decisions (lossless whichever way they go: every round commits tokens with exactly the target's
+distribution, and a decision depends only on the past):
+
+- `choose_gamma`: MagicDec's cost model, speedup(g) = E[tokens](alpha, g) t_plain /
+  (g t_draft + t_verify(g + 1)); 0 (plain decoding) unless some g is predicted `AUTO_MARGIN`
+  faster, and the previous choice is kept unless another is `HYSTERESIS` better (each gamma is
+  its own compiled loop).
+- `speculation_pays`: for the rows still running, whether a round commits tokens faster than plain
+  steps would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import kv_bytes_per_token
+
+PRIOR_ACCEPTANCE = 0.6  # per-token acceptance assumed before any speculative round was observed
+AUTO_MARGIN = 1.05  # speculate only where a speedup of at least this is predicted
+HYSTERESIS = 1.05  # keep the previous gamma unless another is predicted this much faster
+# A speculative round's time over its roofline prediction, relative to a plain step's, until a
+# round has been timed (a draft step runs further from its floor than a plain step: more, smaller
+# kernels per byte; measured 1.3-1.4x on H100s at batch 64).
+PRIOR_ROUND_FACTOR = 1.35
+PRIOR_WEIGHT = 2.0  # rounds of evidence the prior acceptance weighs in a row's estimate
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens committed per round of a chain of ``gamma`` drafts (i.i.d. acceptance)."""
+    return float(sum(alpha ** i for i in range(gamma + 1)))
+
+
+def per_token_acceptance(accepted_per_round: float, gamma: int) -> float:
+    """Solves ``sum_{i=1..gamma} a^i = accepted_per_round`` for the per-token acceptance a."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(1, gamma + 1)) < accepted_per_round:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+_MEASURED: dict = {}  # (backend, dtype) -> DeviceRates
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRates:
+    bandwidth: float  # bytes / s (device copy, bytes read + written)
+    matmul: float  # FLOP / s (large matrix product in the model's dtype)
+    overhead: float  # s per forward not explained by either (launches, host)
+
+    @classmethod
+    def measure(cls, dtype=jnp.bfloat16) -> "DeviceRates":
+        """A short device benchmark: a copy of a large buffer and a large matrix product, the
+        median of a few timed calls each after a warm-up. Measured once per process, backend
+        and dtype (these are facts of the hardware)."""
+        key = (jax.default_backend(), str(jnp.dtype(dtype)))
+        hit = _MEASURED.get(key)
+        if hit is None:
+            hit = _MEASURED[key] = cls._measure(dtype)
+        return hit
+
+    @classmethod
+    def _measure(cls, dtype) -> "DeviceRates":
+        on_cpu = jax.default_backend() == "cpu"
+        n_copy = (1 << 22) if on_cpu else (1 << 28)  # elements
+        m = 512 if on_cpu else 8192
+        dt = jnp.float32 if on_cpu else dtype
+        x = jnp.ones((n_copy,), dt)
+        a = jnp.ones((m, m), dt) * 0.5
+        copy = jax.jit(lambda x: x * 1.5)
+        mm = jax.jit(lambda a: a @ a)
+
+        def timed(f, arg, reps=5):
+            jax.block_until_ready(f(arg))
+            ts = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                jax.block_until_ready(f(arg))
+                ts.append(time.perf_counter() - t)
+            return float(np.median(ts))
+
+        t_copy = timed(copy, x)
+        t_mm = timed(mm, a)
+        bw = 2 * n_copy * jnp.dtype(dt).itemsize / t_copy
+        rate = 2.0 * m ** 3 / t_mm
+        return cls(bandwidth=bw, matmul=rate, overhead=0.0)
+
+
+def _param_bytes(params) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)))
+
+
+def _param_count(params) -> int:
+    return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+
+
+@dataclasses.dataclass
+class _Forward:
+    """Roofline terms of one model's decode forward."""
+
+    weight_bytes: float
+    kv_bytes: float  # per context key read
+    params: float  # parameter count (2 FLOPs each per token)
+    attn_flops: float  # per (token, context key): 4 H Dh L
+
+    @classmethod
+    def of(cls, model) -> "_Forward":
+        c = model.config
+        return cls(weight_bytes=_param_bytes(model.params),
+                   kv_bytes=kv_bytes_per_token(c, model.dtype),
+                   params=_param_count(model.params),
+                   attn_flops=4.0 * c.num_heads * c.head_dim * c.num_layers)
+
+    def time(self, rates: DeviceRates, rows: float, keys: float, T: float) -> float:
+        """One forward of T tokens per row for ``rows`` rows reading ``keys`` context keys in
+        all."""
+        b = self.weight_bytes + self.kv_bytes * keys
+        f = 2.0 * self.params * rows * T + self.attn_flops * T * keys
+        return max(b / rates.bandwidth, f / rates.matmul) + rates.overhead
+
+
+class CostModel:
+    """Predicted and measured costs of plain steps and speculative rounds for one target model
+    and drafter (see the module docstring). ``rates``: device rates (measured on first use when
+    None)."""
+
+    def __init__(self, model, draft_model=None, *, span: int | None = None,
+                 rates: DeviceRates | None = None):
+        self._target = _Forward.of(model)
+        self._draft = _Forward.of(draft_model) if draft_model is not None else self._target
+        self.self_draft = draft_model is None
+        self.span = span  # context keys a draft step reads per row (None: all)
+        self.dtype = model.dtype
+        self._rates = rates
+        self.factor = {}  # kind ("plain", ("round", shape)) -> measured / predicted (EMA)
+        self.alpha: float | None = None  # learned per-token acceptance
+        self.gamma: int | None = None  # last choice of choose_gamma
+
+    @property
+    def rates(self) -> DeviceRates:
+        if self._rates is None:
+            self._rates = DeviceRates.measure(self.dtype)
+        return self._rates
+
+    # ------------------------------------------------------------------ predictions
+    def _draft_keys(self, ctx: np.ndarray) -> float:
+        if self.span is None:
+            return float(ctx.sum())
+        if self.self_draft:
+            return float(np.minimum(ctx, self.span).sum())
+        return float(self.span * len(ctx))
+
+    def plain_roofline(self, ctx: np.ndarray) -> float:
+        """The roofline time of a plain step over running rows with contexts ``ctx``."""
+        ctx = np.asarray(ctx, np.float64)
+        return self._target.time(self.rates, len(ctx), ctx.sum(), 1)
+
+    def round_roofline(self, ctx: np.ndarray, levels: tuple[int, ...], nodes: int) -> float:
+        """The roofline time of a speculative round: one draft forward per entry of ``levels``
+        (its new tokens per row; a chain of gamma: gamma ones) and a verify forward of ``nodes``
+        tokens."""
+        ctx = np.asarray(ctx, np.float64)
+        n = len(ctx)
+        dk = self._draft_keys(ctx)
+        t = sum(self._draft.time(self.rates, n, dk + n * i, w) for i, w in enumerate(levels))
+        return t + self._target.time(self.rates, n, ctx.sum(), nodes)
+
+    def plain_time(self, ctx: np.ndarray) -> float:
+        """Predicted time of a plain step (roofline x what plain steps measured)."""
+        return self.plain_roofline(ctx) * self.factor.get("plain", 1.0)
+
+    def round_time(self, ctx: np.ndarray, levels: tuple[int, ...], nodes: int) -> float:
+        """Predicted time of a speculative round (roofline x what such rounds measured; before
+        any, x what plain steps measured x `PRIOR_ROUND_FACTOR`)."""
+        f = self.factor.get(("round", tuple(levels), nodes))
+        if f is None:
+            f = self.factor.get("plain", 1.0) * PRIOR_ROUND_FACTOR
+        return self.round_roofline(ctx, levels, nodes) * f
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, kind, seconds: float, predicted: float):
+        """A timed stretch of ``kind`` ("plain" or ``("round", levels, nodes)``) that took
+        ``seconds`` where its roofline predicted ``predicted``."""
+        if predicted <= 0 or seconds <= 0:
+            return
+        r = seconds / predicted
+        old = self.factor.get(kind)
+        self.factor[kind] = r if old is None else 0.5 * old + 0.5 * r
+
+    def observe_acceptance(self, accepted: float, spec_rounds: float, gamma: int):
+        """Drafts accepted in ``spec_rounds`` row-rounds of a chain of ``gamma``."""
+        if spec_rounds <= 0 or gamma <= 0:
+            return
+        a = per_token_acceptance(accepted / spec_rounds, gamma)
+        self.alpha = a if self.alpha is None else 0.5 * self.alpha + 0.5 * a
+
+    # ------------------------------------------------------------------ decisions
+    def choose_gamma(self, ctx: np.ndarray, candidates) -> tuple[int, float]:
+        """(gamma, predicted speedup) for running rows of contexts ``ctx``; 0 = plain."""
+        alpha = PRIOR_ACCEPTANCE if self.alpha is None else self.alpha
+        t_plain = self.plain_time(ctx)
+
+        def speedup(g):
+            if g == 0:
+                return 1.0
+            return expected_tokens(alpha, g) * t_plain / self.round_time(ctx, (1,) * g, g + 1)
+
+        s = {g: speedup(g) for g in candidates}
+        best = max(s, key=s.get)
+        best_s = s[best]
+        if best_s < AUTO_MARGIN:
+            best, best_s = 0, 1.0
+        prev = self.gamma
+        if prev is not None and prev != best and (prev == 0 or prev in s):
+            ps = 1.0 if prev == 0 else s[prev]
+            if (prev == 0 or ps >= AUTO_MARGIN) and ps * HYSTERESIS >= best_s:
+                best, best_s = prev, ps
+        self.gamma = best
+        return best, best_s
+
+    def prior_tokens(self, depth: int) -> float:
+        alpha = PRIOR_ACCEPTANCE if self.alpha is None else self.alpha
+        return expected_tokens(alpha, depth)
+
+    def expected_row_tokens(self, committed: np.ndarray, rounds: np.ndarray, depth: int):
+        """Each row's expected tokens per round: its own mean, shrunk toward the prior."""
+        prior = self.prior_tokens(depth)
+        return (committed + PRIOR_WEIGHT * prior) / (rounds + PRIOR_WEIGHT)
+
+    def speculation_pays(self, ctx: np.ndarray, tokens: np.ndarray, levels, nodes) -> bool:
+        """Whether a round (expected ``tokens[b]`` per running row b) beats plain steps."""
+        if len(ctx) == 0:
+            return False
+        return float(np.sum(tokens)) * self.plain_time(ctx) >= \
+            len(ctx) * self.round_time(ctx, levels, nodes)

@@ -1,0 +1,244 @@
+"""The decode state and the one round every decoding loop runs.
+
+A `Round` is a static (hashable) description: the target model, how to stop, and optionally a
+drafter and a token tree. ``round(params, dparams, sp, state)`` advances every running row of
+``state`` by one round:
+
+1. draft: the drafter proposes the tree's tokens (a chain of ``gamma`` drafts is the linear tree)
+   and, when sampling, the draft distributions ``q`` they were drawn from;
+2. verify: ONE target forward over ``[last, drafts...]`` at per-row positions (the ancestor mask
+   for a tree), writing their K/V into the target cache -> target logits ``p``;
+3. accept: greedy (longest prefix equal to the target's argmax), speculative sampling, or the tree
+   walk (`jaxspec.verify`) -> ``n`` accepted drafts and one more token per row;
+4. commit: ``n + 1`` tokens per row (ragged), cut at a stop token or the budget; a tree first
+   compacts the accepted path's K/V into consecutive slots; the cache length advances by the
+   number committed, so rejected drafts' K/V are simply overwritten next round; the drafter
+   updates what it keeps (a draft model's cache);
+5. stop: a row is done at a stop token or its budget; finished rows stop changing and attend to
+   no context (`AttentionPlan.active`), so a step gets cheaper as rows finish.
+
+Without a drafter, or with ``speculate=False``, a round is one plain decode step (a separate draft
+model is still fed the new token so it never falls behind). Both kinds commit tokens with exactly
+the target's distribution (greedy: its argmax), so a loop may mix them freely: `jaxspec.session`
+chooses between them from the cost model between calls of `run_rounds`.
+
+`run_rounds` runs at most ``max_rounds`` rounds inside one jitted `lax.while_loop` (no host work
+per round) and returns; the caller reads the state between calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec import sampling
+from jaxspec.cache import KVCache, positions_of
+from jaxspec.config import ModelConfig
+from jaxspec.drafter import plan_on
+from jaxspec.model import forward
+from jaxspec.tree import TokenTree, compact_path
+from jaxspec.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
+
+
+@struct.dataclass
+class RoundStats:
+    """Counters a loop keeps per row (``[B]`` int32): speculative rounds taken part in, drafts
+    proposed and accepted, tokens committed in speculative rounds; and plain steps (scalar)."""
+
+    spec_rounds: jax.Array
+    proposed: jax.Array
+    accepted: jax.Array
+    committed: jax.Array
+    plain_steps: jax.Array
+
+    @classmethod
+    def zeros(cls, B: int) -> "RoundStats":
+        def z():  # distinct buffers: the loops donate the state
+            return jnp.zeros((B,), jnp.int32)
+        return cls(spec_rounds=z(), proposed=z(), accepted=z(), committed=z(),
+                   plain_steps=jnp.zeros((), jnp.int32))
+
+
+@struct.dataclass
+class DecodeState:
+    cache: KVCache
+    last: jax.Array  # [B] last committed token, its K/V not yet in the cache
+    out: jax.Array  # [B, W] committed tokens
+    from_draft: jax.Array  # [B, W] bool: the token at out[b, i] was an accepted draft
+    n_out: jax.Array  # [B]
+    budget: jax.Array  # [B] tokens this row may still produce in total (out[:, :budget])
+    done: jax.Array  # [B]
+    rng: jax.Array  # [B, 2] one PRNG key per row
+    steps: jax.Array  # target forward passes
+    draft: object = None  # the drafter's state (`jaxspec.drafter.DraftState`) or None
+    stats: RoundStats = None
+
+
+def commit_tokens(state: DecodeState, new_BN, n_new_B, stop_ids, n_draft_B=None) -> DecodeState:
+    """Appends up to ``n_new[b]`` tokens of ``new[b]`` to row b's output, stopping at a stop token
+    or the budget; the cache length advances by the number of tokens committed (each committed
+    token but the last already has its K/V in the cache; the last becomes ``state.last``). The
+    first ``n_draft[b]`` of them are marked as accepted drafts."""
+    B, N = new_BN.shape
+    idx = jnp.arange(N, dtype=jnp.int32)[None, :]
+    valid = idx < n_new_B[:, None]
+    is_stop = jnp.isin(new_BN, jnp.asarray(stop_ids, jnp.int32)) if stop_ids else \
+        jnp.zeros_like(valid)
+    room = state.budget - state.n_out  # [B]
+    stop_here = valid & is_stop
+    first_stop = jnp.where(jnp.any(stop_here, axis=1), jnp.argmax(stop_here, axis=1), N)
+    n_keep = jnp.minimum(jnp.minimum(n_new_B, first_stop + 1), room)
+    n_keep = jnp.where(state.done, 0, jnp.maximum(n_keep, 0))
+    keep = idx < n_keep[:, None]
+    b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+    pos = jnp.where(keep, state.n_out[:, None] + idx, state.out.shape[1])
+    out = state.out.at[b_idx, pos].set(new_BN, mode="drop")
+    flags = jnp.zeros_like(keep) if n_draft_B is None else idx < n_draft_B[:, None]
+    from_draft = state.from_draft.at[b_idx, pos].set(flags, mode="drop")
+    n_out = state.n_out + n_keep
+    last_idx = jnp.maximum(n_keep - 1, 0)
+    last = jnp.where(n_keep > 0, jnp.take_along_axis(new_BN, last_idx[:, None], 1)[:, 0],
+                     state.last)
+    hit_stop = first_stop < n_keep
+    done = state.done | hit_stop | (n_out >= state.budget)
+    lengths = state.cache.lengths + n_keep
+    return state.replace(cache=state.cache.replace(lengths=lengths), out=out,
+                         from_draft=from_draft, n_out=n_out, last=last, done=done)
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One round of decoding (a hashable jit static argument; see the module docstring)."""
+
+    config: ModelConfig
+    stop_ids: tuple[int, ...]
+    impl: str = "auto"
+    drafter: object = None  # `jaxspec.drafter.SelfDrafter` / `ModelDrafter`, or None
+    tree: TokenTree | None = None  # the round's token tree (a chain: `TokenTree.chain(gamma)`)
+    speculate: bool = True  # False: one plain decode step (the drafter only observes it)
+    greedy: bool = True  # every row has temperature 0: verify by argmax, no probabilities kept
+    tree_mode: str = "without_replacement"  # how sampled children are drawn (`verify_tree`)
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None and self.speculate
+
+    @property
+    def is_chain(self) -> bool:
+        return self.tree is not None and self.tree.num_nodes == self.tree.max_depth + 1
+
+    @property
+    def gamma(self) -> int:
+        """Drafts per round of a chain (the tree's depth)."""
+        return 0 if self.tree is None else self.tree.max_depth
+
+    def plain(self) -> "Round":
+        """The same loop's plain step."""
+        return dataclasses.replace(self, speculate=False)
+
+    @staticmethod
+    def active(state: DecodeState):
+        """Rows whose attention output is used: finished rows read no context."""
+        return ~state.done
+
+    def __call__(self, params, dparams, sp, state: DecodeState) -> DecodeState:
+        if not self.speculative:
+            return self._plain(params, dparams, sp, state)
+        return self._speculative(params, dparams, sp, state)
+
+    # ------------------------------------------------------------------ plain step
+    def _plain(self, params, dparams, sp, state):
+        cache = state.cache
+        keys, sub = sampling.split_rows(state.rng)
+        plan = plan_on(cache, cache.lengths, impl=self.impl, active=self.active(state))
+        logits, new_cache = forward(self.config, params, state.last[:, None],
+                                    positions_of(cache)[:, None], cache, plan)
+        nxt = sampling.sample_rows(sub, logits[:, 0], sp).astype(jnp.int32)
+        st = commit_tokens(state.replace(cache=new_cache, rng=keys, steps=state.steps + 1),
+                           nxt[:, None], jnp.where(self.active(state), 1, 0), self.stop_ids)
+        if self.drafter is not None:
+            st = st.replace(draft=self.drafter.after_plain(self, dparams, state, st))
+        stats = state.stats
+        if stats is not None:
+            st = st.replace(stats=stats.replace(plain_steps=stats.plain_steps + 1))
+        return st
+
+    # ------------------------------------------------------------------ speculative round
+    def _speculative(self, params, dparams, sp, state):
+        tree = self.tree
+        chain = self.is_chain
+        keys, r_draft, r_verify = sampling.split_rows(state.rng, 3)
+        L = state.cache.lengths
+        pos0 = positions_of(state.cache)
+        propose = self.drafter.chain if chain else self.drafter.tree
+        cache, node_tok, q, ctx = propose(self, params, dparams, sp, state, r_draft)
+        if chain:  # node_tok holds the drafts only; the root is `last`
+            node_tok = jnp.concatenate([state.last[:, None], node_tok], axis=1)
+        D = tree.max_depth
+        depths = jnp.asarray(tree.depths, jnp.int32)
+        mask = None if chain else jnp.asarray(tree.ancestor_mask)
+        plan = plan_on(state.cache, L, mask=mask, impl=self.impl, active=self.active(state))
+        logits, cache = forward(self.config, params, node_tok, pos0[:, None] + depths[None],
+                                cache, plan)
+        acc_nodes = None
+        if chain:
+            drafts = node_tok[:, 1:]
+            if self.greedy:
+                n_acc, nxt = verify_greedy(drafts, logits)
+            else:
+                p = sampling.probs_from_logits(logits, sp)
+                n_acc, nxt = sampling.rowwise(verify_chain, r_verify, drafts, q, p) \
+                    if q is not None else sampling.rowwise(
+                        lambda k, d, pp: verify_chain(k, d, None, pp), r_verify, drafts, p)
+            path = drafts
+        else:
+            if self.greedy:
+                n_acc, acc_nodes, nxt = verify_tree_greedy(tree, node_tok, logits)
+            else:
+                p = sampling.probs_from_logits(logits, sp)
+                n_acc, acc_nodes, nxt = sampling.rowwise(
+                    lambda k, t, qq, pp: verify_tree(k, tree, t, qq, pp, mode=self.tree_mode),
+                    r_verify, node_tok, q, p)
+            acc_nodes = acc_nodes.astype(jnp.int32)
+            # the accepted path's K/V to consecutive slots L + 0..n (the root is already at L)
+            k, v = compact_path((cache.k, cache.v), acc_nodes, L, slot_axis=3, batch_axis=1)
+            cache = cache.replace(k=k, v=v)
+            path = jnp.take_along_axis(node_tok, jnp.maximum(acc_nodes, 0), axis=1)  # [B, D]
+        n_acc = n_acc.astype(jnp.int32)
+        idx = jnp.arange(D + 1, dtype=jnp.int32)[None]
+        new = jnp.where(idx < n_acc[:, None], jnp.pad(path, ((0, 0), (0, 1))),
+                        nxt[:, None].astype(jnp.int32))
+        active = self.active(state)
+        st = commit_tokens(state.replace(cache=cache, rng=keys, steps=state.steps + 1), new,
+                           jnp.where(active, n_acc + 1, 0), self.stop_ids, n_draft_B=n_acc)
+        st = st.replace(draft=self.drafter.after_round(self, dparams, state, st, ctx, path,
+                                                        n_acc, acc_nodes))
+        stats = state.stats
+        if stats is not None:
+            a = active.astype(jnp.int32)
+            st = st.replace(stats=stats.replace(
+                spec_rounds=stats.spec_rounds + a,
+                proposed=stats.proposed + a * D,
+                accepted=stats.accepted + a * n_acc,
+                committed=stats.committed + (st.n_out - state.n_out)))
+        return st
+
+
+@functools.partial(jax.jit, static_argnames=("rd",), donate_argnames=("state",))
+def run_rounds(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round) -> DecodeState:
+    """At most ``max_rounds`` rounds of ``rd`` (fewer when every row is done), in one jitted
+    `lax.while_loop`. ``max_rounds`` is a traced int: any count runs the same program."""
+    def cond(c):
+        i, st = c
+        return (i < max_rounds) & jnp.any(~st.done)
+
+    def body(c):
+        i, st = c
+        return i + 1, rd(params, dparams, sp, st)
+
+    _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    return st

@@ -1,9 +1,10 @@
-"""Hopper (sm_90) fast path: a Mosaic GPU flash-attention kernel for many query rows per K/V stream.
+"""Hopper (sm_90) fast path: a Mosaic GPU flash-attention kernel for many query rows per
+K/V stream.
 
 Where one K/V stream meets many query rows (a shared prefix read by a whole group of
 sequences, or a long verification block of T x G rows per KV head) attention is bound
-by matrix throughput, not by reading K/V. The portable Triton-lowered kernels reach about
-400 TFLOP/s there on an H100; this kernel feeds Hopper's tensor cores the way they want:
+by matrix throughput, not by reading K/V. This kernel feeds Hopper's tensor cores the way
+they want:
   * K/V tiles arrive by TMA into a ring of shared-memory stages (one producer warpgroup);
   * two consumer warpgroups of 64 (or 128) rows each run ``wgmma`` for QK^T and PV out of
     shared memory with the online softmax in registers;
@@ -58,26 +59,15 @@ tree's mask has one row per token. Other G take q as transposed rows [B, K, T x 
 A shared prefix does the same with q[B, T, H, D] viewed as [P, B/P x T, H, D] (a free
 reshape): the queries of a group are its "tokens".
 
-Status (GPU time on one H100, benchmarks/hopper_attention_h100_s12f.md, _s12b.md and
-attention_h100_s12e.md; ceilings from loops over donated buffers, copy 3.02 TB/s): the default
-of ``decode_attention`` from ``HOPPER_MIN_ROWS`` rows per KV head and of ``prefix_attention``
-from its own threshold, where it beats the Triton kernels: 64 x 8k verification at T=64 in
-695-717 us (Triton 989 us), 1.25-1.31x the T=1 decode time, 2.3 TB/s of K/V = 76% of the copy
-ceiling and 1.28x its roofline (its FLOPs at the measured 758 TFLOP/s matmul rate take as
-long as its bytes); a 64-node token tree in 729 us; the B=64, P=1, L=16k prefix at T=1 in
-32.4 us for the kernel alone (1.45x its roofline, hopper_attention_h100_s13a.md; 8 KV heads x
-256 rows are only 16 programs before splitting) and 38 us with the split merge, at T=5 in
-140 us (1.25x) and at B=256 in 105 us (1.18x). Head dims 64 and 128 take the default tiles,
-256 takes 64-key blocks (``default_block_sizes``; 1.32x over Triton there). 128-row
-warpgroups (one program per KV head, each prefix byte read once) lose on the prefix: 101 us at block_kv=128 (S and O accumulators alone need 256 registers per thread at
-D=128, over the 240 cap), 49 us at block_kv=64 (probe_prefix_rows_h100.log, _bkv64_h100.log). A
-sustained T=64-only load reaches the H100's 700 W cap and the clock falls
-to ~1.6 GHz (benchmarks/probe_loop_overhead_h100.md). Tried at T=64 and left out: 2-CTA
-clusters multicasting each K/V tile into both row tiles of a stream (2.9-4.5% slower), 3-deep
-K or V rings (within 1%), benchmarks/hopper_multicast_rings_h100_s17.md; persistent programs
-that load the next item's K/V and rows under the last one's end (equal, 681 vs 679 us:
-the per-item cost is the consumers' own, benchmarks/hopper_persistent_h100_s17.md); 192-key
-tiles and 3 + 3 stages (slower, benchmarks/hopper_attention_h200_s16.md).
+Where it serves: ``dispatch`` picks it by default on a Hopper GPU for bf16/f16 verification
+from ``HOPPER_MIN_ROWS_VERIFY`` query rows per KV head and for a shared prefix from
+``HOPPER_MIN_ROWS_PREFIX`` rows per group and KV head: there it beats the Triton kernels
+(benchmarks/hopper_attention_h100.md, which also lists the alternatives measured and not
+kept: 2-CTA K/V multicast, deeper K/V rings, persistent programs, 192-key tiles, 3 stages).
+Head dims 64 and 128 take the default tiles; 256 takes 64-key blocks (``default_block_sizes``:
+128 keys x 2 stages would not fit in shared memory). 64-row warpgroups are the default: with
+128 rows the S and O accumulators alone need 256 registers per thread at D=128, over the
+240 cap.
 """
 from __future__ import annotations
 
@@ -89,6 +79,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import common
+from .common import HOPPER_SMEM_BYTES as SMEM_BYTES
+from .common import LN2, LOG2E, cdiv, round_up
+from .contracts import pad_rows, rows_to_tokens, tokens_to_rows
+from .merge import merge_stacked
 from .splits import split_bounds
 
 try:
@@ -96,10 +91,7 @@ try:
 except ImportError:  # pragma: no cover - a jax without Mosaic GPU
     plgpu = None
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 CONSUMERS = 2
-SMEM_BYTES = 232448  # shared memory of one thread block on an H100 / H200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +111,7 @@ class HopperBlockSizes:
       then pass a token to take turns issuing. None (default): on for 64-row warpgroups (a
       128-row one has no registers to spare for a second score tile).
     longest_first: launch the streams of the longest sequences first (ragged lengths: the
-      programs that start last are then the short ones, so fewer SMs idle at the end; 2-3%
-      faster at the 64 x 8k T=64 verification and its token tree on the H100, GPU time,
-      benchmarks/hopper_attention_h100_s12b.md).
+      programs that start last are then the short ones, so fewer SMs idle at the end).
     registers: (per consumer thread, per producer thread) register caps (``setmaxnreg``);
       None: (232, 40) for 64-row warpgroups, (240, 24) for 128-row ones. 2 x consumer +
       producer must stay within 504 (the block's launch allocation of 168 per thread), with
@@ -153,7 +143,7 @@ class HopperBlockSizes:
             c, p = regs
             # The consumers' setmaxnreg.inc waits for registers the producer gave back, out of the
             # block's launch allocation: 384 threads get at most 168 each (64K / 384 rounded down
-            # to 8), so more than 3 x 168 in all would wait for ever (a hang, seen on the H100
+            # to 8), so more than 3 x 168 in all would wait for ever (a hang on the GPU, e.g.
             # with (240, 32)); and the producer's cap is a decrease, the consumers' an increase
             # from that launch allocation.
             if c % 8 or p % 8 or not 24 <= p <= 168 <= c <= 256 or 2 * c + p > 3 * 168:
@@ -178,12 +168,34 @@ class HopperBlockSizes:
         return CONSUMERS * self.rows_per_wg
 
 
+@dataclasses.dataclass(frozen=True)
+class HopperStatic:
+    """Everything the kernel body needs to know statically (resolved from the inputs and a
+    ``HopperBlockSizes`` by ``rows_attention``)."""
+    kv_layout: str        # "PLKD" (shared prefix) or "BKSD" (per-sequence cache)
+    layered: bool         # K/V stacked over layers, the layer an input
+    N2: int               # streams per N1 (KV heads)
+    splits: int           # key ranges per stream
+    block_kv: int
+    stages: int
+    scale_log2: float     # sm_scale * log2(e)
+    dtype: object         # q / k / v dtype (bf16 or f16)
+    D: int
+    rows_per_wg: int      # query rows per consumer warpgroup (64 or 128)
+    pingpong: bool
+    overlap: bool
+    num_new: int          # new-token keys after each length (0: none)
+    q_groups: int         # G when q is read in place ([B, T, H, D]); 0: transposed rows
+    q_tokens: int         # T of the in-place layout (its causal offset)
+    mask_tiles: bool      # a new-token mask input (else causal from indices, or no new tokens)
+    compiled: bool        # lowered by Mosaic GPU (False: the CPU interpreter)
+    consumer_regs: int
+    producer_regs: int
+
+
 def available() -> bool:
     """True on an NVIDIA Hopper GPU (compute capability 9.x) with Mosaic GPU importable."""
-    if plgpu is None or jax.default_backend() != "gpu":
-        return False
-    cc = getattr(jax.devices()[0], "compute_capability", "")
-    return str(cc).startswith("9")
+    return plgpu is not None and common.is_hopper_gpu()
 
 
 def supports(dtype, D: int) -> bool:
@@ -192,10 +204,9 @@ def supports(dtype, D: int) -> bool:
 
 def default_block_sizes(D: int) -> HopperBlockSizes | None:
     """The dispatchers' tiling for head dim D, or None where this kernel is not their default.
-    D=256 takes 64-key blocks (128 x 2 stages would need 333 KB of shared memory): on an H100
-    1.32x faster than the Triton kernel at 16 x 4k verification (T=64) and at a B=64 shared
-    prefix (benchmarks/probe_hopper_d256_h100.json). Other multiples of 64 are untested on a
-    GPU and stay with Triton."""
+    D=256 takes 64-key blocks (128 x 2 stages would need 333 KB of shared memory), where it
+    beats the Triton kernel (benchmarks/hopper_attention_h100.md). Other multiples of 64 are
+    untested on a GPU and stay with Triton."""
     if D in (64, 128):
         return HopperBlockSizes()
     if D == 256:
@@ -212,17 +223,15 @@ def check_requested(fits: bool, need: str, interpret) -> None:
         raise ValueError("HopperBlockSizes need an NVIDIA Hopper GPU (or interpret=True)")
 
 
-def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_layout,
-            layered, N2, splits, block_kv, stages, scale_log2, dtype, D, RW, pingpong,
-            overlap, num_new, q_groups, q_tokens, mask_tiles, compiled, consumer_regs,
-            producer_regs):
-    if mask_tiles:
+def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, c: HopperStatic):
+    block_kv, stages, RW, dtype, D = c.block_kv, c.stages, c.rows_per_wg, c.dtype, c.D
+    if c.mask_tiles:
         mask_ref, *refs = refs
     out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, *refs = refs
-    if mask_tiles:
+    if c.mask_tiles:
         mask_smem, *refs = refs
     k_ready, v_ready, q_ready, k_free, v_free, turn, v_tail, *refs = refs
-    if mask_tiles:
+    if c.mask_tiles:
         mask_ready, *refs = refs
     token, = refs
     r_tile = lax.axis_index("r")
@@ -230,15 +239,15 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
     n = lax.axis_index("n")
     # Streams are launched in ``order`` (longest first where the lengths are ragged: the
     # programs that start last are then the short ones, and fewer SMs idle at the end).
-    n1 = order_ref[lax.div(n, jnp.int32(N2))]
-    n2 = lax.rem(n, jnp.int32(N2))
+    n1 = order_ref[lax.div(n, jnp.int32(c.N2))]
+    n2 = lax.rem(n, jnp.int32(c.N2))
     wg = lax.axis_index("wg")
 
     length = lengths_ref[n1]  # context keys; then num_new new-token keys under the mask
     # The key splits share this stream's valid keys at run time (not the L slots of the
     # cache): a prefix cache padded to a bucket, or a short sequence in a long cache, still
     # spreads its keys over every split. Ranges start at whole blocks (TMA tiles).
-    lo, hi = split_bounds(split, length + num_new, splits, block_kv)
+    lo, hi = split_bounds(split, length + c.num_new, c.splits, block_kv)
     nkeys = jnp.maximum(hi - lo, 0)
     nblocks = lax.div(nkeys + (block_kv - 1), jnp.int32(block_kv))
     # Blocks every row sees whole run unmasked; the rest (a ragged last block, the blocks
@@ -255,56 +264,56 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
         return (lo_blk + i) * block_kv
 
     def kv_slice(ref, start):
-        if layered:  # stacked caches [layers, ...]: the layer is a (possibly traced) input
+        if c.layered:  # stacked caches [layers, ...]: the layer is a (possibly traced) input
             ref = ref.at[layer_ref[0]]
-        if kv_layout == "PLKD":
+        if c.kv_layout == "PLKD":
             return ref.at[n1, pl.ds(start, block_kv), n2]
         return ref.at[n1, n2, pl.ds(start, block_kv)]
 
     def rendezvous():
         """Both consumers meet here. Warpgroup 1 starts one meeting behind warpgroup 0, so
         while one issues its matrix products the other runs its softmax (ping-pong)."""
-        if pingpong:
+        if c.pingpong:
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
     def my_turn():
         """Overlapped consumers take turns issuing their products: wait for the token."""
-        if pingpong:
+        if c.pingpong:
             plgpu.barrier_wait(token.at[wg])
 
     def pass_turn(last=False):
         """Hand the token to the other consumer right after issuing (no waiting on it, unlike
         ``rendezvous``: a consumer never waits for the other's softmax, only for its turn).
         Warpgroup 1 keeps it after its last issue (warpgroup 0 holds it first)."""
-        if pingpong:
+        if c.pingpong:
             if last:
                 pl.when(wg == 0)(lambda: plgpu.barrier_arrive(token.at[1]))
             else:
                 plgpu.barrier_arrive(token.at[1 - wg])
 
     # Register layouts matter to Mosaic GPU only; its CPU interpreter has no layout_cast.
-    lay = plgpu.layout_cast if compiled else (lambda x, _: x)
+    lay = plgpu.layout_cast if c.compiled else (lambda x, _: x)
 
     def iota(shape, dim):
-        if compiled:
+        if c.compiled:
             return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
         return lax.broadcasted_iota(jnp.int32, shape, dim)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(consumer_regs, action="increase")
+        plgpu.set_max_registers(c.consumer_regs, action="increase")
         row0 = (r_tile * CONSUMERS + wg) * RW
         qo = q_smem.at[wg]
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         m0 = lay(jnp.full((RW,), -jnp.inf, jnp.float32), row_layout)
         l0 = lay(jnp.full((RW,), 0.0, jnp.float32), row_layout)
         acc0 = lay(jnp.zeros((RW, D), jnp.float32), plgpu.Layout.WGMMA)
-        if q_groups:  # q[B, T, H, D] read in place: G strided boxes of Tt tokens, rows (g, t)
-            Tt = RW // q_groups
+        if c.q_groups:  # q[B, T, H, D] read in place: G strided boxes of Tt tokens, rows (g, t)
+            Tt = RW // c.q_groups
             t0 = (r_tile * CONSUMERS + wg) * Tt
-            for g in range(q_groups):
-                plgpu.copy_gmem_to_smem(q_ref.at[n1, pl.ds(t0, Tt), n2 * q_groups + g],
+            for g in range(c.q_groups):
+                plgpu.copy_gmem_to_smem(q_ref.at[n1, pl.ds(t0, Tt), n2 * c.q_groups + g],
                                         qo.at[pl.ds(g * Tt, Tt)], q_ready.at[wg])
         else:
             plgpu.copy_gmem_to_smem(q_ref.at[n1, n2, pl.ds(row0, RW)], qo, q_ready.at[wg])
@@ -313,34 +322,35 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
         def softmax(s, i, m, l, masked):
             """The online softmax of block i's scores s: (m, l, alpha, p), p in float32."""
             if masked:
-                if mask_tiles:  # this block's tile of the new-token mask (0 seen, -inf hidden)
+                if c.mask_tiles:  # this block's tile of the new-token mask (0 seen, -inf hidden)
                     rel = lax.div(block_start(i), jnp.int32(block_kv)) - first_new_block
-                    if q_groups:  # a tile per token: the G heads of a token share its row
-                        for g in range(q_groups):
+                    if c.q_groups:  # a tile per token: the G heads of a token share its row
+                        for g in range(c.q_groups):
                             plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(t0, Tt)],
-                                                    mask_smem.at[wg, pl.ds(g * Tt, Tt)], mask_ready.at[wg])
+                                                    mask_smem.at[wg, pl.ds(g * Tt, Tt)],
+                                                    mask_ready.at[wg])
                     else:
-                        plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(row0, RW)], mask_smem.at[wg],
-                                                mask_ready.at[wg])
+                        plgpu.copy_gmem_to_smem(mask_ref.at[n1, rel, pl.ds(row0, RW)],
+                                                mask_smem.at[wg], mask_ready.at[wg])
                     plgpu.barrier_wait(mask_ready.at[wg])
                     bias = mask_smem.at[wg][...].astype(jnp.float32)
-                    if compiled:
+                    if c.compiled:
                         bias = lay(bias, plgpu.Layout.WGMMA)
                     s = s + bias
-                elif num_new:  # causal over the new tokens, from indices: token t is new token
+                elif c.num_new:  # causal over the new tokens, from indices: token t is new token
                     # num_new - q_tokens + t and sees new token j <= that (and all context, j < 0)
                     t = t0 + lax.rem(iota((RW, block_kv), 0), jnp.int32(Tt))
                     j = iota((RW, block_kv), 1) + (block_start(i) - length)
-                    s = jnp.where((j < 0) | (j <= t + (num_new - q_tokens)), s, -jnp.inf)
+                    s = jnp.where((j < 0) | (j <= t + (c.num_new - c.q_tokens)), s, -jnp.inf)
                 # keys at or past hi are nobody's (garbage, NaN included)
                 s = jnp.where(iota((RW, block_kv), 1) < hi - block_start(i), s, -jnp.inf)
             # m is kept in scaled base-2 units, so p is one fused multiply-add and an exp2.
-            m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+            m_new = jnp.maximum(m, s.max(axis=1) * c.scale_log2)
             # In a masked block a row may have seen no key yet (m_new = -inf: e.g. a split of
             # new tokens it does not see); shift by 0 then, so that exp2 gives 0, not NaN.
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m - m_use)
-            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            p = jnp.exp2(s * c.scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             return m_new, l, alpha, p
 
@@ -355,7 +365,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
                 plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                 rendezvous()  # hand the tensor cores over while this product runs
                 return ref[...]
-            if compiled:
+            if c.compiled:
                 s = pl.run_scoped(qk_scope, plgpu.ACC((RW, block_kv), jnp.float32))
             else:  # the CPU interpreter cannot transpose a wgmma operand: the same product via jnp
                 s = lax.dot_general(qo[...], k_smem[slot], (((1,), (1,)), ((), ())),
@@ -365,12 +375,12 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
             m_new, l, alpha, p = softmax(s, i, m, l, masked)
             p16 = p.astype(dtype)
             acc = scale_rows(acc, alpha)
-            if compiled:
+            if c.compiled:
                 acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            if pingpong:
+            if c.pingpong:
                 plgpu.barrier_arrive(turn)  # softmax done
             plgpu.barrier_wait(v_ready.at[slot])
-            if pingpong:
+            if c.pingpong:
                 plgpu.barrier_wait(turn)  # the tensor cores are ours again
 
             def wait_next_k():  # under this block's PV product
@@ -381,9 +391,9 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
             def pv(ref):
                 plgpu.wgmma(ref, p16, v_smem.at[slot])
                 wait_next_k()
-            if compiled:  # accumulate in place into the running output
+            if c.compiled:  # accumulate in place into the running output
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            else:  # the CPU interpreter takes no register operand in wgmma: the same product via jnp
+            else:  # the CPU interpreter takes no register operand in wgmma: the same product
                 acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
                 wait_next_k()
             plgpu.barrier_arrive(v_free.at[slot])
@@ -402,7 +412,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
         def ov_first(masked):  # block 0: QK^T and softmax, no PV yet
             plgpu.barrier_wait(k_ready.at[0])
             my_turn()
-            if compiled:
+            if c.compiled:
                 def scope(ref):
                     plgpu.wgmma(ref, qo, plgpu.transpose_ref(k_smem.at[0], (1, 0)))
                     pass_turn()
@@ -422,7 +432,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[pslot])
             my_turn()
-            if compiled:
+            if c.compiled:
                 def scope(s_ref, o_ref):
                     o_ref[...] = acc
                     plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -453,7 +463,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
             pslot = lax.rem(nblocks - 1, jnp.int32(stages))
             plgpu.barrier_wait(v_ready.at[pslot])
             my_turn()
-            if compiled:
+            if c.compiled:
                 def pv(ref):
                     plgpu.wgmma(ref, p16, v_smem.at[pslot])
                     pass_turn(last=True)
@@ -465,7 +475,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
             return acc, m, l
 
         def ov_run():
-            if pingpong:  # warpgroup 0 issues first
+            if c.pingpong:  # warpgroup 0 issues first
                 pl.when(wg == 1)(lambda: plgpu.barrier_arrive(token.at[0]))
             carry = lax.cond(nfull > 0, functools.partial(ov_first, masked=False),
                              functools.partial(ov_first, masked=True))
@@ -474,7 +484,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
             carry = lax.fori_loop(start, nblocks, functools.partial(ov_step, masked=True), carry)
             return ov_last(carry)
 
-        if overlap:
+        if c.overlap:
             acc, m, l = lax.cond(nblocks > 0, ov_run, lambda: (acc0, m0, l0))
         else:
             @pl.when(nblocks > 0)
@@ -490,10 +500,10 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
         qo[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
         lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
         plgpu.commit_smem()
-        if q_groups:  # out[splits, B, T, H, D] written in place (rows past T are clipped by TMA)
-            for g in range(q_groups):
+        if c.q_groups:  # out[splits, B, T, H, D] written in place (rows past T are clipped by TMA)
+            for g in range(c.q_groups):
                 plgpu.copy_smem_to_gmem(qo.at[pl.ds(g * Tt, Tt)],
-                                        out_ref.at[split, n1, pl.ds(t0, Tt), n2 * q_groups + g])
+                                        out_ref.at[split, n1, pl.ds(t0, Tt), n2 * c.q_groups + g])
         else:
             plgpu.copy_smem_to_gmem(qo, out_ref.at[split, n1, n2, pl.ds(row0, RW)])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, n1, n2, pl.ds(row0, RW)])
@@ -501,7 +511,7 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
 
     @pl.when(wg == CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(producer_regs, action="decrease")
+        plgpu.set_max_registers(c.producer_regs, action="decrease")
 
         @pl.loop(0, nblocks)
         def _(i):
@@ -530,12 +540,13 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
                 plgpu.copy_gmem_to_smem(kv_slice(v_ref, start), v_smem.at[slot], v_tail)
                 plgpu.barrier_wait(v_tail)
                 nvalid = hi - start
-                for c in range(block_kv // 64):  # in WGMMA-shaped chunks of 64 rows
-                    chunk = v_smem.at[slot, pl.ds(c * 64, 64)]
+                for part in range(block_kv // 64):  # in WGMMA-shaped chunks of 64 rows
+                    chunk = v_smem.at[slot, pl.ds(part * 64, 64)]
                     x = chunk[...]
-                    if compiled:
+                    if c.compiled:
                         x = lay(x, plgpu.Layout.WGMMA)
-                    chunk[...] = jnp.where(iota((64, D), 0) + c * 64 < nvalid, x, jnp.zeros_like(x))
+                    chunk[...] = jnp.where(iota((64, D), 0) + part * 64 < nvalid, x,
+                                           jnp.zeros_like(x))
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(v_ready.at[slot])
 
@@ -548,13 +559,6 @@ def _kernel(lengths_ref, order_ref, layer_ref, q_ref, k_ref, v_ref, *refs, kv_la
             plgpu.barrier_wait(v_free.at[slot])
 
 
-def _num_sms() -> int:
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-    except Exception:  # noqa: BLE001
-        return 132
-
-
 _PROGRAM_OVERHEAD_BLOCKS = 3
 
 
@@ -562,16 +566,16 @@ def plan_splits(programs: int, max_len: int, bs: HopperBlockSizes) -> int:
     """Key ranges per stream. One program fills an SM (its shared memory), so the kernel runs
     in waves of ``SMs`` programs; its time goes as (waves) x (key blocks per program + a fixed
     cost of about ``_PROGRAM_OVERHEAD_BLOCKS`` blocks: pipeline fill, q load, output store,
-    merge). Picks the fewest splits that minimise that, with ranges of at least two blocks.
-    (On an H100: B=64, P=1, L=16384 takes 8 splits at T=1 and at T=5, one at 64 x 8k
-    verification; benchmarks/hopper_attention_h100_s9.md.)"""
+    merge). Picks the fewest splits that minimise that, with ranges of at least two blocks
+    (e.g. 8 splits for a B=64, P=1, L=16384 prefix at T=1 on 132 SMs, one for a 64 x 8k
+    verification at T=64)."""
     if bs.splits is not None:
         return bs.splits
-    sms = _num_sms()
-    blocks = -(-max_len // bs.block_kv)
+    sms = common.num_sms()
+    blocks = cdiv(max_len, bs.block_kv)
     best, best_cost = 1, None
     for sp in range(1, max(1, blocks // 2) + 1):
-        cost = -(-programs * sp // sms) * (-(-blocks // sp) + _PROGRAM_OVERHEAD_BLOCKS)
+        cost = cdiv(programs * sp, sms) * (cdiv(blocks, sp) + _PROGRAM_OVERHEAD_BLOCKS)
         if best_cost is None or cost < best_cost:
             best, best_cost = sp, cost
         if sp >= 32:
@@ -581,11 +585,10 @@ def plan_splits(programs: int, max_len: int, bs: HopperBlockSizes) -> int:
 
 def smem_bytes(bs: HopperBlockSizes, D: int, itemsize: int, has_mask: bool) -> int:
     """Estimated shared memory of the kernel (bytes). Each buffer is 1 KiB aligned; Mosaic GPU
-    adds about 2 KiB of its own (barriers and the like: 234640 bytes measured where these
-    buffers came to 232448). 192-key blocks or 3 stages of 128 at D=128 are just over the
-    limit; with the log-sum-exps moved into the K ring (a RefUnion, session 16) they fit, but
-    ran 1.42x / 1.08x slower than 128 x 2 at T=64 (benchmarks/hopper_attention_h200_s16.md)."""
-    kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
+    adds about 2 KiB of its own (barriers and the like). 192-key blocks or 3 stages of 128 at
+    D=128 are just over the limit."""
+    def kib(n):
+        return round_up(n, 1024)
     rw = bs.rows_per_wg
     return (kib(CONSUMERS * rw * D * itemsize) + 2 * kib(bs.stages * bs.block_kv * D * itemsize)
             + kib(CONSUMERS * rw * 4) + 2304
@@ -601,7 +604,7 @@ def q_groups_in_place(G: int, bs: HopperBlockSizes) -> bool:
 def _bthd_tokens(T: int, G: int, bs: HopperBlockSizes) -> int:
     """T rounded up to whole programs of the BTHD layout (``2 * rows_per_wg // G`` tokens)."""
     per_program = CONSUMERS * (bs.rows_per_wg // G)
-    return -(-T // per_program) * per_program
+    return round_up(T, per_program)
 
 
 def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
@@ -679,7 +682,8 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     else:
         raise ValueError(f"unknown kv_layout {kv_layout!r}")
     if L % 8:  # Mosaic GPU's tiled TMA copies need the key axis in whole 8-row tiles
-        raise ValueError(f"the key axis of k/v must be a multiple of 8 for the Hopper kernel, got {L}")
+        raise ValueError(f"the key axis of k/v must be a multiple of 8 for the Hopper kernel, "
+                         f"got {L}")
     if v.shape != k.shape or k.dtype != q_N1N2RD.dtype or v.dtype != k.dtype:
         raise ValueError("q, k and v must share one dtype and k, v one shape")
     if not supports(k.dtype, D):
@@ -698,7 +702,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     if num_new and T_q > num_new:
         raise ValueError(f"{T_q} query tokens but only num_new={num_new} new tokens")
     if new_mask is not None:
-        nb = -(-(bs.block_kv - 1 + num_new) // bs.block_kv)
+        nb = cdiv(bs.block_kv - 1 + num_new, bs.block_kv)
         want = (N1, nb, R // q_groups if q_groups else R, bs.block_kv)
         if new_mask.shape != want or new_mask.dtype != q_N1N2RD.dtype:
             raise ValueError(f"new_mask must be {want} {q_N1N2RD.dtype}, got "
@@ -731,13 +735,13 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
           if has_mask else ()),
         plgpu.Barrier(num_barriers=CONSUMERS),  # token: whose turn to issue (overlap)
     )
-    body = functools.partial(
-        _kernel, kv_layout=kv_layout, layered=layered, N2=N2, splits=splits,
-        block_kv=bs.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E, dtype=dtype,
-        D=D, RW=RW, pingpong=bs.pingpong, overlap=bs.use_overlap, num_new=num_new,
-        q_groups=q_groups, q_tokens=T_q,
-        mask_tiles=has_mask, compiled=not interpret,
+    static = HopperStatic(
+        kv_layout=kv_layout, layered=layered, N2=N2, splits=splits, block_kv=bs.block_kv,
+        stages=stages, scale_log2=float(sm_scale) * LOG2E, dtype=dtype, D=D, rows_per_wg=RW,
+        pingpong=bs.pingpong, overlap=bs.use_overlap, num_new=num_new, q_groups=q_groups,
+        q_tokens=T_q, mask_tiles=has_mask, compiled=not interpret,
         consumer_regs=bs.consumer_registers, producer_regs=bs.producer_registers)
+    body = functools.partial(_kernel, c=static)
     kw = {}
     if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA and wgmma simulated on CPU)
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -747,7 +751,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
         # GPU, but the interpreter refuses an out-of-bounds copy, so pad the axis here.
         ax = (1 if kv_layout == "PLKD" else 2) + int(layered)
         widths = [(0, 0)] * k.ndim
-        widths[ax] = (0, -(-L // bs.block_kv) * bs.block_kv - L)
+        widths[ax] = (0, round_up(L, bs.block_kv) - L)
         k, v = jnp.pad(k, widths), jnp.pad(v, widths)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     lengths = lengths.astype(jnp.int32)
@@ -799,7 +803,6 @@ def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
     key splits come back unmerged, stacked on a leading axis (``out[splits, ...]`` in q's
     dtype, ``lse[splits, ...]`` natural log), for a caller that merges them together with
     other partial attentions in one pass (``merge.merge_stacked``)."""
-    from .merge import merge_stacked
     o, lse2 = rows_attention(q_N1N2RD, k, v, lengths, kv_layout=kv_layout, sm_scale=sm_scale,
                              block_sizes=block_sizes, new_mask=new_mask, num_new=num_new,
                              layer=layer, q_layout=q_layout, interpret=interpret)
@@ -808,11 +811,11 @@ def attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
         RW = (block_sizes or HopperBlockSizes()).rows_per_wg
         lse2 = _bthd_lse(lse2, q_N1N2RD.shape[1], G, RW // G)
     if not merge:
-        return o, lse2 * _LN2
+        return o, lse2 * LN2
     out_dtype = out_dtype or q_N1N2RD.dtype
     if o.shape[0] == 1:
-        return o[0].astype(out_dtype), lse2[0] * _LN2
-    return merge_stacked(o, lse2 * _LN2, axis=0, out_dtype=out_dtype)
+        return o[0].astype(out_dtype), lse2[0] * LN2
+    return merge_stacked(o, lse2 * LN2, axis=0, out_dtype=out_dtype)
 
 
 def new_token_mask(lengths, tree_mask, *, T: int, T_new: int, G: int, rows: int,
@@ -824,7 +827,7 @@ def new_token_mask(lengths, tree_mask, *, T: int, T_new: int, G: int, rows: int,
     sees new token ``j`` iff ``tree_mask[(b,) t, j]`` (None: causal, ``j <= T_new - T + t``),
     and every context slot."""
     B = lengths.shape[0]
-    nb = -(-(block_kv - 1 + T_new) // block_kv)
+    nb = cdiv(block_kv - 1 + T_new, block_kv)
     base = lengths // block_kv * block_kv                                    # [B]
     j = (base[:, None] + jnp.arange(nb * block_kv, dtype=jnp.int32)[None]
          - lengths[:, None])                                                 # [B, nb*bkv]
@@ -857,8 +860,8 @@ def verify_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
     mask tiles (``new_token_mask``). Where G allows (``q_groups_in_place``: G in {1, 2, 4, 8}
     at 64-row warpgroups) the kernel reads q and writes out in place (``q_layout="BTHD"``);
     otherwise, or with ``q_in_place=False``, q goes in as transposed rows [B, K, T x G, D]
-    and out comes back the same way (two transposes of q's size: about 5% of a 64 x 8k
-    verification at T=64). Returns ``(out[B, T, H, D], lse[B, T, H])``.
+    and out comes back the same way (two transposes of q's size). Returns
+    ``(out[B, T, H, D], lse[B, T, H])``.
     """
     bs = block_sizes or HopperBlockSizes()
     B, T, H, D = q.shape
@@ -878,16 +881,45 @@ def verify_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
         return attention(q, k_cache, v_cache, lengths, kv_layout="BKSD", sm_scale=sm_scale,
                          block_sizes=bs, new_mask=mask, num_new=T_new, layer=layer,
                          q_layout="BTHD", interpret=interpret)
-    rows = T * G
-    tile = bs.rows_per_program
-    rows_pad = -(-rows // tile) * tile
-    qr = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, D)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+    rows_pad = round_up(T * G, bs.rows_per_program)
+    qr = pad_rows(tokens_to_rows(q, K), rows_pad)                 # rows r = t * G + g
     mask = new_token_mask(lengths, tree_mask, T=T, T_new=T_new, G=G, rows=rows_pad,
                           block_kv=bs.block_kv, dtype=q.dtype)
     o, lse = attention(qr, k_cache, v_cache, lengths, kv_layout="BKSD", sm_scale=sm_scale,
                        block_sizes=bs, new_mask=mask, num_new=T_new, layer=layer,
                        interpret=interpret)
-    o = o[:, :, :rows].reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
-    lse = lse[:, :, :rows].reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, H)
-    return o, lse
+    return rows_to_tokens(o, lse, B, T, G)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret",
+                                             "partials"))
+def prefix_attention(q, k_prefix, v_prefix, lengths, layer, *, sm_scale, block_sizes,
+                     interpret, partials=False):
+    """``prefix_attention``'s contract (see prefix_attention.py) through the Hopper kernel, on
+    checked arguments (``lengths[P]`` int32): the rows of each (group, KV head) as one matrix
+    against its prefix (a stacked layer read in place), key splits merged by log-sum-exp
+    (``attention``), or with ``partials`` returned unmerged on a leading axis. Where G allows
+    (``q_groups_in_place``: G in {1, 2, 4, 8} at 64-row warpgroups, {1, 2, 4, 8, 16} at
+    128-row ones) the kernel reads q and writes out in place, q[B, T, H, D] viewed as
+    [P, B/P x T, H, D] (no transposes); other G go through transposed rows."""
+    B, T, H, D = q.shape
+    P, L, K, _ = k_prefix.shape[-4:]
+    G, Bg = H // K, B // P
+    lengths = jnp.clip(lengths, 0, L)
+    kw = dict(kv_layout="PLKD", sm_scale=sm_scale, block_sizes=block_sizes, layer=layer,
+              interpret=interpret, merge=not partials)
+    if q_groups_in_place(G, block_sizes):
+        o, lse = attention(q.reshape(P, Bg * T, H, D), k_prefix, v_prefix, lengths,
+                           q_layout="BTHD", **kw)
+        lead = o.shape[:1] if partials else ()
+        return o.reshape(lead + (B, T, H, D)), lse.reshape(lead + (B, T, H))
+    rows = Bg * T * G
+    rows_pad = round_up(rows, block_sizes.rows_per_program)
+    q_PKRD = tokens_to_rows(q, K, groups=P)
+    if rows_pad != rows:
+        q_PKRD = pad_rows(q_PKRD, rows_pad)
+    o, lse = attention(q_PKRD, k_prefix, v_prefix, lengths, **kw)
+    if not partials:  # one "split" axis of 1 for the shared reshapes below
+        o, lse = o[None], lse[None]
+    o, lse = rows_to_tokens(o, lse, B, T, G, grouped=True)
+    return (o, lse) if partials else (o[0], lse[0])

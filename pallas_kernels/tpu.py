@@ -1,10 +1,9 @@
 """Mosaic TPU versions of the decode/verify and shared-prefix attention kernels.
 
-Same contracts as ``decode_attention.decode_attention`` and
-``prefix_attention.prefix_attention`` (their references are the oracles in the
-tests); the portable kernels there are Triton-shaped (whole-cache refs, masked
-pointer loads) and do not map onto Mosaic TPU's VMEM blocking, so the TPU path
-is its own ``pallas_call`` written for Mosaic:
+Same contracts as ``decode_attention`` and ``prefix_attention`` (their references,
+``reference.py``, are the oracles in the tests); the portable Triton-shaped kernels
+(whole-cache refs, masked pointer loads) do not map onto Mosaic TPU's VMEM blocking, so
+the TPU path is its own ``pallas_call`` written for Mosaic:
 
 * **Grid** ``(B, K / heads_per_block, q_blocks, kv_steps)``: one program per
   group of KV heads of one sequence and per block of query rows (rows are
@@ -48,7 +47,7 @@ library's ``[P, L, K, D]`` layout and transposes it first (one XLA copy of the
 prefix per call: keep the prefix in ``[P, K, L, D]`` on TPU to avoid it).
 
 On a CPU the kernels run under Pallas's TPU interpret mode
-(``interpret=True`` or a ``pltpu.InterpretParams``); ``target_platform("tpu")``
+(``interpret=True`` or a ``pltpu.InterpretParams``); ``dispatch.target_platform("tpu")``
 makes the library's dispatch pick them while tracing on another backend (e.g.
 to ``jax.export`` for TPU on this machine).
 
@@ -60,17 +59,19 @@ Mosaic MLIR lowering is checked here, by exporting).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-import threading
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from .common import cdiv, round_up
+from .contracts import (check_decode_args, check_prefix_args, pad_rows, prefix_lengths_or_full,
+                        resolve_sm_scale, rows_to_tokens, tokens_to_rows)
 
 # Names differ across jax versions (0.10.x / 0.11.x and older ones).
 _CompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
@@ -81,47 +82,7 @@ _VMEM = getattr(pltpu, "VMEM", None) or pltpu.MemorySpace.VMEM
 _NEG_INF = -math.inf
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _cdiv(a, b) * b
-
-
-# --- which kernel the library's dispatch picks -------------------------------------
-
-_STATE = threading.local()
-
-
-@contextlib.contextmanager
-def target_platform(platform: str):
-    """Trace the library's attention for ``platform`` instead of the default backend.
-
-    ``decode_attention`` / ``prefix_attention`` choose their kernel when traced,
-    by ``jax.default_backend()``. Inside this context they choose for
-    ``platform`` ("tpu", "gpu", "cpu") instead, e.g. to export a TPU program on a
-    CPU machine::
-
-        with target_platform("tpu"):
-          exported = jax.export.export(jax.jit(step), platforms=["tpu"])(*args)
-
-    Functions jitted and traced inside the context keep the choice in their
-    cache: trace them afresh outside it.
-    """
-    prev = getattr(_STATE, "platform", None)
-    _STATE.platform = platform
-    try:
-        yield
-    finally:
-        _STATE.platform = prev
-
-
-def dispatch_platform() -> str:
-    """The platform the kernels dispatch for: ``target_platform``'s, else the default backend."""
-    forced = getattr(_STATE, "platform", None)
-    return forced if forced is not None else jax.default_backend()
-
+# --- interpret mode ------------------------------------------------------------------
 
 def interpret_params(interpret):
     """``interpret`` argument -> what ``pallas_call`` takes (TPU interpret mode on True)."""
@@ -215,19 +176,20 @@ def _context_block(j, length, c: _Static):
     kernel body alike.
     """
     bk = c.block_k
-    last_block = max(_cdiv(c.S, bk) - 1, 0)
+    last_block = max(cdiv(c.S, bk) - 1, 0)
     # lax.div (truncating; every operand is >= 0), not //: floor division lowers
     # through sign(), which Mosaic lowers per TPU generation.
-    cdiv = lambda a: lax.div(a + (bk - 1), bk)
+    def blocks(n):  # ceil(n / bk) of a traced int
+        return lax.div(n + (bk - 1), bk)
     if not c.sparse:
-        n = cdiv(length)
+        n = blocks(length)
         blk = jnp.minimum(j, jnp.maximum(n - 1, 0))
         return blk, jnp.int32(0), length, j < n
     a_end = jnp.minimum(c.sink, length)
     b_start = jnp.maximum(length - c.window, a_end)
-    n_a = cdiv(a_end)
+    n_a = blocks(a_end)
     b_first = jnp.minimum(lax.div(b_start, bk), last_block)
-    n_b = jnp.where(length > b_start, cdiv(length) - lax.div(b_start, bk), 0)
+    n_b = jnp.where(length > b_start, blocks(length) - lax.div(b_start, bk), 0)
     in_a = j < c.sink_steps
     jb = j - c.sink_steps
     blk_a = jnp.minimum(j, jnp.maximum(n_a - 1, 0))
@@ -403,7 +365,7 @@ def _block_k(requested, default, S, itemsize):
 
 
 def _block_q(requested, rows, cap):
-    bq = requested or min(_round_up(rows, 16), max(16, cap))
+    bq = requested or min(round_up(rows, 16), max(16, cap))
     if bq % 16:
         raise ValueError(f"block_q={bq} must be a multiple of 16")
     return bq
@@ -434,13 +396,13 @@ def _decode_plan(T, G, S, itemsize, sink, window, bs: TPUDecodeBlockSizes):
     block_k = _block_k(bs.block_k, 128 if sparse else 512, S, itemsize)
     block_q = _block_q(bs.block_q, T * G, bs.max_block_q)
     if sparse:
-        sink_steps = _cdiv(sink, block_k) if sink else 0
+        sink_steps = cdiv(sink, block_k) if sink else 0
         # An unaligned window of w slots touches at most ceil(w / bk) + 1 blocks.
-        window_steps = _cdiv(window, block_k) + 1 if window else 0
-        num_steps = min(sink_steps + window_steps, _cdiv(S, block_k) + sink_steps)
+        window_steps = cdiv(window, block_k) + 1 if window else 0
+        num_steps = min(sink_steps + window_steps, cdiv(S, block_k) + sink_steps)
     else:
         sink_steps = 0
-        num_steps = _cdiv(S, block_k)
+        num_steps = cdiv(S, block_k)
     return block_q, block_k, sink_steps, max(num_steps, 1)
 
 
@@ -472,16 +434,14 @@ def _tpu_decode(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window,
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     block_q, block_k, sink_steps, num_steps = _decode_plan(
         T, G, S, itemsize, sink, window, block_sizes)
-    rows_pad = _round_up(rows, block_q)
+    rows_pad = round_up(rows, block_q)
     heads = _heads_per_block(block_sizes.heads_per_block, K, B * (rows_pad // block_q), block_k,
                              D, itemsize, block_sizes.kv_vmem_budget)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
 
-    # Rows of one KV head: r = t * G + g.
-    q_BKRD = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, D)
-    q_BKRD = jnp.pad(q_BKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+    q_BKRD = pad_rows(tokens_to_rows(q, K), rows_pad)                # rows r = t * G + g
 
-    tn = _round_up(T_new, block_sizes.new_align)
+    tn = round_up(T_new, block_sizes.new_align)
     pad_new = ((0, 0), (0, 0), (0, tn - T_new), (0, 0))
     kn = jnp.pad(_gather_new(k_cache, layer, lengths, T_new), pad_new)
     vn = jnp.pad(_gather_new(v_cache, layer, lengths, T_new), pad_new)
@@ -493,16 +453,15 @@ def _tpu_decode(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window,
     tm = jnp.repeat(tm, G, axis=1)                                             # [Bm, T*G, T_new]
     tm = jnp.pad(tm, ((0, 0), (0, rows_pad - rows), (0, tn - T_new)))
 
-    c = _Static(S=S, heads=heads, block_q=block_q, block_k=block_k, num_steps=num_steps, sink=int(sink),
-                window=int(window), sparse=bool(sink) or bool(window), sink_steps=sink_steps,
-                has_layer=layer is not None, has_new=True, mask_per_batch=mask_per_batch,
-                sm_scale=float(sm_scale), precision=_precision(k_cache.dtype))
+    c = _Static(S=S, heads=heads, block_q=block_q, block_k=block_k, num_steps=num_steps,
+                sink=int(sink), window=int(window), sparse=bool(sink) or bool(window),
+                sink_steps=sink_steps, has_layer=layer is not None, has_new=True,
+                mask_per_batch=mask_per_batch, sm_scale=float(sm_scale),
+                precision=_precision(k_cache.dtype))
     o, lse = _attention_call(q_BKRD, k_cache, v_cache, lengths, layer, (kn, vn, tm), c=c,
                              interpret=interpret, vmem_limit_bytes=block_sizes.vmem_limit_bytes,
                              name="jaxspec_tpu_decode_attention")
-    o = o[:, :, :rows].reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
-    lse = lse[:, :, :rows].reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, H)
-    return o, lse
+    return rows_to_tokens(o, lse, B, T, G)
 
 
 def tpu_decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
@@ -516,9 +475,8 @@ def tpu_decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=
     mode on any backend. ``block_sizes``: ``TPUDecodeBlockSizes`` (None:
     defaults). Returns ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``.
     """
-    from .decode_attention import _check_shapes
-    T_new = _check_shapes(q, k_cache, v_cache, lengths, tree_mask, layer, num_new)
-    sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    T_new = check_decode_args(q, k_cache, v_cache, lengths, tree_mask, layer, num_new)
+    sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
     if interpret is True and _InterpretParams is not None:
         interpret = _InterpretParams()
     return _tpu_decode(q, k_cache, v_cache, lengths, tree_mask, layer, sink=int(sink or 0),
@@ -538,24 +496,20 @@ def _tpu_prefix(q, k_PKLD, v_PKLD, lengths, *, sm_scale, interpret, block_sizes)
     itemsize = jnp.dtype(k_PKLD.dtype).itemsize
     block_k = _block_k(block_sizes.block_k, 512, L, itemsize)
     block_q = _block_q(block_sizes.block_q, rows, block_sizes.max_block_q)
-    rows_pad = _round_up(rows, block_q)
+    rows_pad = round_up(rows, block_q)
     heads = _heads_per_block(block_sizes.heads_per_block, K, P * (rows_pad // block_q), block_k,
                              D, itemsize, block_sizes.kv_vmem_budget)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, L)
     # Rows of one (group, KV head): r = (b_in_group * T + t) * G + g.
-    q_PKRD = q.reshape(P, Bg, T, K, G, D).transpose(0, 3, 1, 2, 4, 5).reshape(P, K, rows, D)
-    q_PKRD = jnp.pad(q_PKRD, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-    c = _Static(S=L, heads=heads, block_q=block_q, block_k=block_k, num_steps=max(_cdiv(L, block_k), 1),
-                sink=0, window=0, sparse=False, sink_steps=0, has_layer=False, has_new=False,
-                mask_per_batch=False, sm_scale=float(sm_scale),
-                precision=_precision(k_PKLD.dtype))
+    q_PKRD = pad_rows(tokens_to_rows(q, K, groups=P), rows_pad)
+    c = _Static(S=L, heads=heads, block_q=block_q, block_k=block_k,
+                num_steps=max(cdiv(L, block_k), 1), sink=0, window=0, sparse=False,
+                sink_steps=0, has_layer=False, has_new=False, mask_per_batch=False,
+                sm_scale=float(sm_scale), precision=_precision(k_PKLD.dtype))
     o, lse = _attention_call(q_PKRD, k_PKLD, v_PKLD, lengths, None, None, c=c,
                              interpret=interpret, vmem_limit_bytes=block_sizes.vmem_limit_bytes,
                              name="jaxspec_tpu_prefix_attention")
-    o = (o[:, :, :rows].reshape(P, K, Bg, T, G, D).transpose(0, 2, 3, 1, 4, 5)
-         .reshape(B, T, H, D))
-    lse = lse[:, :, :rows].reshape(P, K, Bg, T, G).transpose(0, 2, 3, 1, 4).reshape(B, T, H)
-    return o, lse
+    return rows_to_tokens(o, lse, B, T, G, grouped=True)
 
 
 def tpu_prefix_attention_pkld(q, k_PKLD, v_PKLD, prefix_lengths=None, *, sm_scale=None,
@@ -566,15 +520,14 @@ def tpu_prefix_attention_pkld(q, k_PKLD, v_PKLD, prefix_lengths=None, *, sm_scal
     KV head) is a contiguous ``L x D`` stream, which is what the K/V BlockSpecs
     tile. Returns ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``.
     """
-    from .prefix_attention import _check_shapes, _lengths
     kt = jax.ShapeDtypeStruct(tuple(k_PKLD.shape[i] for i in (0, 2, 1, 3)), k_PKLD.dtype)
-    _check_shapes(q, kt, kt, prefix_lengths)
+    check_prefix_args(q, kt, kt, prefix_lengths)
     if v_PKLD.shape != k_PKLD.shape:
         raise ValueError(f"k/v prefix shapes differ: {k_PKLD.shape} / {v_PKLD.shape}")
-    sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
     if interpret is True and _InterpretParams is not None:
         interpret = _InterpretParams()
-    lengths = _lengths(prefix_lengths, k_PKLD.shape[0], k_PKLD.shape[2])
+    lengths = prefix_lengths_or_full(prefix_lengths, k_PKLD.shape[0], k_PKLD.shape[2])
     return _tpu_prefix(q, k_PKLD, v_PKLD, lengths, sm_scale=sm_scale,
                        interpret=interpret if interpret else False,
                        block_sizes=block_sizes or TPUPrefixBlockSizes())
@@ -587,8 +540,7 @@ def tpu_prefix_attention(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale
     Takes the library's ``[P, L, K, D]`` prefix and transposes it to
     ``[P, K, L, D]`` first (see ``tpu_prefix_attention_pkld`` to skip that copy).
     """
-    from .prefix_attention import _check_shapes
-    _check_shapes(q, k_prefix, v_prefix, prefix_lengths)
+    check_prefix_args(q, k_prefix, v_prefix, prefix_lengths)
     return tpu_prefix_attention_pkld(q, jnp.swapaxes(k_prefix, 1, 2),
                                      jnp.swapaxes(v_prefix, 1, 2), prefix_lengths,
                                      sm_scale=sm_scale, interpret=interpret,

@@ -334,15 +334,14 @@ def test_splits_share_each_sequences_context(sparse, monkeypatch):
   longest request) still keep every split busy. Split at the slot axis, all of a 256-token
   context would fall to the first of 4 splits of 256 slots. The partials are caught on their
   way to the merge; the merged result must still match the reference."""
-  import importlib
-  da = importlib.import_module("pallas_kernels.decode_attention")  # the module, not the function
+  from pallas_kernels import triton_core
   seen = {}
-  merge = da.merge_stacked
+  merge = triton_core.merge_stacked
 
   def spy(o, lse, **kw):  # inside the kernel's jit: read the partials by a callback
     jax.debug.callback(lambda x: seen.__setitem__("lse", np.asarray(x)), lse)
     return merge(o, lse, **kw)
-  monkeypatch.setattr(da, "merge_stacked", spy)
+  monkeypatch.setattr(triton_core, "merge_stacked", spy)
   bs = DecodeAttentionBlockSizes(block_k=32, target_programs=8, min_split_size=64)
   c = Case(2, 1, 2, 1, 32, 1024, (256, 100), sink=8 if sparse else 0,
            window=120 if sparse else 0, bs=bs)
@@ -550,13 +549,12 @@ def test_kernel_lowers_to_valid_triton_ir(c, monkeypatch):
   Catches lowering bugs (e.g. an ill-typed select) without a GPU; needs a jax whose
   Triton lowering falls back to a default GPU arch when no GPU is present (0.10.x).
   """
-  import sys
+  from pallas_kernels import common, triton_decode
   try:
     from jax._src.pallas.triton import lowering as triton_lowering
     from jax._src.pallas.triton import pallas_call_registration as registration
   except ImportError:
     pytest.skip("no Pallas Triton lowering in this jax")
-  da = sys.modules["pallas_kernels.decode_attention"]
   original = triton_lowering.lower_jaxpr_to_triton_module
 
   def lower_and_verify(*args, **kwargs):
@@ -564,14 +562,14 @@ def test_kernel_lowers_to_valid_triton_ir(c, monkeypatch):
     assert result.module.operation.verify()
     return result
   monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-  monkeypatch.setattr(da, "_is_nvidia", lambda: True)       # exercise the ex2.approx path
+  monkeypatch.setattr(common, "is_nvidia", lambda: True)   # exercise the ex2.approx path
   q, k, v, lengths, tm = make_inputs(c, seed=0)
   layer = jnp.int32(c.layers - 1) if c.layers else None
 
   def f(q, k, v, lengths, tm, layer):
-    return da._decode_attention_kernel(q, k, v, lengths, tm, layer, sink=c.sink,
-                                       window=c.window, sm_scale=0.125, interpret=False,
-                                       block_sizes=c.bs, on_gpu=True, num_new=c.num_new)
+    return triton_decode.triton_decode_attention(
+        q, k, v, lengths, tm, layer, sink=c.sink, window=c.window, sm_scale=0.125,
+        interpret=False, block_sizes=c.bs, on_gpu=True, num_new=c.num_new)
   try:
     lowered = jax.jit(f).trace(q, k, v, lengths, tm, layer).lower(lowering_platforms=("cuda",))
   except RuntimeError as e:

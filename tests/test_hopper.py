@@ -11,7 +11,6 @@ slow (about 2 s per program), so shapes are small.
 """
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,15 +23,15 @@ pytestmark = pytest.mark.skipif(hopper.plgpu is None, reason="jax without Mosaic
 
 
 def _reference(q, k, v, lengths, layout, scale):
-  kk = jnp.swapaxes(k, 1, 2) if layout == "PLKD" else k
-  vv = jnp.swapaxes(v, 1, 2) if layout == "PLKD" else v
-  s = jnp.einsum("abrd,absd->abrs", q.astype(jnp.float32), kk.astype(jnp.float32),
-                 precision="highest") * scale
-  valid = jnp.arange(kk.shape[2])[None, None, None, :] < lengths[:, None, None, None]
-  s = jnp.where(valid, s, -jnp.inf)
-  lse = jax.nn.logsumexp(s, -1)
-  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-  return jnp.einsum("abrs,absd->abrd", p, vv.astype(jnp.float32), precision="highest"), lse
+  """``rows_attention``'s contract in float32 through the library's shared-prefix reference:
+  stream (n1, n2) is prefix group n1 with one sequence whose R "tokens" have one query head
+  per KV head n2 (q[N1, N2, R, D] as [B=N1, T=R, H=N2, D], k/v as [P=N1, L, K=N2, D])."""
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  if layout == "BKSD":
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  o, lse = prefix_attention_reference(f32(jnp.swapaxes(q, 1, 2)), f32(k), f32(v), lengths,
+                                      sm_scale=scale)
+  return jnp.swapaxes(o, 1, 2), jnp.swapaxes(lse, 1, 2)
 
 
 @pytest.mark.parametrize("layout,lengths,splits,stages,rows_per_wg,pingpong,overlap", [

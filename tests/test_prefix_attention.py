@@ -492,21 +492,23 @@ def test_splits_share_the_valid_length(dynamic):
   past its prefix costs what the valid tokens cost: the ranges partition [0, length) and none
   is longer than an even share (in whole blocks). Static splits (an explicit split_size) keep
   their fixed slots, and the evenness check fails for them."""
-  from pallas_kernels.decode_attention import _cdiv
-  from pallas_kernels.prefix_attention import _Static, split_range
+  from pallas_kernels.common import cdiv
+  from pallas_kernels.splits import split_range
+  from pallas_kernels.triton_prefix import PrefixStatic
   rng = np.random.default_rng(3)
   for _ in range(200):
     n, bk = int(rng.integers(1, 9)), int(2 ** rng.integers(4, 7))
     split = int(rng.integers(1, 40)) * bk
     L = n * split
-    c = _Static(L=L, block_q=16, block_k=bk, split_size=split, num_splits=n,
-                dynamic_split=dynamic, has_layer=False, scale_log2=1.0, fast_exp=False, D=64)
+    c = PrefixStatic(L=L, block_q=16, block_k=bk, split_size=split, num_splits=n,
+                     dynamic_split=dynamic, has_layer=False, scale_log2=1.0, fast_exp=False,
+                     D=64)
     length = int(rng.integers(0, L + 1))
     ranges = [tuple(int(x) for x in split_range(jnp.int32(si), jnp.int32(length), c))
               for si in range(n)]
     covered = [i for lo, hi in ranges for i in range(lo, hi)]
     assert covered == list(range(length))   # a partition, in order
-    share = _cdiv(_cdiv(length, n), bk) * bk   # an even share, rounded up to whole blocks
+    share = cdiv(cdiv(length, n), bk) * bk   # an even share, rounded up to whole blocks
     even = max(hi - lo for lo, hi in ranges) <= share
     if dynamic:
       assert even

@@ -163,8 +163,8 @@ def _spec(shape, dtype):
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("c", _decode_cases(SEED, LOWER_CASES), ids=_id)
 def test_decode_attention_random_shape_lowers(c, platform):
-  """The draw that found the Hopper kernel failing to lower at T % 8 != 0 (T=97) and at
-  D=256 (its default tiles overflowed shared memory) on the H100 (session 14)."""
+  """Random draws catch shapes a kernel cannot lower, e.g. the Hopper kernel at T % 8 != 0
+  (T=97) or D=256 with tiles that overflow shared memory."""
   H = c.G * c.K
   q = _spec((c.B, c.T, H, c.D), c.dtype)
   kv = _spec((c.B, c.K, c.S, c.D), c.dtype)

@@ -267,14 +267,14 @@ def test_dispatch_picks_tpu_kernels_for_tpu(monkeypatch):
   pc = P(1, 2, 2, 2, 1, 64, 20, (13,))
   pq, pk, pv, plen = pre.make_inputs(pc, seed=7)
   with target_platform("tpu"):
-    assert tpu_mod.dispatch_platform() == "tpu"
+    assert pallas_kernels.dispatch_platform() == "tpu"
     out = decode_attention(q, k, v, lengths)
     pout = prefix_attention(pq, pk, pv, plen)
   assert calls == ["decode", "prefix"]
   dec.assert_close(*out, *decode_attention_reference(q, k, v, lengths), tol=1e-5)
   pre.assert_close(*pout, *prefix_attention_reference(pq, pk, pv, plen), tol=1e-5)
   # Outside the context: the CPU backend's choice (the reference), no TPU kernel.
-  assert tpu_mod.dispatch_platform() == jax.default_backend()
+  assert pallas_kernels.dispatch_platform() == jax.default_backend()
   decode_attention(q, k, v, lengths)
   assert calls == ["decode", "prefix"]
 

@@ -1,0 +1,127 @@
+"""The plain-`jnp` references of the attention contracts: one per contract.
+
+* ``decode_attention_reference``: decode / verify (causal or tree mask over the new tokens,
+  the last T of ``T_new >= T`` new tokens as queries) and the sparse StreamingLLM context
+  (sink + window);
+* ``prefix_attention_reference``: shared-prefix attention (Hydragen);
+* the log-sum-exp merge of partial attentions has one implementation for every path,
+  ``merge.merge_stacked``, which is its own reference.
+
+Each computes dense float32 logits with a per-key visibility mask (memory heavy for long
+caches and many queries): the oracle of the kernel tests, the CPU path of the dispatch, and
+a benchmark peer. ``tests/test_kernel_references.py`` checks them against float64 numpy.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .contracts import (check_decode_args, check_prefix_args, layer_slice,
+                        prefix_lengths_or_full, resolve_sm_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("sink", "window", "sm_scale", "num_new"))
+def decode_reference_impl(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window,
+                          sm_scale, num_new):
+    """``decode_attention_reference`` on checked arguments (``num_new``: T_new, an int)."""
+    k_cache, v_cache = layer_slice(k_cache, v_cache, layer)
+    B, T, H, D = q.shape
+    T_new = num_new                                                    # keys; T: queries
+    K, S = k_cache.shape[1], k_cache.shape[2]
+    G = H // K
+    hi = lax.Precision.HIGHEST
+    q5 = q.reshape(B, T, K, G, D).astype(jnp.float32)
+    s = jnp.einsum("btkgd,bksd->bkgts", q5, k_cache.astype(jnp.float32), precision=hi)
+    s = s * sm_scale                                                   # [B, K, G, T, S]
+    slot = jnp.arange(S, dtype=jnp.int32)[None, :]                     # [1, S]
+    L = lengths.astype(jnp.int32)[:, None]                             # [B, 1]
+    ctx = slot < L
+    if sink or window:
+        ctx &= (slot < (sink or 0)) | (slot >= L - (window or 0))
+    j = slot - L                                                       # new-token index
+    is_new = (j >= 0) & (j < T_new)
+    t = jnp.arange(T, dtype=jnp.int32)[None, :, None]                  # query t = new T_new-T+t
+    if tree_mask is None:
+        new_vis = j[:, None, :] <= t + (T_new - T)                     # [B, T, S]
+    else:
+        tm = jnp.broadcast_to(jnp.asarray(tree_mask, bool).reshape((-1, T, T_new)),
+                              (B, T, T_new))
+        new_vis = jnp.take_along_axis(
+            tm, jnp.broadcast_to(jnp.clip(j, 0, T_new - 1)[:, None, :], (B, T, S)), axis=2)
+    vis = ctx[:, None, :] | (is_new[:, None, :] & new_vis)             # [B, T, S]
+    vis = vis[:, None, None]                                           # [B, 1, 1, T, S]
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp(s - m_safe)
+    l = jnp.sum(p, axis=-1)
+    # Zero V rows no query may see (past length + T_new, or in the sparse gap), which may
+    # hold garbage: 0 * NaN would be NaN. Scores were masked by select, not multiply.
+    seen_slot = (ctx | is_new)[:, None, :, None]                       # [B, 1, S, 1]
+    v = jnp.where(seen_slot, v_cache.astype(jnp.float32), 0.0)
+    o = jnp.einsum("bkgts,bksd->bkgtd", p, v, precision=hi)
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.squeeze(m_safe, -1) + jnp.log(l)                         # -inf when l == 0
+    o = o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q.dtype)
+    lse = lse.transpose(0, 3, 1, 2).reshape(B, T, H)
+    return o, lse
+
+
+def decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
+                               sink=None, window=None, sm_scale=None, interpret=None,
+                               block_sizes=None, num_new=None):
+    """Plain-jnp decode attention; same contract as ``decode_attention``.
+
+    Computes dense ``[B, K, G, T, S]`` float32 logits (memory heavy for long S and
+    large T: for tests, CPU, and as a benchmark peer). ``interpret`` and
+    ``block_sizes`` are accepted for signature compatibility and ignored.
+    """
+    del interpret, block_sizes
+    T_new = check_decode_args(q, k_cache, v_cache, lengths, tree_mask, layer, num_new)
+    sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
+    return decode_reference_impl(q, k_cache, v_cache, lengths, tree_mask, layer,
+                                 sink=int(sink or 0), window=int(window or 0),
+                                 sm_scale=sm_scale, num_new=T_new)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def prefix_reference_impl(q, k_prefix, v_prefix, lengths, *, sm_scale):
+    """``prefix_attention_reference`` on checked arguments: one layer ``[P, L, K, D]``,
+    ``lengths[P]`` int32."""
+    B, T, H, D = q.shape
+    P, L, K, _ = k_prefix.shape
+    G = H // K
+    hi = lax.Precision.HIGHEST
+    q6 = q.reshape(P, B // P, T, K, G, D).astype(jnp.float32)
+    s = jnp.einsum("pbtkgd,plkd->pbtkgl", q6, k_prefix.astype(jnp.float32), precision=hi)
+    s = s * sm_scale                                                   # [P, Bg, T, K, G, L]
+    valid = jnp.arange(L, dtype=jnp.int32)[None, :] < lengths[:, None]  # [P, L]
+    s = jnp.where(valid[:, None, None, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp(s - m_safe)
+    l = jnp.sum(p, axis=-1)
+    v = jnp.where(valid[:, :, None, None], v_prefix.astype(jnp.float32), 0.0)  # no 0 * NaN
+    o = jnp.einsum("pbtkgl,plkd->pbtkgd", p, v, precision=hi)
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.squeeze(m_safe, -1) + jnp.log(l)                         # -inf when l == 0
+    return o.reshape(B, T, H, D).astype(q.dtype), lse.reshape(B, T, H)
+
+
+def prefix_attention_reference(q, k_prefix, v_prefix, prefix_lengths=None, *, sm_scale=None,
+                               interpret=None, block_sizes=None, layer=None):
+    """Plain-jnp shared-prefix attention; same contract as ``prefix_attention``.
+
+    Computes dense ``[P, B/P, T, K, G, L]`` float32 logits (for tests, CPU, and as
+    a benchmark peer). ``interpret`` and ``block_sizes`` are accepted for
+    signature compatibility and ignored.
+    """
+    del interpret, block_sizes
+    check_prefix_args(q, k_prefix, v_prefix, prefix_lengths, layer)
+    sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
+    k_prefix, v_prefix = layer_slice(k_prefix, v_prefix, layer)
+    lengths = prefix_lengths_or_full(prefix_lengths, k_prefix.shape[0], k_prefix.shape[1])
+    return prefix_reference_impl(q, k_prefix, v_prefix, lengths, sm_scale=sm_scale)

@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 
 from pallas_kernels import (  # noqa: E402
     DecodeAttentionBlockSizes, decode_attention, decode_attention_reference)
-from pallas_kernels.decode_attention import _GPU_DEFAULTS as GPU_DEFAULTS  # noqa: E402
+from pallas_kernels.triton_decode import GPU_DEFAULTS  # noqa: E402
 
 from benchutil import T0, copy_ceiling, device_time, log, timeit  # noqa: E402,F401
 
@@ -50,8 +50,8 @@ def ceilings(nbytes, inner, reps):
   """Copy ceiling (read + write bytes / time; the best of three loop-carry forms) and a
   read-only ceiling (a max-reduction), by the wall clock and in GPU time. The copies run in
   loops over a donated carry (``benchutil.copy_ceiling``): without donation XLA first copies
-  the input into the loop state, one extra pass per loop that made these ceilings ~10% low
-  (sessions up to 12); in GPU time all the loop's kernels count, as for the kernels timed."""
+  the input into the loop state, one extra pass per loop that would make these ceilings
+  ~10% low; in GPU time all the loop's kernels count, as for the kernels timed."""
   n = nbytes // 2
   x = jax.random.normal(jax.random.key(0), (n // 1024, 1024), jnp.bfloat16)
   read_t, _, _ = timeit(lambda i, x: jnp.max(x + i.astype(x.dtype)), (x,), inner=inner,
@@ -196,12 +196,9 @@ def bs_label(bs: DecodeAttentionBlockSizes):
 
 
 def tune_space(T, G):
-  """Block-size deltas (relative to the GPU defaults) tried per T.
-
-  The first sweep (H200, jax 0.11.2; see the notes in benchmarks/attention.md)
-  covered block_k x (num_warps, num_stages) x split_size for every T; this keeps
-  the candidates that were close, plus the compute-bound T=64 variants.
-  """
+  """Block-size deltas (relative to the GPU defaults) tried per T: the candidates of a full
+  block_k x (num_warps, num_stages) x split_size sweep that came close to the defaults, plus
+  the compute-bound T=64 variants."""
   rows = T * G
   if rows <= 64:
     return [dict(), dict(block_k=64), dict(fast_exp=False), dict(block_k=32, num_stages=4),

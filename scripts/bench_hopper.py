@@ -16,7 +16,7 @@ On an NVIDIA Hopper GPU, in one run:
   * the shared-prefix shape (B=64, P=1, L=16384, T in {1, 5}): Triton vs Hopper variants.
 
 Writes ``<out>.json`` and ``<out>.md``. Usage:
-  python scripts/bench_hopper.py [--out benchmarks/hopper_attention_h100_s11] [--inner 10 --reps 5]
+  python scripts/bench_hopper.py [--out benchmarks/hopper_attention] [--inner 10 --reps 5]
 """
 import argparse
 import json
@@ -38,8 +38,8 @@ from benchutil import log, timeit  # noqa: E402
 
 K, G, D = 8, 4, 128
 # (rows_per_wg, block_kv, stages, pingpong, overlap): the default (software-pipelined
-# consumers, FlashAttention-3's intra-warpgroup overlap, with ping-pong), session 10's
-# kernel (no overlap), and the default with 64-key blocks in a 4-deep ring
+# consumers, FlashAttention-3's intra-warpgroup overlap, with ping-pong), the kernel without
+# that overlap, and the default with 64-key blocks in a 4-deep ring
 VARIANTS = [(64, 128, 2, True, True), (64, 128, 2, True, False), (64, 64, 4, True, True)]
 OV = VARIANTS[0]
 
@@ -57,18 +57,16 @@ def name(v):
 
 
 def _rows_reference(q, k, v, lengths, layout):
-  kk = jnp.swapaxes(k, 1, 2) if layout == "PLKD" else k
-  vv = jnp.swapaxes(v, 1, 2) if layout == "PLKD" else v
-  s = jnp.einsum("abrd,absd->abrs", q.astype(jnp.float32), kk.astype(jnp.float32),
-                 precision="highest") / math.sqrt(D)
-  valid = jnp.arange(kk.shape[2])[None, None, None, :] < lengths[:, None, None, None]
-  s = jnp.where(valid, s, -jnp.inf)
-  rl = jax.nn.logsumexp(s, -1)
-  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(rl), rl, 0)[..., None]), 0)
-  vvalid = jnp.arange(kk.shape[2])[None, None, :, None] < lengths[:, None, None, None]
-  ro = jnp.einsum("abrs,absd->abrd", p, jnp.where(vvalid, vv.astype(jnp.float32), 0),
-                  precision="highest")
-  return ro, rl
+  """``hopper.rows_attention``'s contract in float32 through the shared-prefix reference:
+  stream (n1, n2) is prefix group n1 with one sequence whose R "tokens" have one query head
+  per KV head n2 (q[N1, N2, R, D] as [B=N1, T=R, H=N2, D], k/v as [P=N1, L, K=N2, D])."""
+  from pallas_kernels import prefix_attention_reference
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  if layout == "BKSD":
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  ro, rl = prefix_attention_reference(f32(jnp.swapaxes(q, 1, 2)), f32(k), f32(v), lengths,
+                                      sm_scale=1 / math.sqrt(D))
+  return jnp.swapaxes(ro, 1, 2), jnp.swapaxes(rl, 1, 2)
 
 
 def check(results):
@@ -172,8 +170,8 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
           prefix_shapes=None):
   from jax.experimental.pallas.ops.gpu import attention_mgpu as am
   from pallas_kernels import decode_attention, hopper, prefix_attention
-  from pallas_kernels.decode_attention import _GPU_DEFAULTS as DEC_DEFAULTS
-  from pallas_kernels.prefix_attention import _GPU_DEFAULTS
+  from pallas_kernels.triton_decode import GPU_DEFAULTS as DEC_DEFAULTS
+  from pallas_kernels.triton_prefix import GPU_DEFAULTS as PRE_DEFAULTS
   from benchutil import device_time
   mm, bw = ceil["matmul_TFLOPs"], ceil["copy_TBps"]
   mm_d, bw_d = ceil.get("matmul_TFLOPs_device", mm), ceil.get("copy_TBps_device", bw)
@@ -235,13 +233,13 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
       record(shape, name(v), dec(hb_of(v)), (q, kc, vc, lengths), flops, nbytes)
     if T == 64:  # launch order and register caps; the default again last (clock drift)
       import dataclasses
-      for label, kw in (("index order (session 11)", dict(longest_first=False)),
+      for label, kw in (("index order", dict(longest_first=False)),
                         ("registers 240/24", dict(registers=(240, 24))),
                         ("(default again)", {})):
         record(shape, name(VARIANTS[0]) + " " + label,
                dec(dataclasses.replace(hb_of(VARIANTS[0]), **kw)), (q, kc, vc, lengths),
                flops, nbytes)
-    if T == 64:  # the same default kernel with q / out transposed around it (session 9)
+    if T == 64:  # the same default kernel with q / out transposed around it
       def dec_t(i, q, kc, vc, lengths):
         o, l = hopper.verify_attention(q, kc, vc, lengths - (i % 2), tm,
                                        sm_scale=1 / math.sqrt(D), q_in_place=False)
@@ -302,13 +300,13 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
       return q[0, 0, 0, 0].astype(jnp.float32) + (plen - (i % 2))[-1].astype(jnp.float32)
     record(shape, "the timing loop alone (its scalar kernels, no attention)", harness, args,
            flops, nbytes)
-    record(shape, "triton prefix kernel", pstep(_GPU_DEFAULTS), args, flops, nbytes)
+    record(shape, "triton prefix kernel", pstep(PRE_DEFAULTS), args, flops, nbytes)
     for v in VARIANTS:
       record(shape, name(v) + " splits=auto", pstep(hb_of(v)), args, flops, nbytes)
     for sp in (4, 16):
       record(shape, name(OV) + f" splits={sp}", pstep(hb_of(OV, sp)), args, flops, nbytes)
 
-    def transposed(i, q, kp, vp, plen):  # session 11's path: q / out as rows [P, K, R, D]
+    def transposed(i, q, kp, vp, plen):  # q / out as transposed rows [P, K, R, D]
       Bg, rows = B // P, B // P * T * G
       pad = -rows % hb_of(OV).rows_per_program
       qr = q.reshape(P, Bg, T, K, G, D).transpose(0, 3, 1, 2, 4, 5).reshape(P, K, rows, D)
@@ -317,7 +315,7 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
                               sm_scale=1 / math.sqrt(D), block_sizes=hb_of(OV))
       o = o[:, :, :rows].reshape(P, K, Bg, T, G, D).transpose(0, 2, 3, 1, 4, 5)
       return o[0, 0, 0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
-    record(shape, name(OV) + " q/out transposed (session 11)", transposed, args, flops, nbytes)
+    record(shape, name(OV) + " q/out transposed", transposed, args, flops, nbytes)
 
     def kern(i, q, kp, vp, plen):  # the kernel alone: splits not merged
       o, l2 = hopper.rows_attention(q.reshape(P, B // P * T, K * G, D), kp, vp,
@@ -384,7 +382,7 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="benchmarks/hopper_attention_h100_s11")
+  ap.add_argument("--out", default="benchmarks/hopper_attention")
   ap.add_argument("--inner", type=int, default=10)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--check-only", action="store_true")

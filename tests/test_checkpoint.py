@@ -239,3 +239,34 @@ def test_cli_convert_and_generate(tmp_path):
     assert r.returncode == 2 and "tokenizer" in r.stderr  # tiny model has no tokenizer
     r = run("generate", str(tmp_path / "nope"), "--prompt", "x")
     assert r.returncode == 2 and "no checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tokenizer_that_cannot_be_built_is_an_error_with_a_remedy(tmp_path, capsys):
+    """A GGUF whose tokenizer cannot be rebuilt, or a Hugging Face folder whose tokenizer files do not
+    load, stops the conversion before any weight is read (nothing is written) and names the remedy;
+    --no-tokenizer converts the weights alone."""
+    from jaxspec import cli
+    from test_gguf_io import byte_level_vocab, tiny_model, write_tiny_gguf
+
+    vocab = dict(byte_level_vocab(), pre="a-pre-tokenizer-nobody-knows")
+    tiny = tiny_model("qwen2", vocab=len(vocab["tokens"]))
+    gguf_path = write_tiny_gguf(tmp_path / "m.gguf", tiny.state, tiny.config, tokenizer=vocab)
+    with pytest.raises(ValueError, match="a-pre-tokenizer-nobody-knows(.|\n)*Hugging Face folder(.|\n)*--no-tokenizer"):
+        jaxspec.convert(gguf_path, tmp_path / "a", progress=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["convert", str(gguf_path), str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--no-tokenizer" in err and "Traceback" not in err
+    assert not (tmp_path / "a").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    cli.main(["convert", str(gguf_path), str(tmp_path / "a"), "--no-tokenizer", "--dtype", "float32"])
+    assert not (tmp_path / "a" / "tokenizer.json").exists()
+    assert jaxspec.load(tmp_path / "a").tokenizer is None
+
+    hf = make_hf_model("llama-gqa", seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text("{not a tokenizer")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "NoSuchTokenizer"}))
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer(.|\n)*--no-tokenizer"):
+        jaxspec.convert(tmp_path / "hf", tmp_path / "b", progress=False)
+    assert not (tmp_path / "b").exists()
+    assert jaxspec.convert(tmp_path / "hf", tmp_path / "b", progress=False, tokenizer=False).exists()

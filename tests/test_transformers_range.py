@@ -71,6 +71,8 @@ CHILD = """
     out["chat_old"] = tok.apply_chat_template([{"role": "user", "content": texts[0]}], tokenize=False)
     tok = _load_hf_tokenizer(f"{sys.argv[2]}/ckpt-new")  # converted under the newest transformers
     out["ckpt_new"] = [tok(t)["input_ids"] for t in texts]
+    tok = _load_hf_tokenizer(f"{sys.argv[2]}/raw-new")  # saved by the newest, class name as it writes it
+    out["raw_new"] = [tok(t)["input_ids"] for t in texts]
     print(json.dumps(out))
 """
 
@@ -96,6 +98,7 @@ def test_conversion_with_oldest_and_newest_transformers(tmp_path: Path, oldest_t
     tiny = tiny_model("qwen2", vocab=len(vocab["tokens"]))
     write_tiny_gguf(tmp_path / "model.gguf", tiny.state, tiny.config, tokenizer=vocab)
     convert(tmp_path / "model.gguf", tmp_path / "ckpt-new", dtype="float32", progress=False)
+    _load_hf_tokenizer(tmp_path / "ckpt-new").save_pretrained(tmp_path / "raw-new")
 
     old = run_with(oldest_transformers, CHILD, str(tmp_path / "texts.json"), str(tmp_path))
     assert old["version"].startswith(OLDEST + ".") and transformers.__version__ != old["version"]
@@ -108,7 +111,7 @@ def test_conversion_with_oldest_and_newest_transformers(tmp_path: Path, oldest_t
     # the checkpoint written under the oldest loads under the newest and the other way round
     newest = _load_hf_tokenizer(tmp_path / "ckpt-old")
     assert newest is not None
-    assert old["ckpt_old"] == old["ckpt_new"] == [newest(t)["input_ids"] for t in sample]
+    assert old["ckpt_old"] == old["ckpt_new"] == old["raw_new"] == [newest(t)["input_ids"] for t in sample]
     want_chat = jinja2.Template(vocab["chat_template"]).render(messages=[{"role": "user", "content": sample[0]}])
     assert old["chat_old"] == newest.apply_chat_template([{"role": "user", "content": sample[0]}],
                                                          tokenize=False) == want_chat

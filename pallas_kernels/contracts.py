@@ -105,6 +105,12 @@ def layer_slice(k, v, layer):
             lax.dynamic_index_in_dim(v, layer, axis=0, keepdims=False))
 
 
+def layer_operand(layer):
+    """The layer index as the kernels take it: a 1-element int32 array (0 without layers);
+    ``layer`` may be traced."""
+    return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+
+
 def tokens_to_rows(q, K: int, groups: int | None = None):
     """``q[B, T, H, D]`` as query rows ``[N, K, R, D]``: per sequence (``groups`` None: N = B,
     R = T * G, row ``t * G + g``) or per prefix group (N = ``groups`` = P, R = B/P * T * G,

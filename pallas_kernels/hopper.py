@@ -82,7 +82,7 @@ from jax.experimental import pallas as pl
 from . import common
 from .common import HOPPER_SMEM_BYTES as SMEM_BYTES
 from .common import LN2, LOG2E, cdiv, round_up
-from .contracts import pad_rows, rows_to_tokens, tokens_to_rows
+from .contracts import layer_operand, pad_rows, rows_to_tokens, tokens_to_rows
 from .merge import merge_stacked
 from .splits import split_bounds
 
@@ -753,7 +753,7 @@ def rows_attention(q_N1N2RD, k, v, lengths, *, kv_layout: str, sm_scale: float,
         widths = [(0, 0)] * k.ndim
         widths[ax] = (0, round_up(L, bs.block_kv) - L)
         k, v = jnp.pad(k, widths), jnp.pad(v, widths)
-    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    layer_arr = layer_operand(layer)
     lengths = lengths.astype(jnp.int32)
     if bs.longest_first and N1 > 1:
         order = jnp.argsort(-lengths, stable=True).astype(jnp.int32)

@@ -70,8 +70,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .common import cdiv, round_up
-from .contracts import (check_decode_args, check_prefix_args, pad_rows, prefix_lengths_or_full,
-                        resolve_sm_scale, rows_to_tokens, tokens_to_rows)
+from .contracts import (check_decode_args, check_prefix_args, layer_operand, pad_rows,
+                        prefix_lengths_or_full, resolve_sm_scale, rows_to_tokens,
+                        tokens_to_rows)
 
 # Names differ across jax versions (0.10.x / 0.11.x and older ones).
 _CompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
@@ -325,7 +326,7 @@ def _attention_call(q_NKRD, k_cache, v_cache, lengths, layer, new, *, c: _Static
                  pl.BlockSpec((None, hb, bq, 1), lambda b, h, qi, j, *_: (b, h, qi, 0))]
     out_shape = [jax.ShapeDtypeStruct((N, K, R, D), q_NKRD.dtype),
                  jax.ShapeDtypeStruct((N, K, R, 1), jnp.float32)]
-    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    layer_arr = layer_operand(layer)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=grid,

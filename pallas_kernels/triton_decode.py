@@ -26,7 +26,8 @@ from jax.experimental import pallas as pl
 
 from . import triton_core as core
 from .common import LOG2E, cdiv, next_pow2, num_sms
-from .contracts import pad_rows, resolve_num_new, rows_to_tokens, tokens_to_rows
+from .contracts import (layer_operand, pad_rows, resolve_num_new, rows_to_tokens,
+                        tokens_to_rows)
 from .splits import split_range
 
 
@@ -219,8 +220,7 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
         q_BKRD = pad_rows(q_BKRD, rows_pad)
 
     causal = tree_mask is None
-    inputs = [jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
-              lengths.astype(jnp.int32), q_BKRD, k_cache, v_cache]
+    inputs = [layer_operand(layer), lengths.astype(jnp.int32), q_BKRD, k_cache, v_cache]
     extra_shapes = []
     mask_per_batch = False
     if not causal:

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from . import triton_core as core
 from .common import LOG2E, cdiv, next_pow2, num_sms
-from .contracts import pad_rows, rows_to_tokens, tokens_to_rows
+from .contracts import layer_operand, pad_rows, rows_to_tokens, tokens_to_rows
 from .splits import split_range
 
 
@@ -193,8 +193,8 @@ def triton_prefix_attention(q, k_prefix, v_prefix, prefix_lengths, layer, *, sm_
                           num_splits=num_splits, dynamic_split=block_sizes.split_size is None,
                           has_layer=has_layer, scale_log2=float(sm_scale) * LOG2E,
                           fast_exp=core.use_fast_exp(block_sizes, on_gpu), D=D)
-    inputs = [jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
-              prefix_lengths.astype(jnp.int32), q_PKRD, k_prefix, v_prefix]
+    inputs = [layer_operand(layer), prefix_lengths.astype(jnp.int32), q_PKRD, k_prefix,
+              v_prefix]
     o, lse = core.attention_call(
         functools.partial(_prefix_kernel, c=static), inputs, [],
         kv_shape=k_prefix.shape, num_splits=num_splits, block_q=block_q, rows_pad=rows_pad,

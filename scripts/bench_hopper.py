@@ -325,8 +325,8 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
     record(shape, name(OV) + " kernel only (splits unmerged)", kern, args, flops, nbytes)
 
     # The engine's form: the prefix part merged with a suffix part (its out and lse given).
-    # Before: the kernel's key splits merged, then that merged with the suffix (two merges);
-    # now the splits come back unmerged (partials=True) and join the suffix in one merge.
+    # Two forms: the kernel's key splits merged, then that merged with the suffix (two
+    # merges), or the splits unmerged (partials=True) joining the suffix in one merge.
     from pallas_kernels import merge_attention_states
     from pallas_kernels.merge import merge_partials
     o_suf = jax.random.normal(ks[0], q.shape, jnp.bfloat16)
@@ -342,7 +342,7 @@ def bench(results, ceil, inner, reps, prefix=True, ts=None, profile="", prefix_o
       o, l = prefix_attention(q, kp, vp, plen - (i % 2), partials=True)
       o, l = merge_partials([o_suf[None], o], [l_suf[None], l], q.dtype)
       return o[0, 0, 0, 0].astype(jnp.float32) + l[-1, -1, -1]
-    record(shape, "with a suffix part: splits merged, then merged with it (before)", two_merges,
+    record(shape, "with a suffix part: splits merged, then merged with it", two_merges,
            eargs, flops, nbytes)
     record(shape, "with a suffix part: splits and suffix in one merge (engine, partials)",
            one_merge, eargs, flops, nbytes)

@@ -139,7 +139,7 @@ def carry_ceiling(body, init, *, inner, reps):
   """Per-iteration times of ``fori_loop(0, inner, body, init)`` for a ceiling (a copy or a
   matmul in the loop carry), with the carry donated so that the loop needs no copy of its
   input first (without donation XLA copies ``init`` into the loop state once per call: one
-  extra pass that made earlier copy ceilings about 10% low at 10 iterations).
+  extra pass that makes a copy ceiling about 10% low at 10 iterations).
   Returns {"wall_s": median wall clock per iteration, "gpu_s": GPU time per iteration (all
   kernels of the calls, the loop's few scalar kernels included as in ``device_time``; None
   on CPU), "kernels": GPU kernels per call}. (Picking the body's kernel by name instead

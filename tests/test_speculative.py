@@ -38,7 +38,7 @@ def reference(target, prompts):
 @pytest.mark.parametrize("gamma", [1, 3, 8])
 def test_self_speculation_greedy_is_lossless(target, prompts, reference, gamma):
     # sink + window (2 + 6) much smaller than the prompts: sparsity bites; 40 new tokens slide it
-    spec = Speculation(draft="self", gamma=gamma, sink=2, window=6)
+    spec = Speculation(draft="self", gamma=gamma, sink=2, window=6, adaptive=False)
     res = jaxspec.generate(target, prompts, max_new_tokens=40, speculation=spec)
     assert res.tokens == reference
     assert 0.0 <= res.stats["acceptance_rate"] <= 1.0
@@ -48,7 +48,7 @@ def test_self_speculation_greedy_is_lossless(target, prompts, reference, gamma):
 def test_dense_self_draft_accepts_everything(target, prompts, reference):
     """The draft == the target (window=None): every draft is accepted, gamma+1 tokens a step."""
     res = jaxspec.generate(target, prompts, max_new_tokens=40,
-                           speculation=Speculation(draft="self", gamma=4, sink=0, window=None))
+                           speculation=Speculation(draft="self", gamma=4, sink=0, window=None, adaptive=False))
     assert res.tokens == reference
     assert res.stats["acceptance_rate"] == 1.0
     assert res.stats["tokens_per_step"] > 4.5
@@ -58,14 +58,14 @@ def test_dense_self_draft_accepts_everything(target, prompts, reference):
 @pytest.mark.parametrize("gamma", [2, 5])
 def test_draft_model_greedy_is_lossless(target, prompts, reference, window, gamma):
     draft = tiny_model(seed=7, layers=1, scale=3.0)
-    spec = Speculation(draft=draft, gamma=gamma, sink=2, window=window)
+    spec = Speculation(draft=draft, gamma=gamma, sink=2, window=window, adaptive=False)
     res = jaxspec.generate(target, prompts, max_new_tokens=40, speculation=spec)
     assert res.tokens == reference
 
 
 def test_draft_equal_to_target_accepts_everything(target, prompts, reference):
     for window in (None, 20):  # full cache, then a ring buffer much shorter than the prompts
-        spec = Speculation(draft=target, gamma=3, sink=2, window=window)
+        spec = Speculation(draft=target, gamma=3, sink=2, window=window, adaptive=False)
         res = jaxspec.generate(target, prompts, max_new_tokens=40, speculation=spec)
         assert res.tokens == reference
         if window is None:
@@ -75,8 +75,8 @@ def test_draft_equal_to_target_accepts_everything(target, prompts, reference):
 def test_stop_token_inside_a_round(target, prompts, reference):
     stop = reference[0][9]
     plain = jaxspec.generate(target, prompts, max_new_tokens=40, stop_tokens=[stop]).tokens
-    for spec in (Speculation(draft="self", gamma=6, sink=2, window=6),
-                 Speculation(draft=target, gamma=6, window=None)):
+    for spec in (Speculation(draft="self", gamma=6, sink=2, window=6, adaptive=False),
+                 Speculation(draft=target, gamma=6, window=None, adaptive=False)):
         res = jaxspec.generate(target, prompts, max_new_tokens=40, stop_tokens=[stop],
                                speculation=spec)
         assert res.tokens == plain
@@ -87,7 +87,7 @@ def test_stop_token_inside_a_round(target, prompts, reference):
 def test_budget_is_exact_per_row(target, prompts):
     ref = jaxspec.generate(target, prompts, max_new_tokens=7).tokens
     res = jaxspec.generate(target, prompts, max_new_tokens=7,
-                           speculation=Speculation(draft="self", gamma=5, sink=2, window=6))
+                           speculation=Speculation(draft="self", gamma=5, sink=2, window=6, adaptive=False))
     assert res.tokens == ref
     assert all(len(t) == 7 for t in res.tokens)
 
@@ -150,7 +150,7 @@ def tiny_vocab_models():
 def test_sampling_speculation_has_target_distribution(tiny_vocab_models, kind, temperature, top_k):
     target, draft = tiny_vocab_models
     prompt = [1, 3, 0, 5, 2, 4, 1, 1, 0, 3, 2]
-    spec = Speculation(draft=draft if kind == "model" else "self", gamma=2, sink=1, window=4)
+    spec = Speculation(draft=draft if kind == "model" else "self", gamma=2, sink=1, window=4, adaptive=False)
     joint = _exact_two_token_dist(target, prompt, temperature, top_k)
     samples = _samples(target, spec, prompt, 6000, temperature, top_k, seed=3)
     assert _chi2_pvalue(samples, joint) > 1e-3
@@ -158,7 +158,7 @@ def test_sampling_speculation_has_target_distribution(tiny_vocab_models, kind, t
 
 def test_sampling_test_has_power(tiny_vocab_models, monkeypatch):
     """The same test must fail for a wrong verifier (one that accepts every draft)."""
-    import jaxspec.speculative as spec_mod
+    import jaxspec.decoding as spec_mod
     from jaxspec import sampling
 
     def always_accept(rng, drafts, q, p):
@@ -169,7 +169,7 @@ def test_sampling_test_has_power(tiny_vocab_models, monkeypatch):
     target, draft = tiny_vocab_models
     prompt = [1, 3, 0, 5, 2, 4, 1, 1, 0, 3, 2]
     joint = _exact_two_token_dist(target, prompt, 1.0, 0)
-    samples = _samples(target, Speculation(draft=draft, gamma=2, window=None), prompt, 6000,
+    samples = _samples(target, Speculation(draft=draft, gamma=2, window=None, adaptive=False), prompt, 6000,
                        1.0, 0, seed=3)
     assert _chi2_pvalue(samples, joint) < 1e-6
 
@@ -188,67 +188,133 @@ def test_plain_sampling_has_target_distribution(tiny_vocab_models):
 ])
 def test_bad_speculation_is_rejected_before_compiling(target, kw, msg):
     with pytest.raises((ValueError, TypeError), match=msg):
-        jaxspec.generate(target, [[1, 2, 3]], max_new_tokens=4, speculation=Speculation(**kw))
+        jaxspec.generate(target, [[1, 2, 3]], max_new_tokens=4, speculation=Speculation(**kw, adaptive=False))
 
 
 def test_draft_vocab_and_dtype_mismatch(target):
     other_vocab = tiny_model(seed=3, vocab=50)
     with pytest.raises(ValueError, match="vocabulary"):
         jaxspec.generate(target, [[1, 2]], max_new_tokens=3,
-                         speculation=Speculation(draft=other_vocab, window=None))
+                         speculation=Speculation(draft=other_vocab, window=None, adaptive=False))
     bf16 = tiny_model(seed=3, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="dtype"):
         jaxspec.generate(target, [[1, 2]], max_new_tokens=3,
-                         speculation=Speculation(draft=bf16, window=None))
+                         speculation=Speculation(draft=bf16, window=None, adaptive=False))
     short = tiny_model(seed=3, ctx=16)
     with pytest.raises(ValueError, match="context"):
         jaxspec.generate(target, [[1] * 10], max_new_tokens=30,
-                         speculation=Speculation(draft=short, window=None))
+                         speculation=Speculation(draft=short, window=None, adaptive=False))
     with pytest.raises(ValueError, match="window"):
         jaxspec.generate(target, [[1, 2]], max_new_tokens=3,
-                         speculation=Speculation(draft=short, gamma=4, window=5))
+                         speculation=Speculation(draft=short, gamma=4, window=5, adaptive=False))
 
 
 # ------------------------------------------------------------------------- gamma="auto"
+def _cost_model(span, rates=None):
+    from jaxspec.costs import CostModel, DeviceRates
+    # a fixed device: 1 TB/s, 100 TFLOP/s, no overhead (the choice is a function of the roofline)
+    rates = rates or DeviceRates(bandwidth=1e12, matmul=1e14, overhead=0.0)
+    return CostModel(tiny_model(seed=0), None, span=span, rates=rates)
+
+
 def test_cost_model_choice():
-    from jaxspec.speculative import choose_gamma, expected_tokens, per_token_acceptance
-    from jaxspec.speculative import AUTO_MARGIN as S_AUTO_MARGIN
-    # KV-bound: verifying 7 tokens costs ~ one step, the draft is cheap -> speculate, deep
-    kv_bound = {"plain": 10.0, "draft": 1.0, "verify": {g: 10.0 + 0.2 * g for g in range(1, 7)}}
-    g, s = choose_gamma(kv_bound, 0.8)
+    from jaxspec.costs import AUTO_MARGIN, HYSTERESIS, expected_tokens, per_token_acceptance
+    from jaxspec.speculation import GAMMA_CANDIDATES as G
+    cm = _cost_model(span=8)
+    cm.alpha = 0.8
+    # KV-bound: long contexts, the sparse draft reads 8 keys a row -> speculate, deep
+    kv_bound = np.full(64, 4000.0)
+    g, s = cm.choose_gamma(kv_bound, G)
     assert g >= 4 and s > 2
-    # weight-bound: the self-draft costs as much as the target -> never speculate
-    w_bound = {"plain": 10.0, "draft": 9.5, "verify": {g: 10.0 * (1 + 0.1 * g) for g in range(1, 7)}}
-    assert choose_gamma(w_bound, 0.9) == (0, 1.0)
-    # hysteresis: a previous choice within 5% of the best is kept (no recompile on noise),
-    # one clearly worse is not
-    best, s_best = choose_gamma(kv_bound, 0.8)
-    near = [h for h in range(1, 7) if h != best and
-            choose_gamma(kv_bound, 0.8, candidates=(h,))[1] * 1.05 >= s_best]
-    far = [h for h in range(1, 7) if choose_gamma(kv_bound, 0.8, candidates=(h,))[1] * 1.05 < s_best]
+    # weight-bound: contexts within the draft's span, the draft costs what the target costs
+    cm2 = _cost_model(span=8)
+    cm2.alpha = 0.9
+    assert cm2.choose_gamma(np.full(2, 4.0), G) == (0, 1.0)
+    # hysteresis: a previous choice within HYSTERESIS of the best is kept (no recompile on
+    # noise), one clearly worse is not
+    mid = np.full(64, 500.0)
+    one = {}
+    for h in G:
+        c = _cost_model(span=8)
+        c.alpha = 0.6
+        one[h] = c.choose_gamma(mid, (h,))[1]
+    best = max(one, key=one.get)
+    near = [h for h in G if h != best and one[h] * HYSTERESIS >= one[best]]
+    far = [h for h in G if one[h] * HYSTERESIS < one[best]]
     assert near and far
-    assert choose_gamma(kv_bound, 0.8, previous=near[0])[0] == near[0]
-    assert choose_gamma(kv_bound, 0.8, previous=far[0]) == (best, s_best)
-    assert choose_gamma(w_bound, 0.9, previous=3) == (0, 1.0)
-    # marginal: gamma 1 predicted ~1.07x (inside the cost measurements' scatter) -> plain
-    marginal = {"plain": 10.0, "draft": 9.0, "verify": {g: 9.7 + 10.0 * (g - 1) for g in range(1, 7)}}
-    s1 = choose_gamma(marginal, 1.0, candidates=(1,), margin=1.0)[1]
-    assert 1.0 < s1 < S_AUTO_MARGIN and choose_gamma(marginal, 1.0) == (0, 1.0)
+    for prev, want in ((near[0], near[0]), (far[0], best)):
+        c = _cost_model(span=8)
+        c.alpha, c.gamma = 0.6, prev
+        assert c.choose_gamma(mid, G)[0] == want
+    c = _cost_model(span=8)
+    c.alpha, c.gamma = 0.9, 3
+    assert c.choose_gamma(np.full(2, 4.0), G) == (0, 1.0)
+    # marginal: a predicted gain under the margin decodes plainly
+    c = _cost_model(span=8)
+    c.alpha = 0.01
+    assert c.choose_gamma(kv_bound, G) == (0, 1.0)
+    assert AUTO_MARGIN > 1.0
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert per_token_acceptance(0.5 + 0.25, 2) == pytest.approx(0.5, abs=1e-6)
 
 
-def test_auto_gamma_is_lossless_and_reports_costs(target, prompts, reference):
+def test_cost_model_learns_from_timed_stretches():
+    """Observed times replace the roofline's guess: a stretch of rounds measured twice as slow as
+    its roofline makes every later prediction of that kind twice as slow; before any round was
+    timed, rounds are predicted from what plain steps measured."""
+    from jaxspec.costs import PRIOR_ROUND_FACTOR
+    cm = _cost_model(span=8)
+    ctx = np.full(16, 1000.0)
+    levels, nodes = (1, 1, 1), 4
+    r0, p0 = cm.round_roofline(ctx, levels, nodes), cm.plain_roofline(ctx)
+    assert cm.plain_time(ctx) == pytest.approx(p0)
+    cm.observe("plain", 3 * p0, p0)
+    assert cm.plain_time(ctx) == pytest.approx(3 * p0)
+    assert cm.round_time(ctx, levels, nodes) == pytest.approx(3 * PRIOR_ROUND_FACTOR * r0)
+    cm.observe(("round", levels, nodes), 2 * r0, r0)
+    assert cm.round_time(ctx, levels, nodes) == pytest.approx(2 * r0)
+    cm.observe(("round", levels, nodes), 4 * r0, r0)  # a moving average of what was measured
+    assert cm.round_time(ctx, levels, nodes) == pytest.approx(3 * r0)
+    cm.observe_acceptance(accepted=3 * (0.5 + 0.25), spec_rounds=3, gamma=2)
+    assert cm.alpha == pytest.approx(0.5, abs=1e-6)
+
+
+def test_stragglers_are_decoded_plainly():
+    """KV-bound rows with a good acceptance: the round pays; once only a low-acceptance
+    straggler is left (its context no longer outweighs the weights), plain steps are cheaper."""
+    cm = _cost_model(span=8)
+    ctx = np.full(64, 4000.0)
+    levels, nodes = (1, 1, 1, 1), 5
+    assert cm.speculation_pays(ctx, np.full(64, 4.0), levels, nodes)
+    assert not cm.speculation_pays(ctx[:1], np.full(1, 1.4), levels, nodes)
+    assert not cm.speculation_pays(ctx[:0], np.zeros(0), levels, nodes)
+
+
+def test_auto_gamma_is_lossless_and_reports_its_choice(target, prompts, reference):
     spec = Speculation(draft="self", gamma="auto", sink=2, window=6)
     res = jaxspec.generate(target, prompts, max_new_tokens=40, speculation=spec)
     assert res.tokens == reference
     assert res.stats["gamma"] in (0, 1, 2, 3, 4, 5, 6)
+    assert res.stats["predicted_speedup"] >= 1.0
     if res.stats["gamma"]:  # per-row spread of tokens per step, slowest row first
         q = res.stats["tokens_per_step_rows"]
         assert 1.0 <= q[0] <= q[50] <= q[100] <= res.stats["gamma"] + 1
-    assert set(res.stats["step_costs_ms"]) == {"plain", "draft", "verify"}
-    # profiling with a fixed gamma reports the draft / verify split
-    res = jaxspec.generate(target, prompts, max_new_tokens=40, profile=True,
-                           speculation=Speculation(draft="self", gamma=3, sink=2, window=6))
-    assert res.tokens == reference and res.stats["gamma"] == 3
-    assert res.stats["draft_seconds_estimate"] > 0 and res.stats["verify_seconds_estimate"] > 0
+
+
+def test_second_auto_call_costs_what_plain_decoding_costs(target):
+    """``gamma="auto"``'s choice and the loops it compiles are paid once per shape: a second
+    call with the same shapes decodes in at most 1.5x plain decoding's time plus a few tens of
+    ms, and reports no compile time (decode time excludes compilation)."""
+    rng = np.random.default_rng(11)
+    ps = [rng.integers(0, V, size=int(n)).tolist() for n in rng.integers(20, 60, size=4)]
+    spec = Speculation(draft="self", gamma="auto", sink=2, window=6)
+    for _ in range(2):
+        plain = jaxspec.generate(target, ps, max_new_tokens=48)
+        auto = jaxspec.generate(target, ps, max_new_tokens=48, speculation=spec)
+    assert auto.tokens == plain.tokens
+    assert auto.stats["compile_seconds"] == 0.0 and plain.stats["compile_seconds"] == 0.0
+    t_plain = min(jaxspec.generate(target, ps, max_new_tokens=48).stats["decode_seconds"]
+                  for _ in range(3))
+    t_auto = min(jaxspec.generate(target, ps, max_new_tokens=48, speculation=spec)
+                 .stats["decode_seconds"] for _ in range(3))
+    assert t_auto <= 1.5 * t_plain + 0.05, (t_auto, t_plain)

@@ -1061,7 +1061,9 @@ def resolve_api_key(flag: str | None, env=None) -> str | None:
     if flag is not None:
         return flag
     value = (os.environ if env is None else env).get(API_KEY_ENV, "")
-    return _api_key_arg(value) if value else None
+    if value and value != value.strip():
+        raise ValueError(f"${API_KEY_ENV}: the key must not start or end with spaces")
+    return value or None
 
 
 def add_arguments(p: argparse.ArgumentParser):

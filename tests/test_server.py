@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 
 import jaxspec  # noqa: E402
 from jaxspec.server import create_app  # noqa: E402
-from jaxspec.serving import SamplingOptions, ServingEngine, provenance  # noqa: E402
+from jaxspec.serving import SamplingOptions, ServingEngine  # noqa: E402
 
 from tiny import tiny_model  # noqa: E402
 
@@ -432,18 +432,6 @@ def test_exception_fails_only_that_request(server, client):
 
 
 # ----------------------------------------------------------------------------- engine units
-def test_provenance_inference_without_per_row_counters():
-    # 2 rows, 2 rounds. Round 0: row 0 commits 3 (2 drafts + target), row 1 commits 1.
-    # Round 1: row 0 finishes with 2 tokens that were both accepted drafts (cut by a stop).
-    keep = np.array([[3, 1], [2, 2]])
-    acc_sum = np.array([[2], [2 + 1]])  # round 1: row 0 accepted 2, row 1 accepted 1
-    done = np.array([True, False])
-    flags, acc = provenance(keep, acc_sum, done, speculative=True)
-    assert flags[0] == [True, True, False, True, True]
-    assert flags[1] == [False, True, False]
-    assert acc.tolist() == [4, 1]
-
-
 def test_plain_engine_greedy_and_bucketed_prefill(model):
     # no speculation, shared rng; prompts of many lengths reuse a few prefill shapes
     engine = ServingEngine(model, max_batch=3, max_len=MAX_LEN, rounds_per_chunk=3,

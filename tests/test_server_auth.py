@@ -173,7 +173,7 @@ def test_api_key_from_flag_or_environment(capsys):
     assert resolve_api_key(None, {API_KEY_ENV: ""}) is None
     assert resolve_api_key(None, {API_KEY_ENV: "k1"}) == "k1"
     assert resolve_api_key("k2", {API_KEY_ENV: "k1"}) == "k2"  # the flag wins
-    with pytest.raises(argparse.ArgumentTypeError):
+    with pytest.raises(ValueError, match=API_KEY_ENV):
         resolve_api_key(None, {API_KEY_ENV: " padded "})
     p = add_arguments(argparse.ArgumentParser(prog="serve"))
     assert p.parse_args(["--api-key", "abc"]).api_key == "abc"

@@ -274,3 +274,57 @@ def test_engine_not_running_is_503():
         assert r.status_code == 503 and is_openai_error(r.status_code, r.content)
     finally:
         s.close()
+
+
+def test_decode_step_fault_fails_the_requests_in_that_step(engine, server):
+    """A fault in a decode chunk (the engine's ``step_fault_hook``, called with the chunk's
+    sequences) fails every request that was decoding in it, mid-stream for a stream; their slots
+    free up and the next requests decode as before."""
+    prompts = ["the cat sat on the mat", "tell me a story about the sea", "red blue green"]
+    ref = {}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for p in prompts:
+            ref[p] = c.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 40, "temperature": 0}).json()["choices"][0]["text"]
+    before = metrics(server.url)
+    calls = []
+
+    def hook(seqs):
+        calls.append(len(seqs))
+        if len(calls) == 3:  # the third chunk: both requests have streamed a little already
+            raise FloatingPointError("NaN in the logits")
+    engine.pause_admission()
+    engine.step_fault_hook = hook
+    try:
+        async def both():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+                tasks = [asyncio.create_task(ac.post("/v1/completions", json={
+                    "prompt": prompts[0], "max_tokens": 40, "temperature": 0, "stream": True})),
+                    asyncio.create_task(ac.post("/v1/completions", json={
+                        "prompt": prompts[1], "max_tokens": 40, "temperature": 0}))]
+                t0 = asyncio.get_running_loop().time()
+                while engine.metrics()["waiting"] < 2:  # both admitted together
+                    assert asyncio.get_running_loop().time() - t0 < 10
+                    await asyncio.sleep(0.01)
+                engine.resume_admission()
+                return await asyncio.gather(*tasks)
+        stream, plain = asyncio.run(both())
+    finally:
+        engine.step_fault_hook = None
+        engine.resume_admission()
+    assert calls[:3] == [2, 2, 2], calls
+    events = sse_data(stream.text)
+    assert stream.status_code == 200 and events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert "NaN in the logits" in err["message"] and err["type"] == "internal_error"
+    streamed = "".join(e["choices"][0]["text"] for e in events[:-2])
+    assert streamed and ref[prompts[0]].startswith(streamed)  # a correct prefix, then the error
+    assert plain.status_code == 500 and is_openai_error(500, plain.content)
+    assert "NaN in the logits" in plain.json()["error"]["message"]
+    after = _wait_idle(server.url)
+    assert after['jaxspec_sequences_finished_total{reason="error"}'] - \
+        before['jaxspec_sequences_finished_total{reason="error"}'] == 2
+    with httpx.Client(base_url=server.url, timeout=60) as c:  # serving as before
+        for p in prompts:
+            r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 40, "temperature": 0})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref[p]

@@ -40,17 +40,26 @@ KEY = "shutdown-test-key"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def model():
+    return served_model(eos=False, ctx=8192)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model, tmp_path_factory):
     path = tmp_path_factory.mktemp("serve") / "tiny"
-    jaxspec.save(served_model(eos=False, ctx=8192), path)
+    jaxspec.save(model, path)
     return path
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
+def engine(model, checkpoint):
+    """The engine `jaxspec serve` builds from these arguments (the model in memory, as the
+    checkpoint would load it)."""
     a = add_arguments(argparse.ArgumentParser()).parse_args(["--model", str(checkpoint)]
                                                             + SERVE_ARGS)
-    e, _ = build_engine(a)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jaxspec, "load", lambda path, dtype=None: model)
+        e, _ = build_engine(a)
     e.start()
     yield e
     e.stop()

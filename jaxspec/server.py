@@ -1100,7 +1100,7 @@ def add_arguments(p: argparse.ArgumentParser):
     g = p.add_argument_group(
         "authentication", f"With a key (--api-key or ${API_KEY_ENV}), every request must send "
         "'Authorization: Bearer KEY'; others get 401. /health never needs it.")
-    g.add_argument("--api-key", type=_api_key_arg, default=None,
+    g.add_argument("--api-key", type=_api_key_arg, default=None, metavar="KEY",
                    help=f"the API key (default: ${API_KEY_ENV}; unset: no authentication)")
     g.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (e.g. to a Prometheus scraper)")
@@ -1113,30 +1113,34 @@ def add_arguments(p: argparse.ArgumentParser):
         "limits", "What one client may ask for. Past a limit the request gets an OpenAI-style "
         "error (400, or 408 / 413 as noted) and the server carries on.")
     g.add_argument("--max-body-bytes", type=_positive_int, default=d.max_body_bytes,
+                   metavar="BYTES",
                    help="request body size; larger bodies get 413 (a larger Content-Length "
                         "before a byte is read, a chunked body once it passes the limit) "
                         "(default: %(default)s)")
     g.add_argument("--request-read-timeout", type=_seconds, default=d.request_read_timeout,
+                   metavar="SECONDS",
                    help="seconds a client has to send a whole request, headers and body, from "
                         "its first byte; then 408 and the connection is closed, so slow senders "
                         "hold nothing for long (default: %(default)s)")
     g.add_argument("--keep-alive-timeout", type=_seconds, default=d.keep_alive_timeout,
+                   metavar="SECONDS",
                    help="seconds an idle kept-alive connection stays open (default: "
                         "%(default)s)")
     g.add_argument("--max-generation-tokens", type=_positive_int,
-                   default=d.max_generation_tokens,
+                   default=d.max_generation_tokens, metavar="N",
                    help="completion tokens one request may ask for: prompts x n x max_tokens (a "
                         "chat request without max_tokens counts the room its prompt leaves) "
                         "(default: %(default)s)")
-    g.add_argument("--max-prompts", type=_positive_int, default=d.max_prompts,
+    g.add_argument("--max-prompts", type=_positive_int, default=d.max_prompts, metavar="N",
                    help="prompts in one /v1/completions request (default: %(default)s)")
-    g.add_argument("--max-messages", type=_positive_int, default=d.max_messages,
+    g.add_argument("--max-messages", type=_positive_int, default=d.max_messages, metavar="N",
                    help="messages in one /v1/chat/completions request (default: %(default)s)")
-    g.add_argument("--max-stop", type=_positive_int, default=d.max_stop,
+    g.add_argument("--max-stop", type=_positive_int, default=d.max_stop, metavar="N",
                    help="stop strings per request (default: %(default)s)")
-    g.add_argument("--max-stop-chars", type=_positive_int, default=d.max_stop_chars,
+    g.add_argument("--max-stop-chars", type=_positive_int, default=d.max_stop_chars, metavar="N",
                    help="characters of one stop string (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=lambda s: _seconds(s, zero_ok=True), default=30.0,
+                   metavar="SECONDS",
                    help="on SIGTERM / Ctrl-C: new requests get 503, running ones get this many "
                         "seconds to finish, then end with an error (streams: a final error "
                         "chunk); a second signal ends them at once (default: %(default)s)")

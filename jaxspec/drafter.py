@@ -81,7 +81,13 @@ def children(rd, keys, logits, sp, k):
 def _level_loop(rd, keys, sp, node_tok, q_all, first_logits, level_forward):
     """Shared tree drafting: for each level, the draft logits at its nodes (``first_logits`` for
     level 0 when given, else ``level_forward(d, a, b, node_tok)``), then the children of its nodes
-    as the next level's tokens."""
+    as the next level's tokens.
+
+    The forward of level d runs over that level's nodes ``[a, b)`` only: their K/V go to slots
+    ``root_slot + a .. root_slot + b - 1`` and they attend to the context plus the earlier levels'
+    K/V (already in the cache at ``root_slot + 0 .. a - 1``) and themselves, under
+    ``anc[a:b, :b]`` (a plan of ``T_new = b`` new tokens of which the forward computes the last
+    ``b - a``). The deepest level's nodes are never forwarded."""
     tree = rd.tree
     par, rank, levels = tree.parents, tree.sibling_rank, tree.levels
     for d in range(tree.max_depth):
@@ -146,8 +152,10 @@ class SelfDrafter:
         q = None if qs is None else jnp.swapaxes(qs, 0, 1)
         return cache.replace(k=k, v=v), drafts.T, q, None
 
-    def tree(self, rd, params, dparams, sp, state, keys):
-        """One draft forward per tree level -> (target cache, node tokens [B, N], q, None)."""
+    def tree(self, rd, params, dparams, sp, state, keys, *, level_only: bool = True):
+        """One draft forward per tree level -> (target cache, node tokens [B, N], q, None).
+        ``level_only=False``: each level's forward over all nodes ``[0, b)`` so far, recomputing
+        the earlier levels (the same result up to rounding: a reference for tests)."""
         cache = state.cache
         L, pos0 = cache.lengths, positions_of(cache)
         B = L.shape[0]
@@ -157,12 +165,13 @@ class SelfDrafter:
         holder = {"cache": cache}
 
         def level_forward(d, a, b, node_tok):
-            plan = plan_on(cache, L, mask=anc[a:b, :b], sink=sink, window=window, impl=rd.impl,
+            lo = a if level_only else 0
+            plan = plan_on(cache, L, mask=anc[lo:b, :b], sink=sink, window=window, impl=rd.impl,
                            active=rd.active(state))
-            idx = jnp.broadcast_to(jnp.arange(b - a, dtype=jnp.int32), (B, b - a))
-            logits, holder["cache"] = forward(rd.config, params, node_tok[:, a:b],
-                                              pos0[:, None] + depths[None, a:b], holder["cache"],
-                                              plan, logits_at=idx)
+            idx = jnp.broadcast_to(jnp.arange(a - lo, b - lo, dtype=jnp.int32), (B, b - a))
+            logits, holder["cache"] = forward(rd.config, params, node_tok[:, lo:b],
+                                              pos0[:, None] + depths[None, lo:b],
+                                              holder["cache"], plan, logits_at=idx)
             return logits
 
         node_tok = jnp.zeros((B, rd.tree.num_nodes), jnp.int32).at[:, 0].set(state.last)
@@ -242,8 +251,9 @@ class ModelDrafter:
         ctx = {"dc": dc.replace(k=k, v=v), "start": start, "base": base}
         return state.cache, drafts, q_all, ctx
 
-    def tree(self, rd, params, dparams, sp, state, keys):
-        """One draft forward per level (level 0's logits come from the catch-up forward)."""
+    def tree(self, rd, params, dparams, sp, state, keys, *, level_only: bool = True):
+        """One draft forward per level (level 0's logits come from the catch-up forward);
+        ``level_only`` as `SelfDrafter.tree`."""
         L = positions_of(state.cache)  # the draft's cache holds whole prompts: positions
         B = L.shape[0]
         root_logits, dc, start, base, pending = self.catch_up(rd, dparams, state)
@@ -253,11 +263,12 @@ class ModelDrafter:
         holder = {"cache": dc}
 
         def level_forward(d, a, b, node_tok):
-            plan = AttentionPlan(lengths=root_slot, mask=anc[a:b, :b], impl=rd.impl,
+            lo = a if level_only else 0
+            plan = AttentionPlan(lengths=root_slot, mask=anc[lo:b, :b], impl=rd.impl,
                                  active=rd.active(state))
-            idx = jnp.broadcast_to(jnp.arange(b - a, dtype=jnp.int32), (B, b - a))
-            logits, holder["cache"] = forward(self.config, dparams, node_tok[:, a:b],
-                                              L[:, None] + depths[None, a:b], holder["cache"],
+            idx = jnp.broadcast_to(jnp.arange(a - lo, b - lo, dtype=jnp.int32), (B, b - a))
+            logits, holder["cache"] = forward(self.config, dparams, node_tok[:, lo:b],
+                                              L[:, None] + depths[None, lo:b], holder["cache"],
                                               plan, logits_at=idx)
             return logits
 

@@ -39,7 +39,7 @@ TREES = {
 @pytest.mark.parametrize("name", sorted(TREES))
 def test_tree_self_speculation_greedy_is_lossless(target, prompts, reference, name):
     tree = TREES[name]
-    spec = Speculation(draft="self", sink=2, window=6, tree=tree)
+    spec = Speculation(draft="self", sink=2, window=6, tree=tree, adaptive=False)
     res = jaxspec.generate(target, prompts, max_new_tokens=30, speculation=spec)
     assert res.tokens == reference
     assert res.stats["tree_nodes"] == TokenTree.from_expansion(tree).num_nodes
@@ -48,13 +48,13 @@ def test_tree_self_speculation_greedy_is_lossless(target, prompts, reference, na
 @pytest.mark.parametrize("window", [None, 24])
 def test_tree_draft_model_greedy_is_lossless(target, prompts, reference, window):
     draft = tiny_model(seed=7, layers=1, scale=3.0)
-    spec = Speculation(draft=draft, sink=2, window=window, tree=(2, 2, 1))
+    spec = Speculation(draft=draft, sink=2, window=window, tree=(2, 2, 1), adaptive=False)
     res = jaxspec.generate(target, prompts, max_new_tokens=30, speculation=spec)
     assert res.tokens == reference
 
 
 def test_tree_with_draft_equal_to_target_accepts_full_depth(target, prompts, reference):
-    spec = Speculation(draft="self", sink=0, window=None, tree=(2, 1, 1, 1))
+    spec = Speculation(draft="self", sink=0, window=None, tree=(2, 1, 1, 1), adaptive=False)
     res = jaxspec.generate(target, prompts, max_new_tokens=30, speculation=spec)
     assert res.tokens == reference
     assert res.stats["tokens_per_step"] > 4.5  # depth 4 + bonus each round
@@ -65,7 +65,7 @@ def test_tree_stop_token_inside_accepted_path(target, prompts, reference):
     plain = jaxspec.generate(target, prompts, max_new_tokens=30, stop_tokens=[stop]).tokens
     for draft in ("self", target):
         spec = Speculation(draft=draft, sink=2, window=None if draft is target else 6,
-                           tree=(3, 1, 1, 1, 1, 1, 1, 1))
+                           tree=(3, 1, 1, 1, 1, 1, 1, 1), adaptive=False)
         res = jaxspec.generate(target, prompts, max_new_tokens=30, stop_tokens=[stop],
                                speculation=spec)
         assert res.tokens == plain
@@ -74,7 +74,7 @@ def test_tree_stop_token_inside_accepted_path(target, prompts, reference):
 def test_tree_given_as_parents_list(target, prompts, reference):
     parents = [-1, 0, 0, 1, 1, 2, 3, 3]
     res = jaxspec.generate(target, prompts, max_new_tokens=30,
-                           speculation=Speculation(draft="self", sink=2, window=6, tree=parents))
+                           speculation=Speculation(draft="self", sink=2, window=6, tree=parents, adaptive=False))
     assert res.tokens == reference
 
 
@@ -87,7 +87,7 @@ def tiny_vocab_models():
 def test_tree_sampling_has_target_distribution(tiny_vocab_models, mode):
     target, draft = tiny_vocab_models
     prompt = [1, 3, 0, 5, 2, 4, 1, 1, 0, 3, 2]
-    spec = Speculation(draft=draft, window=None, tree=(3, 2), tree_sampling=mode)
+    spec = Speculation(draft=draft, window=None, tree=(3, 2), tree_sampling=mode, adaptive=False)
     joint = _exact_two_token_dist(target, prompt, 1.0, 0)
     assert _chi2_pvalue(_samples(target, spec, prompt, 6000, 1.0, 0, seed=5), joint) > 1e-3
 
@@ -98,15 +98,15 @@ def test_tree_sampling_other_drafts_have_target_distribution(tiny_vocab_models, 
     ring-buffer draft model keep the target's distribution."""
     target, model = tiny_vocab_models
     prompt = [1, 3, 0, 5, 2, 4, 1, 1, 0, 3, 2]
-    spec = (Speculation(draft="self", sink=1, window=4, tree=(2, 2, 1)) if draft == "self" else
-            Speculation(draft=model, sink=1, window=5, tree=(2, 2, 1)))
+    spec = (Speculation(draft="self", sink=1, window=4, tree=(2, 2, 1), adaptive=False) if draft == "self" else
+            Speculation(draft=model, sink=1, window=5, tree=(2, 2, 1), adaptive=False))
     joint = _exact_two_token_dist(target, prompt, 1.0, 0)
     assert _chi2_pvalue(_samples(target, spec, prompt, 6000, 1.0, 0, seed=6), joint) > 1e-3
 
 
 def test_tree_sampling_test_has_power(tiny_vocab_models, monkeypatch):
     """Without removing rejected children from q (a classic bug) the test must fail."""
-    import jaxspec.speculative as spec_mod
+    import jaxspec.decoding as spec_mod
     from jaxspec import verify
     real = verify.verify_tree
 
@@ -116,7 +116,7 @@ def test_tree_sampling_test_has_power(tiny_vocab_models, monkeypatch):
     monkeypatch.setattr(spec_mod, "verify_tree", wrong)
     target, draft = tiny_vocab_models
     prompt = [1, 3, 0, 5, 2, 4, 1, 1, 0, 3, 2]
-    spec = Speculation(draft=draft, window=None, tree=(4, 1), tree_sampling="without_replacement")
+    spec = Speculation(draft=draft, window=None, tree=(4, 1), tree_sampling="without_replacement", adaptive=False)
     joint = _exact_two_token_dist(target, prompt, 1.0, 0)
     assert _chi2_pvalue(_samples(target, spec, prompt, 6000, 1.0, 0, seed=5), joint) < 1e-6
 
@@ -126,7 +126,7 @@ def test_bad_trees():
     for tree, msg in (((0, 2), "expansion"), ((), "empty"), ("nope.json", "neither")):
         with pytest.raises(ValueError, match=msg):
             jaxspec.generate(m, [[1, 2]], max_new_tokens=2,
-                             speculation=Speculation(tree=tree, window=4))
+                             speculation=Speculation(tree=tree, window=4, adaptive=False))
     with pytest.raises(ValueError, match="auto"):
         jaxspec.generate(m, [[1, 2]], max_new_tokens=2,
                          speculation=Speculation(tree=(2, 1), gamma="auto"))
@@ -141,7 +141,7 @@ def test_tree_search_cli_writes_a_usable_tree(tmp_path, target, prompts, referen
     parents = json.loads(out.read_text())["parents"]
     assert parents[0] == -1 and 2 <= len(parents) <= 21
     res = jaxspec.generate(target, prompts, max_new_tokens=30,
-                           speculation=Speculation(draft="self", sink=2, window=6, tree=str(out)))
+                           speculation=Speculation(draft="self", sink=2, window=6, tree=str(out), adaptive=False))
     assert res.tokens == reference
 
 
@@ -166,35 +166,38 @@ LEVEL_CASES = {
 def _draft_both_ways(target, prompts, case, temperature, tree=(2, 2, 1, 1)):
     """One round's tree draft from the prefilled state, level-only and all-nodes (jitted)."""
     import jax
-    from jaxspec.engine import prepare
+    from jaxspec import sampling
+    from jaxspec.session import Decoder
     draft_kind, sink, window, shared, lag, impl = case
     if impl == "interpret":  # the prefix kernel needs head_dim >= 16
         target = tiny_model(seed=0, scale=3.0, head_dim=16)
     draft = "self" if draft_kind == "self" else tiny_model(seed=7, layers=1, scale=3.0)
-    spec = Speculation(draft=draft, sink=sink, window=window, tree=tree)
+    spec = Speculation(draft=draft, sink=sink, window=window, tree=tree, adaptive=False)
     if shared is not None:  # every prompt starts with the same 40 tokens
         system = prompts[2][:40]
         prompts = [system + p[:k] for p, k in zip(prompts, (1, 5, 12, 3))]
-    prep = prepare(target, prompts, max_new_tokens=8, temperature=temperature, speculation=spec,
-                   shared_prefix=shared, attn_impl=impl)
-    runner, state = prep.spec, prep.state
-    dstate = runner.draft_state(target, state, impl)
+    dec = Decoder(target, spec, attn_impl=impl)
+    batch = dec.prepare(prompts, max_new_tokens=8, temperature=temperature,
+                        shared_prefix=shared)
+    state = batch.state
+    ds = dec.draft_state(batch.token_lists, state)
     if lag:  # the draft has not seen the token before `last`: the catch-up forward takes two
-        dc = dstate.cache
-        dstate = dstate.replace(cache=dc.replace(lengths=dc.lengths - 1),
-                                prev=jnp.asarray([p[-2] for p in prompts], jnp.int32))
-    loop = runner.loop(target, stop_ids=prep.stop_ids, impl=impl, gamma=runner.gamma,
-                       greedy=temperature == 0)
-    params = target.decode_params()
-    dparams = jnp.zeros(()) if runner.draft is None else runner.draft.decode_params()
-    rng = jax.random.PRNGKey(3)
+        dc = ds.cache
+        ds = ds.replace(cache=dc.replace(lengths=dc.lengths - 1),
+                        prev=jnp.asarray([p[-2] for p in prompts], jnp.int32))
+    state = state.replace(draft=ds)
+    rd = dec.round(dec.tree.max_depth, greedy=temperature == 0, stop_ids=batch.stop_ids)
+    keys = sampling.row_keys(3, len(prompts))
 
     def run(level_only):
-        f = jax.jit(lambda p, dp, sp, st, ds, r: loop._draft_tree(p, dp, sp, st, ds, r,
-                                                                  level_only=level_only))
-        return jax.device_get(f(params, dparams, prep.sp, state, dstate, rng))
+        f = jax.jit(lambda p, dp, sp, st, k: rd.drafter.tree(rd, p, dp, sp, st, k,
+                                                             level_only=level_only))
+        cache, tok, q, ctx = jax.device_get(f(dec.params, dec.dparams, batch.sp, state, keys))
+        if ctx is not None:  # a draft model: its own cache holds the drafts' K/V
+            cache = ctx["dc"]
+        return cache, tok, q, ctx
 
-    return loop, state, run(True), run(False)
+    return rd, state, run(True), run(False)
 
 
 # Sampled (temperature 1) variants whose structure a greedy variant and another sampled one
@@ -244,7 +247,7 @@ def test_level_only_comparison_has_power(target, prompts, monkeypatch):
     """A plausible wrong level-only draft, whose level forward sees the earlier levels as plain
     context (plan lengths root_slot + a: every earlier node visible, not only the ancestors),
     must fail the comparison."""
-    import jaxspec.speculative as spec_mod
+    import jaxspec.drafter as spec_mod
     real = spec_mod.forward
 
     def wrong(cfg, params, tokens, positions, cache, plan, logits_at=None):

@@ -533,6 +533,7 @@ class ServingEngine:
             self.row_rounds += np.asarray(stats.spec_rounds)
             self.row_committed += np.asarray(stats.committed)
         self.m["target_row_steps"] += busy
+        self.m["generation_tokens"] += int(np.asarray(n_out)[active].sum())
         for b in active:
             s = self.slots[b]
             k = int(n_out[b])
@@ -570,9 +571,7 @@ class ServingEngine:
             s.tokens.append(t)
             s.draft_flags.append(f)
             if t in self.stop_ids:
-                self.m["generation_tokens"] += 1
                 break
-            self.m["generation_tokens"] += 1
             if self.tokenizer is None:  # no text: token ids only
                 piece = ""
             else:

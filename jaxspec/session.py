@@ -187,6 +187,11 @@ class Batch:
     decode_seconds: float = 0.0
 
 
+def _host(tree):
+    """Host copies of the arrays of ``tree`` (gathered from every process on a multi-host mesh)."""
+    return jax.tree_util.tree_map(fetch, tree)
+
+
 def _avals(tree):
     """A hashable description of the shapes, dtypes, shardings and pytree structure of ``tree``
     (what a compiled program is specialized on)."""
@@ -428,7 +433,7 @@ class Decoder:
     # ------------------------------------------------------------------ decisions
     def _host_view(self, state: DecodeState, prefix_per_row: float = 0.0):
         """What the decisions read: running rows' contexts and speculative statistics."""
-        done, lengths, st = jax.device_get((state.done, state.cache.lengths, state.stats))
+        done, lengths, st = _host((state.done, state.cache.lengths, state.stats))
         act = ~np.asarray(done)
         ctx = np.asarray(lengths, np.float64)[act] + prefix_per_row
         W = sliding_window_of(self.config)
@@ -506,7 +511,7 @@ class Decoder:
             stats["gamma"] = gamma
 
         def rounds_left(st):
-            return int(np.max(batch.budget - np.asarray(jax.device_get(st.n_out)))) + 1
+            return int(np.max(batch.budget - np.asarray(_host(st.n_out)))) + 1
 
         plain_rd = self.round(0, greedy=batch.greedy, stop_ids=batch.stop_ids)
         rd, rounds = plain_rd, rounds_left(state)
@@ -520,17 +525,17 @@ class Decoder:
             else:
                 rd = plain_rd  # plain to the end: the drafter is never needed
         while view[0].any():
-            steps0 = int(jax.device_get(state.steps))
+            steps0 = int(_host(state.steps))
             t = time.perf_counter()
             state, c = self.run(rd, batch.sp, state, rounds)
             new_view = self._host_view(state, prefix_per_row)
             compile_s += c
-            ran = int(jax.device_get(state.steps)) - steps0
+            ran = int(_host(state.steps)) - steps0
             if spec is not None:  # what the cost model learns from
                 self._observe(rd, view[1], new_view[1], ran, time.perf_counter() - t - c)
             view = new_view
             if progress is not None:
-                progress(int(np.asarray(jax.device_get(state.n_out)).sum()), total)
+                progress(int(np.asarray(_host(state.n_out)).sum()), total)
             if not view[0].any():
                 break
             if not gamma:
@@ -554,7 +559,7 @@ class Decoder:
                                     texts=None if self.model.tokenizer is None else
                                     ["" for _ in range(batch.n_real)], stats=stats)
         out, n_out = fetch(st.out), fetch(st.n_out)
-        rs, steps = jax.device_get(st.stats), int(jax.device_get(st.steps))
+        rs, steps = _host(st.stats), int(_host(st.steps))
         tokens = [out[i, :n_out[i]].tolist() for i in range(batch.n_real)]
         new = int(np.asarray(n_out)[:batch.n_real].sum())
         t_end = time.perf_counter()

@@ -42,7 +42,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: F401 (re-exported)
 
 from jaxspec.config import ModelConfig
 from jaxspec.mesh import (AXES, CACHE_AXES, PARAM_AXES, RULES, ShardingError, active_mesh, leaf_name,  # noqa: F401
@@ -162,9 +162,10 @@ def prepare(model: Model, mesh=None) -> Model:
 
 
 LAYOUTS = ("auto", "scan", "unrolled")
+DEFAULT_LAYOUT = "auto"  # the layout `decode_params` picks when none is given
 
 
-def decode_params(model: Model, *, layout: str = "auto", fuse: bool = True):
+def decode_params(model: Model, *, layout: str | None = None, fuse: bool = True):
     """The parameters of ``model`` in the layout decoding runs fastest with on this backend
     (``model.params`` is replaced by them, so no second copy is kept).
 
@@ -176,6 +177,7 @@ def decode_params(model: Model, *, layout: str = "auto", fuse: bool = True):
     (`unstack_layers`). On a single device the per-layer weights are also fused with ``fuse``
     (`jaxspec.model.fuse_layer_params`: wq|wk|wv and w_gate|w_up, three fewer matmuls per
     layer); a tensor-parallel split of fused columns would not follow the heads."""
+    layout = DEFAULT_LAYOUT if layout is None else layout
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     per_layer = isinstance(model.params["layers"], (list, tuple))

@@ -1,9 +1,9 @@
-"""Per-layer (unrolled) parameters on a mesh: the layout `Model.decode_params` picks on GPU.
+"""Per-layer (unrolled) parameters on a mesh: the layout `jaxspec.sharding.decode_params` picks on GPU.
 
 On GPU the layers are split into per-layer arrays (XLA copies slices of stacked weights before
 their matmuls); on a mesh those arrays must keep the shardings of the partition rules. On CPU the
 stacked, scanned layout stays the default, so these tests force the split with
-``JAXSPEC_LAYERS=unrolled`` and check that sharded generation gives exactly the single-device
+``sharding.DEFAULT_LAYOUT = "unrolled"`` and check that sharded generation gives exactly the single-device
 (stacked) tokens in float32, and that each per-layer array carries the intended sharding.
 
 Needs 8 (simulated) devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``; without
@@ -20,8 +20,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxspec
-from jaxspec import engine, sharding as shd, speculative
-from jaxspec.speculative import Speculation
+from jaxspec import sharding as shd
+from jaxspec.session import Decoder
+from jaxspec.speculation import Speculation
 from tiny import tiny_model
 
 HAVE8 = len(jax.devices()) >= 8
@@ -60,11 +61,11 @@ def _draft():
 
 SPECS = {
     "plain": lambda: None,
-    "self_chain": lambda: Speculation(draft="self", gamma=3, sink=2, window=6),
-    "draft_chain": lambda: Speculation(draft=_draft(), gamma=3, window=None),
+    "self_chain": lambda: Speculation(draft="self", gamma=3, sink=2, window=6, adaptive=False),
+    "draft_chain": lambda: Speculation(draft=_draft(), gamma=3, window=None, adaptive=False),
 }
-_RING = lambda: Speculation(draft=_draft(), gamma=2, sink=2, window=6)  # noqa: E731
-_TREE = lambda: Speculation(draft="self", sink=2, window=6, tree=(2, 1))  # noqa: E731
+_RING = lambda: Speculation(draft=_draft(), gamma=2, sink=2, window=6, adaptive=False)  # noqa: E731
+_TREE = lambda: Speculation(draft="self", sink=2, window=6, tree=(2, 1), adaptive=False)  # noqa: E731
 _REF = {}
 
 
@@ -72,14 +73,13 @@ def _reference(name, model_fn=_target, prompts=PROMPTS):
     """Single device, stacked (scanned) layers: the CPU default."""
     key = (name, model_fn.__name__, str(prompts))
     if key not in _REF:
-        old = os.environ.pop("JAXSPEC_LAYERS", None)
+        old, shd.DEFAULT_LAYOUT = shd.DEFAULT_LAYOUT, "auto"
         try:
             spec = {**SPECS, "self_tree": _TREE, "draft_ring": _RING}[name]()
             _REF[key] = jaxspec.generate(model_fn(), prompts, max_new_tokens=NEW,
                                          speculation=spec).tokens
         finally:
-            if old is not None:
-                os.environ["JAXSPEC_LAYERS"] = old
+            shd.DEFAULT_LAYOUT = old
     return _REF[key]
 
 
@@ -111,18 +111,14 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.params, self.dparams = [], []
-        run_loop, run_spec = engine._run_loop, speculative._run_spec
+        run = Decoder.run
 
-        def spy_loop(params, sp, state, **kw):
-            self.params.append(params)
-            return run_loop(params, sp, state, **kw)
-
-        def spy_spec(params, dparams, sp, state, dstate, *args, **kw):
-            self.params.append(params)
-            self.dparams.append(dparams)
-            return run_spec(params, dparams, sp, state, dstate, *args, **kw)
-        monkeypatch.setattr(engine, "_run_loop", spy_loop)
-        monkeypatch.setattr(speculative, "_run_spec", spy_spec)
+        def spy(dec, rd, sp, state, max_rounds):
+            self.params.append(dec.params)
+            if dec.draft is not None and rd.drafter is not None:
+                self.dparams.append(dec.dparams)
+            return run(dec, rd, sp, state, max_rounds)
+        monkeypatch.setattr(Decoder, "run", spy)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -134,8 +130,8 @@ def test_per_layer_params_keep_their_shardings(dm, monkeypatch):
     stacked = {n: np.asarray(x) for n, x in src.params["layers"].items()}
     model = shd.shard_model(src, mesh)  # 2 KV heads widened to dm[1]
     wide_k = np.asarray(model.params["layers"]["wk"])
-    monkeypatch.setenv("JAXSPEC_LAYERS", "unrolled")
-    params = model.decode_params()
+    monkeypatch.setattr(shd, "DEFAULT_LAYOUT", "unrolled")
+    params = shd.decode_params(model)
     assert params is model.params  # replaced in place: no second copy kept
     _check_per_layer(params, mesh, model.config.num_layers)
     for i, lay in enumerate(params["layers"]):
@@ -144,15 +140,15 @@ def test_per_layer_params_keep_their_shardings(dm, monkeypatch):
         np.testing.assert_array_equal(np.asarray(lay["w_down"]), stacked["w_down"][i])
     # per-layer params count as laid out: generate does not lay them out again
     assert shd.prepare(model) is model
-    assert model.decode_params() is params  # idempotent
+    assert shd.decode_params(model) is params  # idempotent
     # shard_model moves per-layer params to another mesh by the same rules
     other = jaxspec.make_mesh(4, 2)
     moved = shd.shard_model(model, other)
     _check_per_layer(moved.params, other, model.config.num_layers)
     np.testing.assert_array_equal(np.asarray(moved.params["layers"][1]["wk"]), wide_k[1])
-    # JAXSPEC_LAYERS=scan stacks them back, with the stacked shardings
-    monkeypatch.setenv("JAXSPEC_LAYERS", "scan")
-    back = model.decode_params()["layers"]
+    # the scan layout stacks them back, with the stacked shardings
+    monkeypatch.setattr(shd, "DEFAULT_LAYOUT", "scan")
+    back = shd.decode_params(model)["layers"]
     assert back["wq"].sharding.spec == P(None, None, "model")
     assert back["w_down"].sharding.spec == P(None, "model", None)
     assert back["attn_norm"].sharding.spec == P(None, None)
@@ -160,13 +156,11 @@ def test_per_layer_params_keep_their_shardings(dm, monkeypatch):
     np.testing.assert_array_equal(np.asarray(back["wk"]), wide_k)
 
 
-def test_auto_layout_on_cpu_keeps_the_scan(monkeypatch):
-    monkeypatch.delenv("JAXSPEC_LAYERS", raising=False)
+def test_auto_layout_on_cpu_keeps_the_scan():
     model = _target()
-    assert isinstance(model.decode_params()["layers"], dict)
-    monkeypatch.setenv("JAXSPEC_LAYERS", "bogus")
-    with pytest.raises(ValueError, match="JAXSPEC_LAYERS"):
-        model.decode_params()
+    assert isinstance(shd.decode_params(model)["layers"], dict)
+    with pytest.raises(ValueError, match="layout"):
+        shd.decode_params(model, layout="bogus")
 
 
 # ----------------------------------------------------------------------------- generation
@@ -175,7 +169,7 @@ def test_auto_layout_on_cpu_keeps_the_scan(monkeypatch):
 @pytest.mark.parametrize("name", list(SPECS))
 def test_per_layer_sharded_generation_matches_single_device(dm, name, monkeypatch):
     ref = _reference(name)
-    monkeypatch.setenv("JAXSPEC_LAYERS", "unrolled")
+    monkeypatch.setattr(shd, "DEFAULT_LAYOUT", "unrolled")
     mesh = jaxspec.make_mesh(*dm)
     model = shd.shard_model(_target(), mesh)
     spy = _Spy(monkeypatch)
@@ -190,7 +184,7 @@ def test_per_layer_sharded_generation_matches_single_device(dm, name, monkeypatc
 @need8
 def test_per_layer_tree_on_mesh(monkeypatch):
     ref = _reference("self_tree")
-    monkeypatch.setenv("JAXSPEC_LAYERS", "unrolled")
+    monkeypatch.setattr(shd, "DEFAULT_LAYOUT", "unrolled")
     mesh = jaxspec.make_mesh(2, 4)
     model = shd.shard_model(_target(), mesh)
     res = jaxspec.generate(model, PROMPTS, max_new_tokens=NEW, speculation=_TREE())
@@ -211,14 +205,14 @@ def test_per_layer_load_widen_and_draft(tmp_path, monkeypatch):
     draft = jaxspec.load(tmp_path / "d", mesh=mesh)
     ref = _reference("plain", _gqa)
     ref_d = _reference("draft_ring", _gqa)
-    monkeypatch.setenv("JAXSPEC_LAYERS", "unrolled")
+    monkeypatch.setattr(shd, "DEFAULT_LAYOUT", "unrolled")
     spy = _Spy(monkeypatch)
     assert jaxspec.generate(loaded, PROMPTS, max_new_tokens=NEW).tokens == ref
     wide = shd.prepare(loaded)  # what generate ran: KV heads widened to one per device
     assert wide.config.num_kv_heads == dm[1]
     _check_per_layer(spy.params[-1], mesh, wide.config.num_layers)
     assert spy.params[-1]["layers"][0]["wk"].shape == (64, dm[1] * 8)
-    spec = Speculation(draft=draft, gamma=2, sink=2, window=6)
+    spec = Speculation(draft=draft, gamma=2, sink=2, window=6, adaptive=False)
     assert jaxspec.generate(loaded, PROMPTS, max_new_tokens=NEW, speculation=spec).tokens == ref_d
     _check_per_layer(spy.dparams[-1], mesh, 1)
     # a per-layer model is saved stacked
@@ -233,7 +227,7 @@ def test_per_layer_shared_prefix_on_mesh(monkeypatch):
     system = rng.integers(0, 64, size=40).tolist()
     prompts = [system + rng.integers(0, 64, size=k).tolist() for k in (1, 5, 12, 3)]
     ref = jaxspec.generate(_target(), prompts, max_new_tokens=NEW).tokens
-    monkeypatch.setenv("JAXSPEC_LAYERS", "unrolled")
+    monkeypatch.setattr(shd, "DEFAULT_LAYOUT", "unrolled")
     mesh = jaxspec.make_mesh(2, 4)
     model = shd.shard_model(_target(), mesh)
     res = jaxspec.generate(model, prompts, max_new_tokens=NEW, shared_prefix="auto")

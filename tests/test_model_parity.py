@@ -112,30 +112,31 @@ def test_per_layer_and_fused_layouts_match_transformers(variant, tmp_path):
         np.testing.assert_array_equal(np.asarray(back["layers"][name]), np.asarray(leaf))
 
 
-def test_decode_params_fuses_on_one_device_and_generation_is_unchanged(monkeypatch):
-    """Model.decode_params (per-layer and fused on one GPU; forced here with
-    JAXSPEC_LAYERS=unrolled) gives the tokens of the stacked layout, plain and speculative, and
-    JAXSPEC_LAYERS=scan stacks the fused layers back into the stored names."""
+def test_decode_params_fuses_on_one_device_and_generation_is_unchanged():
+    """`sharding.decode_params` (per-layer and fused on one GPU; forced here with
+    ``layout="unrolled"``) gives the tokens of the stacked layout, plain and speculative, and
+    ``layout="scan"`` stacks the fused layers back into the stored names."""
     from tiny import tiny_model
+
+    from jaxspec.sharding import decode_params
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 64, size=n).tolist() for n in (9, 23, 4)]
-    spec = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=6)
-    monkeypatch.setenv("JAXSPEC_LAYERS", "scan")  # the reference stays stacked on any backend
+    spec = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=6, adaptive=False)
     stacked = tiny_model(seed=4, scale=3.0)
+    decode_params(stacked, layout="scan")  # the reference stays stacked on any backend
     ref = jaxspec.generate(stacked, prompts, max_new_tokens=16).tokens
     ref_spec = jaxspec.generate(stacked, prompts, max_new_tokens=16, speculation=spec).tokens
     assert ref_spec == ref
     fused = tiny_model(seed=4, scale=3.0)
-    monkeypatch.setenv("JAXSPEC_LAYERS", "unrolled")
-    layers = fused.decode_params()["layers"]
+    layers = decode_params(fused, layout="unrolled")["layers"]
     assert isinstance(layers, list) and {"wqkv", "w_gateup"} <= set(layers[0])
     assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(layers[0])
+    # generate keeps the layout it finds
     assert jaxspec.generate(fused, prompts, max_new_tokens=16).tokens == ref
     assert jaxspec.generate(fused, prompts, max_new_tokens=16, speculation=spec).tokens == ref
-    monkeypatch.setenv("JAXSPEC_FUSE", "0")
+    assert isinstance(fused.params["layers"], list) and "wqkv" in fused.params["layers"][0]
     apart = tiny_model(seed=4, scale=3.0)
-    assert "wq" in apart.decode_params()["layers"][0]
-    monkeypatch.setenv("JAXSPEC_LAYERS", "scan")
-    back = fused.decode_params()["layers"]
+    assert "wq" in decode_params(apart, layout="unrolled", fuse=False)["layers"][0]
+    back = decode_params(fused, layout="scan")["layers"]
     for name, leaf in stacked.params["layers"].items():
         np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(leaf))

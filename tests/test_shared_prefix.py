@@ -92,7 +92,7 @@ def test_greedy_sharing_is_exact(target, prompts, reference, how):
     dict(draft="model", tree=(2, 1), window=None),
 ], ids=["self-chain", "self-chain-long-sink", "self-tree", "draft-ring", "draft-tree"])
 def test_speculation_with_sharing_is_exact(target, draft, prompts, reference, spec):
-    spec = Speculation(**{**spec, "draft": draft if spec["draft"] == "model" else "self"})
+    spec = Speculation(**{**spec, "draft": draft if spec["draft"] == "model" else "self"}, adaptive=False)
     base = jaxspec.generate(target, prompts, max_new_tokens=NEW, speculation=spec)
     res = jaxspec.generate(target, prompts, max_new_tokens=NEW, speculation=spec,
                            shared_prefix=30)
@@ -105,7 +105,7 @@ def test_speculation_with_sharing_is_exact(target, draft, prompts, reference, sp
 def test_short_suffix_window_reaches_into_prefix(target, prompts, reference):
     """Suffixes (1-12 tokens) are shorter than the window (20): the window's older part comes
     from the prefix's tail."""
-    spec = Speculation(draft="self", gamma=3, sink=4, window=20)
+    spec = Speculation(draft="self", gamma=3, sink=4, window=20, adaptive=False)
     base = jaxspec.generate(target, prompts, max_new_tokens=NEW, speculation=spec)
     res = jaxspec.generate(target, prompts, max_new_tokens=NEW, speculation=spec,
                            shared_prefix="auto")
@@ -113,15 +113,20 @@ def test_short_suffix_window_reaches_into_prefix(target, prompts, reference):
     assert res.stats["acceptance_rate"] == pytest.approx(base.stats["acceptance_rate"])
 
 
-def test_auto_gamma_with_a_shared_prefix(target, prompts, reference):
-    """gamma="auto" prices its steps on the live (shared-prefix) cache and stays lossless
-    whichever gamma it picks, plain decoding included."""
+@pytest.mark.parametrize("chosen", [None, 3])
+def test_auto_gamma_with_a_shared_prefix(target, prompts, reference, monkeypatch, chosen):
+    """gamma="auto" stays lossless with a shared prefix whichever gamma it picks (its own
+    choice, or forced to speculate), plain decoding included."""
+    if chosen is not None:
+        from jaxspec.costs import CostModel
+        monkeypatch.setattr(CostModel, "choose_gamma", lambda self, ctx, c: (chosen, 2.0))
     res = jaxspec.generate(target, prompts, max_new_tokens=NEW, shared_prefix="auto",
-                           speculation=Speculation(draft="self", gamma="auto", sink=4, window=20))
+                           speculation=Speculation(draft="self", gamma="auto", sink=4, window=20,
+                                                   adaptive=chosen is None))
     assert res.tokens == reference
     assert res.stats["shared_prefix_tokens"] > 0
-    costs = res.stats["step_costs_ms"]
-    assert costs["plain"] > 0 and costs["draft"] > 0 and all(v > 0 for v in costs["verify"].values())
+    if chosen is not None:
+        assert res.stats["gamma"] == chosen and res.stats["acceptance_rate"] > 0
 
 
 def test_n_samples_two_levels(target, prompts):
@@ -130,7 +135,7 @@ def test_n_samples_two_levels(target, prompts):
     res = jaxspec.generate(target, prompts, max_new_tokens=NEW, n=2, shared_prefix="auto")
     assert res.tokens == ref
     assert res.stats["shared_prefix_tokens"] == 40 + (0 + 4 + 11 + 2)  # system + each prompt
-    spec = Speculation(draft="self", gamma=3, sink=2, window=6)
+    spec = Speculation(draft="self", gamma=3, sink=2, window=6, adaptive=False)
     res = jaxspec.generate(target, prompts, max_new_tokens=NEW, n=2, shared_prefix="auto",
                            speculation=spec)
     assert res.tokens == ref
@@ -142,7 +147,7 @@ def test_sampling_same_seed_same_samples(target, prompts):
     kw = dict(max_new_tokens=NEW, temperature=1.0, top_k=20, seed=5)
     ref = jaxspec.generate(target, prompts, **kw).tokens
     assert jaxspec.generate(target, prompts, shared_prefix="auto", **kw).tokens == ref
-    spec = Speculation(draft="self", gamma=3, sink=2, window=6)
+    spec = Speculation(draft="self", gamma=3, sink=2, window=6, adaptive=False)
     ref = jaxspec.generate(target, prompts, speculation=spec, **kw).tokens
     assert jaxspec.generate(target, prompts, shared_prefix=30, speculation=spec,
                             **kw).tokens == ref
@@ -180,7 +185,7 @@ def test_sharded_sharing(target, prompts):
     ref = jaxspec.generate(target, rows, max_new_tokens=NEW).tokens
     res = jaxspec.generate(model, prompts, max_new_tokens=NEW, n=2, shared_prefix="auto")
     assert res.tokens == ref
-    spec = Speculation(draft="self", tree=(2, 1), sink=2, window=6)
+    spec = Speculation(draft="self", tree=(2, 1), sink=2, window=6, adaptive=False)
     res = jaxspec.generate(model, prompts, max_new_tokens=NEW, n=2, shared_prefix="auto",
                            speculation=spec)
     assert res.tokens == ref

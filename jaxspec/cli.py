@@ -82,6 +82,11 @@ def _cmd_tree_search(a):
         print(text)
 
 
+def _cmd_bench(a):
+    from jaxspec import bench
+    bench.run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxspec", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -140,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, "
                                      "streaming, speculative decoding)")
     add_arguments(s).set_defaults(fn=_cmd_serve, check=check_serve, compiles=True)
+    b = sub.add_parser("bench", help="benchmarks of what users get: generate (speculation vs "
+                                     "plain), server (HTTP under load), steps (diagnostic)")
+    from jaxspec import bench
+    bsub = bench.add_arguments(b.add_subparsers(dest="bench_cmd", required=True))
+    del bsub
+    b.set_defaults(fn=_cmd_bench, check=None, compiles=True)
     return p
 
 

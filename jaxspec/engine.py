@@ -60,13 +60,14 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
              speculation: Speculation | None = None, chat: bool = False,
              max_len: int | None = None, attn_impl: str = "auto",
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, shared_prefix=None, n: int = 1,
-             progress=None) -> GenerationResult:
+             ignore_eos: bool = False, progress=None) -> GenerationResult:
     """Generates up to ``max_new_tokens`` new tokens for each prompt.
 
     ``prompts``: a list of strings (needs a tokenizer; ``chat=True`` applies the chat template)
     or of token-id lists, of any lengths. ``temperature=0`` is greedy; each row samples with its
     own key derived from ``seed`` and its row index. ``stop_tokens``: extra stop token ids (or
-    single-token strings) besides the model's EOS. ``speculation``: a `jaxspec.Speculation` for
+    single-token strings) besides the model's EOS; ``ignore_eos=True`` does not stop at the EOS
+    (fixed-length runs, e.g. benchmarks). ``speculation``: a `jaxspec.Speculation` for
     speculative decoding (lossless: same tokens as greedy, same distribution when sampling; in
     bfloat16 the rounding of a step depends on its shapes, so tokens may part where two logits
     are within rounding of each other: exact equality holds in float32).
@@ -91,7 +92,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     dec = decoder_for(model, speculation, attn_impl=attn_impl, prefill_chunk=prefill_chunk)
     batch = dec.prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, chat=chat,
-                        max_len=max_len, shared_prefix=shared_prefix, n=n)
+                        max_len=max_len, shared_prefix=shared_prefix, n=n,
+                        ignore_eos=ignore_eos)
     if batch.state is None:  # nothing to generate
         return dec.result(batch)
     bar = None

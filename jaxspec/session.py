@@ -134,11 +134,12 @@ def encode_prompts(model: Model, prompts, chat: bool = False) -> list[list[int]]
     return out
 
 
-def stop_token_ids(model: Model, stop_tokens) -> tuple[int, ...]:
-    """The model's EOS ids plus ``stop_tokens`` (ids or single-token strings)."""
-    ids = set(model.config.eos_token_ids)
+def stop_token_ids(model: Model, stop_tokens, *, eos: bool = True) -> tuple[int, ...]:
+    """The model's EOS ids (unless ``eos=False``) plus ``stop_tokens`` (ids or single-token
+    strings)."""
+    ids = set(model.config.eos_token_ids) if eos else set()
     tok = model.tokenizer
-    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+    if eos and tok is not None and getattr(tok, "eos_token_id", None) is not None:
         ids.add(int(tok.eos_token_id))
     if stop_tokens is None:
         stop_tokens = ()
@@ -308,7 +309,8 @@ class Decoder:
     # ------------------------------------------------------------------ a static batch
     def prepare(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, seed: int = 0, stop_tokens=None, chat: bool = False,
-                max_len: int | None = None, shared_prefix=None, n: int = 1) -> Batch:
+                max_len: int | None = None, shared_prefix=None, n: int = 1,
+                ignore_eos: bool = False) -> Batch:
         """Validation, cache sizing and prefill of a generation (`jaxspec.generate`'s
         arguments)."""
         model = self.model
@@ -343,7 +345,7 @@ class Decoder:
                 raise ValueError(f"the draft model's context is {dctx} tokens but prompts + new "
                                  f"tokens reach {longest}; use a ring-buffer draft (window=...) "
                                  f"instead")
-        stop_ids = stop_token_ids(model, stop_tokens)
+        stop_ids = stop_token_ids(model, stop_tokens, eos=not ignore_eos)
         B = len(token_lists)
         lens = np.array([len(t) for t in token_lists])
         extra = self.extra_slots

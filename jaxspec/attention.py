@@ -359,11 +359,76 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
                                    sm_scale=sm_scale, num_new=num_new)
             if res is not None:
                 return res[0]
+        if W is None and not sparse and _backend() == "cpu":
+            return blocked_attention(q, k_all, v_all, lengths, mask, layer=layer,
+                                     sm_scale=sm_scale, num_new=num_new)[0]
         k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
         return attention_xla(q, k, v, lengths, mask, sink=sink, window=window,
                              sm_scale=sm_scale, num_new=num_new, sliding_window=W)[0]
     return per_shard_attention(run_xla, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer)
+
+
+CPU_KEY_BLOCK = 128  # keys per block of `blocked_attention`
+
+
+def blocked_attention(q_BTHD, k_LBKSD, v_LBKSD, lengths, mask=None, *, layer, sm_scale=None,
+                      num_new=None, block: int = CPU_KEY_BLOCK):
+    """Dense attention (the contract of `attention_xla`) whose cost follows the context, not the
+    cache's size: the context is read in blocks of ``block`` keys by a loop whose trip count is
+    the longest context of the batch (an online softmax in float32), the T_new new tokens are
+    gathered, and the two parts merge by log-sum-exp. What XLA's CPU backend runs, where a pass
+    over every slot of a cache sized for the longest request would cost that much per step.
+    Returns ``(out[B, T, H, D], lse[B, T, H])``."""
+    B, T, H, D = q_BTHD.shape
+    L_, _, K, S, _ = k_LBKSD.shape
+    G = H // K
+    T_new = _num_new(T, mask, num_new)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    lengths = lengths.astype(jnp.int32)
+    block = int(min(block, S))
+    n_blocks = (jnp.max(lengths) + block - 1) // block
+    q = (q_BTHD.astype(jnp.float32) * sm_scale).reshape(B, T, K, G, D)
+    layer = jnp.asarray(layer, jnp.int32)
+    zero = jnp.int32(0)
+
+    def body(i, carry):
+        m, l, acc = carry
+        s0 = jnp.minimum(i * block, S - block)  # the last block may overlap the one before
+        k = jax.lax.dynamic_slice(k_LBKSD, (layer, zero, zero, s0, zero), (1, B, K, block, D))
+        v = jax.lax.dynamic_slice(v_LBKSD, (layer, zero, zero, s0, zero), (1, B, K, block, D))
+        k, v = k[0].astype(jnp.float32), v[0].astype(jnp.float32)
+        slot = s0 + jnp.arange(block, dtype=jnp.int32)
+        # each slot counted once: a slot of an overlapping last block already seen is masked
+        ok = (slot[None, :] < lengths[:, None]) & (slot[None, :] >= i * block)  # [B, blk]
+        s = jnp.einsum("btkgd,bknd->bkgtn", q, k)
+        s = jnp.where(ok[:, None, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(ok[:, None, None, None, :], jnp.exp(s - m_safe[..., None]), 0.0)
+        scale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+        l = l * scale + jnp.sum(p, axis=-1)
+        v = jnp.where(ok[:, None, :, None], v, 0.0)
+        acc = acc * scale[..., None] + jnp.einsum("bkgtn,bknd->bkgtd", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((B, K, G, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, D), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    o_ctx = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    lse_ctx = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), -jnp.inf)
+    o_ctx = o_ctx.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    lse_ctx = lse_ctx.transpose(0, 3, 1, 2).reshape(B, T, H)
+    # the new tokens: T_new slots per row past its context
+    idx = lengths[:, None] + jnp.arange(T_new, dtype=jnp.int32)[None]
+    idx = jnp.clip(idx, 0, S - 1)
+    k_new = _gather_slots(k_LBKSD, layer, idx).astype(jnp.float32)
+    v_new = _gather_slots(v_LBKSD, layer, idx).astype(jnp.float32)
+    o_new, lse_new = _softmax_attend(q_BTHD.astype(jnp.float32), k_new, v_new,
+                                     _new_token_mask(mask, B, T, T_new), sm_scale)
+    out, lse = merge_attention_states([o_ctx, o_new.astype(jnp.float32)], [lse_ctx, lse_new])
+    return out.astype(q_BTHD.dtype), lse
 
 
 # ----------------------------------------------------------------------------- prefix segments

@@ -331,7 +331,7 @@ def bench_steps(args) -> dict:
         point = {"batch": B, "prompt": P, "sink": args.sink, "window": args.window}
 
         def timed(rd):
-            dec.run(rd, batch.sp, batch.state, 0)  # compile
+            batch.state, _ = dec.run(rd, batch.sp, batch.state, 0)  # compile
             ts = []
             for _ in range(args.repeats):
                 t = time.perf_counter()

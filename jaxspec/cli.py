@@ -147,9 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(s).set_defaults(fn=_cmd_serve, check=check_serve, compiles=True)
     b = sub.add_parser("bench", help="benchmarks of what users get: generate (speculation vs "
                                      "plain), server (HTTP under load), steps (diagnostic)")
-    from jaxspec import bench
-    bsub = bench.add_arguments(b.add_subparsers(dest="bench_cmd", required=True))
-    del bsub
+    from jaxspec import bench, bench_server
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    bench.add_arguments(bsub)
+    bench_server.add_arguments(bsub)
     b.set_defaults(fn=_cmd_bench, check=None, compiles=True)
     return p
 

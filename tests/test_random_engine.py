@@ -116,20 +116,20 @@ def _draw(i: int) -> Case:
     def chain():
         window = None if rng.random() < 0.15 else int(rng.integers(2, 24))
         return Speculation(draft="self", gamma=int(rng.integers(1, 7)),
-                           sink=int(rng.integers(0, 5)), window=window)
+                           sink=int(rng.integers(0, 5)), window=window, adaptive=False)
 
     def draft():  # a ring-buffer draft cache holds at least a round's tokens + 2
         gamma = int(rng.integers(1, 6))
         window = None if rng.random() < 0.5 else int(rng.integers(gamma + 2, 30))
         return Speculation(draft=("draft",), gamma=gamma, sink=int(rng.integers(0, 4)),
-                           window=window)
+                           window=window, adaptive=False)
 
     def tree():
         depth = int(rng.integers(1, 4))
         expansion = tuple(int(rng.integers(1, 4)) for _ in range(depth))
         d = ("draft",) if rng.random() < 0.4 else "self"
         return Speculation(draft=d, tree=expansion, sink=int(rng.integers(0, 4)),
-                           window=int(rng.integers(depth + 2, 24)))
+                           window=int(rng.integers(depth + 2, 24)), adaptive=False)
 
     options = [("chain", lambda: dict(speculation=chain())),
                ("draft", lambda: dict(speculation=draft())),

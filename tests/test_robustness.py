@@ -44,7 +44,7 @@ def test_head_dims_that_are_not_powers_of_2_run_the_kernels():
     m = tiny_model(seed=2, vocab=97, hidden=24, heads=2, kv_heads=1, head_dim=12, ctx=64)
     want = jaxspec.generate(m, PROMPTS, max_new_tokens=5, attn_impl="xla").tokens
     assert jaxspec.generate(m, PROMPTS, max_new_tokens=5, attn_impl="interpret").tokens == want
-    spec = jaxspec.Speculation(gamma=2, sink=2, window=4)
+    spec = jaxspec.Speculation(gamma=2, sink=2, window=4, adaptive=False)
     assert jaxspec.generate(m, PROMPTS, max_new_tokens=5, speculation=spec,
                             attn_impl="interpret").tokens == want
 
@@ -94,7 +94,7 @@ def test_cli_rejects_zero_tp_and_bad_gamma(model, tmp_path, capsys):
 
 
 def test_cli_window_none_means_full_draft_cache():
-    """A draft model with a full cache (Speculation(window=None)) was unreachable from the CLI."""
+    """A draft model with a full cache (Speculation(window=None, adaptive=False)) was unreachable from the CLI."""
     p = cli.build_parser()
     assert p.parse_args(["generate", "m", "--window", "none"]).window is None
     assert p.parse_args(["generate", "m", "--window", "64"]).window == 64
@@ -145,7 +145,7 @@ def test_draft_model_with_max_new_tokens_past_the_context():
     draft = tiny_model(seed=2, vocab=97, scale=3.0, ctx=48, layers=1)
     want = jaxspec.generate(target, PROMPTS, max_new_tokens=1000).tokens
     assert [len(t) for t in want] == [48 - len(p) for p in PROMPTS]
-    spec = jaxspec.Speculation(draft=draft, gamma=3, window=None)
+    spec = jaxspec.Speculation(draft=draft, gamma=3, window=None, adaptive=False)
     assert jaxspec.generate(target, PROMPTS, max_new_tokens=1000, speculation=spec).tokens == want
 
 
@@ -169,9 +169,9 @@ def test_server_full_cache_draft_context(model):
     engine, which always passes a max_len."""
     from jaxspec.serving import ServingEngine
     draft = tiny_model(seed=7, vocab=97, ctx=48)
-    spec = jaxspec.Speculation(draft=draft, gamma=2, window=None)
+    spec = jaxspec.Speculation(draft=draft, gamma=2, window=None, adaptive=False)
     assert ServingEngine(model, max_batch=1, max_len=100, speculation=spec).max_len == 48
     assert ServingEngine(model, max_batch=1, speculation=spec).max_len == 48
     assert ServingEngine(model, max_batch=1, max_len=500).max_len == 128  # the target's context
-    ring = jaxspec.Speculation(draft=draft, gamma=2, sink=2, window=8)  # any length
+    ring = jaxspec.Speculation(draft=draft, gamma=2, sink=2, window=8, adaptive=False)  # any length
     assert ServingEngine(model, max_batch=1, max_len=100, speculation=ring).max_len == 100

@@ -185,7 +185,7 @@ def test_speculation_equals_plain_greedy(hf_and_model, reference, draft_model, s
     spec = dict(spec)
     if spec["draft"] == "model":
         spec["draft"] = draft_model
-    res = jaxspec.generate(m, PROMPTS, max_new_tokens=NEW, speculation=jaxspec.Speculation(**spec))
+    res = jaxspec.generate(m, PROMPTS, max_new_tokens=NEW, speculation=jaxspec.Speculation(**spec, adaptive=False))
     assert res.tokens == reference
     if spec["draft"] == "self" and spec["window"] is None:  # the draft attends like the target
         assert res.stats["acceptance_rate"] == 1.0
@@ -195,7 +195,7 @@ def test_speculation_interpret(hf_and_model, reference):
     _, m = hf_and_model
     res = jaxspec.generate(m, PROMPTS, max_new_tokens=NEW, attn_impl="interpret",
                            speculation=jaxspec.Speculation(draft="self", gamma=3, sink=1,
-                                                           window=2))
+                                                           window=2, adaptive=False))
     assert res.tokens == reference
 
 
@@ -259,7 +259,7 @@ def test_sharded_generation(hf_and_model, reference, impl):
     model = shd.shard_model(m, jaxspec.make_mesh(2, 2, devices=jax.devices()[:4]))
     res = jaxspec.generate(model, PROMPTS, max_new_tokens=NEW, attn_impl=impl,
                            speculation=jaxspec.Speculation(draft="self", gamma=2, sink=1,
-                                                           window=2))
+                                                           window=2, adaptive=False))
     assert res.tokens == reference
 
 
@@ -273,8 +273,8 @@ def test_generate_on_gpu_kernel(hf_and_model, reference, chunk):
     _, m = hf_and_model
     res = jaxspec.generate(m, PROMPTS, max_new_tokens=NEW, attn_impl="pallas", prefill_chunk=chunk)
     assert res.tokens == reference
-    for spec in (jaxspec.Speculation(draft="self", gamma=3, sink=1, window=3),
-                 jaxspec.Speculation(draft="self", sink=1, window=2, tree=(2, 2, 1))):
+    for spec in (jaxspec.Speculation(draft="self", gamma=3, sink=1, window=3, adaptive=False),
+                 jaxspec.Speculation(draft="self", sink=1, window=2, tree=(2, 2, 1), adaptive=False)):
         res = jaxspec.generate(m, PROMPTS, max_new_tokens=NEW, attn_impl="pallas",
                                prefill_chunk=chunk, speculation=spec)
         assert res.tokens == reference

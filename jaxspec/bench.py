@@ -357,6 +357,17 @@ def bench_steps(args) -> dict:
             fs = np.array([point["rounds"][g]["floor_ms"] for g in gammas])
             point["draft_step_ms"] = float(np.polyfit(xs, ys, 1)[0])
             point["draft_step_floor_ms"] = float(np.polyfit(xs, fs, 1)[0])
+        point["programs"] = {}  # device memory of each compiled loop (peak = args + temps - alias)
+        for (rd, _), compiled in dec._compiled.items():
+            try:
+                ma = compiled.memory_analysis()
+                point["programs"][f"{'round' if rd.speculative else 'plain'}{rd.gamma}"] = {
+                    k: getattr(ma, k) / 2 ** 30 for k in (
+                        "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                        "temp_size_in_bytes")}
+            except Exception as e:  # noqa: BLE001 - not every backend reports it
+                point["programs"]["error"] = str(e)[:200]
+        point["cache_gib"] = batch.state.cache.nbytes() / 2 ** 30
         out["points"].append(point)
         print(json.dumps(point), flush=True)
         if args.out:

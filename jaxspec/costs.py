@@ -27,6 +27,7 @@ distribution, and a decision depends only on the past):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -85,27 +86,36 @@ class DeviceRates:
     @classmethod
     def _measure(cls, dtype) -> "DeviceRates":
         on_cpu = jax.default_backend() == "cpu"
-        n_copy = (1 << 22) if on_cpu else (1 << 28)  # elements
+        n_copy = (1 << 22) if on_cpu else (1 << 30)  # elements
         m = 512 if on_cpu else 8192
+        reps = 2 if on_cpu else 8  # passes inside one call: the dispatch is amortized
         dt = jnp.float32 if on_cpu else dtype
-        x = jnp.ones((n_copy,), dt)
-        a = jnp.ones((m, m), dt) * 0.5
-        copy = jax.jit(lambda x: x * 1.5)
-        mm = jax.jit(lambda a: a @ a)
 
-        def timed(f, arg, reps=5):
-            jax.block_until_ready(f(arg))
+        @functools.partial(jax.jit, donate_argnums=0)
+        def copies(x):  # each pass reads and writes the whole buffer
+            return jax.lax.fori_loop(0, reps, lambda i, y: y * 1.0001 + i, x)
+
+        @jax.jit
+        def matmuls(a):
+            return jax.lax.fori_loop(0, reps, lambda i, b: (b @ a).astype(a.dtype), a)
+
+        def timed(f, arg, donate):
+            arg = f(arg) if donate else (f(arg), arg)[1]
+            jax.block_until_ready(arg)
             ts = []
-            for _ in range(reps):
+            for _ in range(5):
                 t = time.perf_counter()
-                jax.block_until_ready(f(arg))
+                out = f(arg)
+                jax.block_until_ready(out)
                 ts.append(time.perf_counter() - t)
+                if donate:
+                    arg = out
             return float(np.median(ts))
 
-        t_copy = timed(copy, x)
-        t_mm = timed(mm, a)
-        bw = 2 * n_copy * jnp.dtype(dt).itemsize / t_copy
-        rate = 2.0 * m ** 3 / t_mm
+        t_copy = timed(copies, jnp.ones((n_copy,), dt), True)
+        t_mm = timed(matmuls, jnp.full((m, m), 1.0 / m, dt), False)
+        bw = reps * 2 * n_copy * jnp.dtype(dt).itemsize / t_copy
+        rate = reps * 2.0 * m ** 3 / t_mm
         return cls(bandwidth=bw, matmul=rate, overhead=0.0)
 
 
@@ -188,16 +198,24 @@ class CostModel:
         t = sum(self._draft.time(self.rates, n, dk + n * i, w) for i, w in enumerate(levels))
         return t + self._target.time(self.rates, n, ctx.sum(), nodes)
 
+    def _plain_factor(self) -> float:
+        f = self.factor.get("plain")
+        if f is None:  # no plain step timed yet: what rounds measured, less their extra cost
+            rounds = [v for k, v in self.factor.items() if k != "plain"]
+            f = (float(np.mean(rounds)) / PRIOR_ROUND_FACTOR) if rounds else 1.0
+        return f
+
     def plain_time(self, ctx: np.ndarray) -> float:
-        """Predicted time of a plain step (roofline x what plain steps measured)."""
-        return self.plain_roofline(ctx) * self.factor.get("plain", 1.0)
+        """Predicted time of a plain step (roofline x what plain steps measured; before any,
+        what speculative rounds measured / `PRIOR_ROUND_FACTOR`)."""
+        return self.plain_roofline(ctx) * self._plain_factor()
 
     def round_time(self, ctx: np.ndarray, levels: tuple[int, ...], nodes: int) -> float:
         """Predicted time of a speculative round (roofline x what such rounds measured; before
         any, x what plain steps measured x `PRIOR_ROUND_FACTOR`)."""
         f = self.factor.get(("round", tuple(levels), nodes))
         if f is None:
-            f = self.factor.get("plain", 1.0) * PRIOR_ROUND_FACTOR
+            f = self._plain_factor() * PRIOR_ROUND_FACTOR
         return self.round_roofline(ctx, levels, nodes) * f
 
     # ------------------------------------------------------------------ learning

@@ -44,6 +44,10 @@ HYSTERESIS = 1.05  # keep the previous gamma unless another is predicted this mu
 # kernels per byte; measured 1.3-1.4x on H100s at batch 64).
 PRIOR_ROUND_FACTOR = 1.35
 PRIOR_WEIGHT = 2.0  # rounds of evidence the prior acceptance weighs in a row's estimate
+# Before any draft was ever accepted or rejected, speculation is tried for a short stretch where it
+# would pay at this acceptance (a typical one of a good draft): the prior alone would never try
+# it at moderate sizes, and so never learn the acceptance that decides.
+EXPLORE_ACCEPTANCE = 0.8
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -236,9 +240,13 @@ class CostModel:
         self.alpha = a if self.alpha is None else 0.5 * self.alpha + 0.5 * a
 
     # ------------------------------------------------------------------ decisions
-    def choose_gamma(self, ctx: np.ndarray, candidates) -> tuple[int, float]:
-        """(gamma, predicted speedup) for running rows of contexts ``ctx``; 0 = plain."""
-        alpha = PRIOR_ACCEPTANCE if self.alpha is None else self.alpha
+    def choose_gamma(self, ctx: np.ndarray, candidates, *, alpha: float | None = None,
+                     remember: bool = True) -> tuple[int, float]:
+        """(gamma, predicted speedup) for running rows of contexts ``ctx``; 0 = plain.
+        ``alpha``: the per-token acceptance to assume (default: the learned one, else the prior);
+        ``remember=False`` leaves the remembered choice (hysteresis) alone."""
+        if alpha is None:
+            alpha = PRIOR_ACCEPTANCE if self.alpha is None else self.alpha
         t_plain = self.plain_time(ctx)
 
         def speedup(g):
@@ -251,13 +259,27 @@ class CostModel:
         best_s = s[best]
         if best_s < AUTO_MARGIN:
             best, best_s = 0, 1.0
-        prev = self.gamma
+        prev = self.gamma if remember else None
         if prev is not None and prev != best and (prev == 0 or prev in s):
             ps = 1.0 if prev == 0 else s[prev]
             if (prev == 0 or ps >= AUTO_MARGIN) and ps * HYSTERESIS >= best_s:
                 best, best_s = prev, ps
-        self.gamma = best
+        if remember:
+            self.gamma = best
         return best, best_s
+
+    @property
+    def explored(self) -> bool:
+        """Whether any acceptance was observed (`observe_acceptance`)."""
+        return self.alpha is not None
+
+    def worth_exploring(self, ctx: np.ndarray, levels, nodes) -> bool:
+        """Whether speculation would pay for these rows at `EXPLORE_ACCEPTANCE` while nothing is
+        known of the acceptance (then a short speculative stretch measures it)."""
+        if self.explored or len(ctx) == 0:
+            return False
+        tokens = np.full(len(ctx), expected_tokens(EXPLORE_ACCEPTANCE, len(levels)))
+        return self.speculation_pays(ctx, tokens, levels, nodes)
 
     def prior_tokens(self, depth: int) -> float:
         alpha = PRIOR_ACCEPTANCE if self.alpha is None else self.alpha

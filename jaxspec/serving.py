@@ -423,7 +423,12 @@ class ServingEngine:
             stats = self.state.stats.replace(
                 spec_rounds=self.row_rounds.astype(np.int32),
                 committed=self.row_committed.astype(np.int32))
+            spec_rd = rd
             rd, _ = dec.next_round(rd, (act, ctx, stats), self.rounds)
+            levels, nodes = dec._levels(spec_rd)
+            if not rd.speculative and spec_rd.is_chain and dec.costs.worth_exploring(
+                    ctx, levels, nodes):
+                rd = spec_rd  # one chunk that measures the acceptance
         if rd.speculative:
             levels, nodes = dec._levels(rd)
             t_round = dec.costs.round_time(ctx, levels, nodes)
@@ -530,6 +535,9 @@ class ServingEngine:
         if rd.speculative:
             self.m["draft_proposed"] += int(np.asarray(stats.proposed).sum())
             self.m["draft_accepted"] += int(np.asarray(stats.accepted).sum())
+            if rd.is_chain:
+                self.decoder.costs.observe_acceptance(float(np.sum(stats.accepted)),
+                                                      float(np.sum(stats.spec_rounds)), rd.gamma)
             self.row_rounds += np.asarray(stats.spec_rounds)
             self.row_committed += np.asarray(stats.committed)
         self.m["target_row_steps"] += busy

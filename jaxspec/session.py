@@ -33,7 +33,7 @@ import numpy as np
 from jaxspec import sampling
 from jaxspec.cache import SLOT_ALIGN, KVCache, positions_of, round_up
 from jaxspec.config import sliding_window_of
-from jaxspec.costs import CostModel
+from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
 from jaxspec.decoding import DecodeState, Round, RoundStats, run_rounds
 from jaxspec.drafter import DraftState, ModelDrafter, SelfDrafter, ring_cache_len, ring_prefill
 from jaxspec.mesh import ShardingError, cache_sharding, fetch, pad_batch, put_batch, use_mesh
@@ -46,6 +46,7 @@ from jaxspec.tree import TokenTree
 
 CHUNK_SECONDS = 0.25  # a stretch of speculative rounds between two decisions takes about this
 MAX_CHUNK_ROUNDS = 256
+EXPLORE_ROUNDS = 4  # speculative rounds that measure an unknown acceptance (`CostModel.explored`)
 
 
 @dataclasses.dataclass
@@ -499,6 +500,7 @@ class Decoder:
         compile_s = 0.0
         spec = self.speculation
         gamma = 0
+        explore = False
         view = self._host_view(state, prefix_per_row)
         if spec is not None:
             if self.tree is not None:
@@ -507,6 +509,11 @@ class Decoder:
                               "tree_depth": self.tree.max_depth})
             elif spec.gamma == "auto":
                 gamma, predicted = self.costs.choose_gamma(view[1], GAMMA_CANDIDATES)
+                if gamma == 0 and not self.costs.explored:  # nothing known of the acceptance
+                    g, s = self.costs.choose_gamma(view[1], GAMMA_CANDIDATES,
+                                                   alpha=EXPLORE_ACCEPTANCE, remember=False)
+                    if g:
+                        gamma, explore = g, True
                 stats.update({"auto_alpha": self.costs.alpha, "predicted_speedup": predicted})
             else:
                 gamma = int(spec.gamma)
@@ -520,6 +527,10 @@ class Decoder:
         if gamma:
             spec_rd = self.round(gamma, greedy=batch.greedy, stop_ids=batch.stop_ids)
             rd, rounds = self.next_round(spec_rd, view, rounds)
+            levels, nodes = self._levels(spec_rd)
+            if not rd.speculative and spec_rd.is_chain and (
+                    explore or self.costs.worth_exploring(view[1], levels, nodes)):
+                rd, rounds = spec_rd, EXPLORE_ROUNDS  # measure the acceptance first
             if rd.speculative or rounds < rounds_left(state):
                 # speculation will run: a draft model's cache is needed from now on
                 if isinstance(self.drafter, ModelDrafter):
@@ -544,6 +555,10 @@ class Decoder:
                 rd, rounds = plain_rd, rounds_left(state)
             else:
                 rd, rounds = self.next_round(spec_rd, view, rounds_left(state))
+        if gamma and self.tree is None:  # what this call saw of the acceptance
+            rs = _host(state.stats)
+            self.costs.observe_acceptance(float(np.sum(rs.accepted)), float(np.sum(rs.spec_rounds)),
+                                          gamma)
         batch.state = state
         batch.compile_seconds += compile_s
         batch.decode_seconds += time.perf_counter() - t_start - compile_s
@@ -590,9 +605,6 @@ class Decoder:
             stats["tokens_per_step_rows"] = {
                 q: float(np.percentile(per_row, q)) if per_row.size else 0.0
                 for q in (0, 10, 50, 90, 100)}
-            g = stats.get("gamma")
-            if g and self.tree is None and row_steps:
-                self.costs.observe_acceptance(accepted, row_steps, g)
         texts = None
         tok = self.model.tokenizer
         if tok is not None:

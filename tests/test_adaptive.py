@@ -163,7 +163,7 @@ def test_auto_prefills_the_draft_only_when_it_speculates(target, prompts, refere
 
     monkeypatch.setattr(Decoder, "draft_state", spy)
     monkeypatch.setattr(CostModel, "choose_gamma",
-                        lambda self, ctx, cands: (chosen, 1.5 if chosen else 1.0))
+                        lambda self, ctx, cands, **kw: (chosen, 1.5 if chosen else 1.0))
     res = jaxspec.generate(target, prompts, max_new_tokens=36, speculation=spec)
     assert res.tokens == reference
     assert res.stats["gamma"] == chosen
@@ -172,3 +172,28 @@ def test_auto_prefills_the_draft_only_when_it_speculates(target, prompts, refere
         np.testing.assert_array_equal(calls[0][1], [len(p) - 1 for p in prompts])
         if window is None:
             assert res.stats["acceptance_rate"] == 1.0
+
+
+def test_unknown_acceptance_is_measured_once(target, prompts, reference, monkeypatch):
+    """Where the prior says plain but a good draft would pay, the first call speculates for a
+    short stretch to measure the acceptance (lossless), and the cost model keeps what it saw."""
+    from jaxspec.costs import CostModel
+    from jaxspec.engine import decoder_for
+    spec = Speculation(draft="self", gamma=3, sink=2, window=6)
+    dec = decoder_for(target, spec)
+    dec.costs.alpha = None
+    calls = []
+
+    def spy(self, *a):
+        calls.append(self.explored)
+        return not self.explored
+
+    monkeypatch.setattr(CostModel, "worth_exploring", spy)
+    monkeypatch.setattr(CostModel, "speculation_pays", lambda self, *a: False)
+    res = jaxspec.generate(target, prompts, max_new_tokens=36, speculation=spec)
+    assert res.tokens == reference
+    assert res.stats["plain_steps"] < res.stats["target_steps"]  # a speculative stretch ran
+    assert dec.costs.explored and 0.0 <= dec.costs.alpha <= 1.0
+    res = jaxspec.generate(target, prompts, max_new_tokens=36, speculation=spec)
+    assert res.tokens == reference and res.stats["plain_steps"] == res.stats["target_steps"]
+    assert calls[0] is False and all(calls[1:])

@@ -119,7 +119,7 @@ def test_auto_gamma_with_a_shared_prefix(target, prompts, reference, monkeypatch
     choice, or forced to speculate), plain decoding included."""
     if chosen is not None:
         from jaxspec.costs import CostModel
-        monkeypatch.setattr(CostModel, "choose_gamma", lambda self, ctx, c: (chosen, 2.0))
+        monkeypatch.setattr(CostModel, "choose_gamma", lambda self, ctx, c, **kw: (chosen, 2.0))
     res = jaxspec.generate(target, prompts, max_new_tokens=NEW, shared_prefix="auto",
                            speculation=Speculation(draft="self", gamma="auto", sink=4, window=20,
                                                    adaptive=chosen is None))

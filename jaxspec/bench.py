@@ -358,7 +358,8 @@ def bench_steps(args) -> dict:
             point["draft_step_ms"] = float(np.polyfit(xs, ys, 1)[0])
             point["draft_step_floor_ms"] = float(np.polyfit(xs, fs, 1)[0])
         point["programs"] = {}  # device memory of each compiled loop (peak = args + temps - alias)
-        for (rd, _), compiled in dec._compiled.items():
+        for key, compiled in dec._compiled.items():
+            rd = key[-2]
             try:
                 ma = compiled.memory_analysis()
                 point["programs"][f"{'round' if rd.speculative else 'plain'}{rd.gamma}"] = {

@@ -242,3 +242,62 @@ def run_rounds(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round
 
     _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     return st
+
+
+@struct.dataclass
+class ChunkOutputs:
+    """What a serving chunk hands the host (copies: the state itself goes to the next chunk)."""
+
+    out: jax.Array  # [B, W] tokens committed in the chunk
+    from_draft: jax.Array  # [B, W]
+    n_out: jax.Array  # [B]
+    done: jax.Array  # [B]
+    lengths: jax.Array  # [B] cache lengths after the chunk
+    steps: jax.Array  # rounds run
+    stats: RoundStats
+
+
+@functools.partial(jax.jit, static_argnames=("rd",), donate_argnames=("state",))
+def run_chunk(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round):
+    """A serving chunk: the output buffer starts empty (each row's budget shrinks by what it
+    committed before), then at most ``max_rounds`` rounds run (`run_rounds`). Returns the state
+    and the chunk's `ChunkOutputs`."""
+    B = state.last.shape[0]
+    state = state.replace(budget=state.budget - state.n_out, n_out=jnp.zeros_like(state.n_out),
+                          steps=jnp.zeros_like(state.steps), stats=RoundStats.zeros(B))
+
+    def cond(c):
+        i, st = c
+        return (i < max_rounds) & jnp.any(~st.done)
+
+    def body(c):
+        i, st = c
+        return i + 1, rd(params, dparams, sp, st)
+
+    _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    outs = ChunkOutputs(out=st.out, from_draft=st.from_draft, n_out=st.n_out, done=st.done,
+                        lengths=st.cache.lengths, steps=st.steps, stats=st.stats)
+    return st, outs
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def set_rows(state: DecodeState, rows, last, budget, keys) -> DecodeState:
+    """Starts sequences in rows ``rows`` (their caches already prefilled): last token, budget,
+    PRNG key; a draft model's ``prev`` is the last token too (the draft saw the prompt). Rows
+    past the batch are ignored (callers pad to one shape)."""
+    st = state.replace(last=state.last.at[rows].set(last, mode="drop"),
+                       budget=state.budget.at[rows].set(budget, mode="drop"),
+                       n_out=state.n_out.at[rows].set(0, mode="drop"),
+                       done=state.done.at[rows].set(budget <= 0, mode="drop"),
+                       rng=state.rng.at[rows].set(keys, mode="drop"))
+    if st.draft is not None:
+        st = st.replace(draft=st.draft.replace(
+            prev=st.draft.prev.at[rows].set(last, mode="drop")))
+    return st
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def stop_rows(state: DecodeState, rows) -> DecodeState:
+    """Rows ``rows`` stop (their sequences ended on the host: cancelled, a stop string); rows past
+    the batch are ignored."""
+    return state.replace(done=state.done.at[rows].set(True, mode="drop"))

@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxspec import sampling
 from jaxspec.cache import SLOT_ALIGN, round_up
+from jaxspec.decoding import set_rows, stop_rows
 from jaxspec.model import Model
 from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
 from jaxspec.session import Decoder, stop_token_ids
@@ -211,13 +212,14 @@ class ServingEngine:
         self.out_len = self.rounds * self.tokens_per_round
         self.state = dec.empty_state(self.B, self.S, self.out_len)
         # host mirrors of the per-slot state
-        self.last = np.zeros(self.B, np.int32)
-        self.remaining = np.zeros(self.B, np.int32)
-        self.done = np.ones(self.B, bool)
+        self.done = np.ones(self.B, bool)  # no running sequence, or the device said done
+        self.lengths = np.zeros(self.B, np.int64)  # cache lengths after the last chunk seen
         self.temperature = np.zeros(self.B, np.float32)
         self.top_k = np.zeros(self.B, np.int32)
         self.top_p = np.ones(self.B, np.float32)
-        self.rng_rows = np.zeros((self.B, 2), np.uint32)
+        self._inflight = collections.deque()  # chunks dispatched, tokens not yet handled
+        self._stop_rows: set[int] = set()  # rows to stop on the device before the next chunk
+        self._t_last = 0.0
         self.row_rounds = np.zeros(self.B, np.int64)  # speculative rounds of the slot's sequence
         self.row_committed = np.zeros(self.B, np.int64)  # tokens those rounds committed
         self.slots: list[Sequence | None] = [None] * self.B
@@ -355,6 +357,7 @@ class ServingEngine:
         for s in list(self.waiting) + [s for s in self.slots if s is not None]:
             self._fail(s, "the server is shutting down")
         self.waiting.clear()
+        self.state = None  # the device memory of the slots goes now, whoever still holds us
 
     def warmup(self, variants=None):
         """Compiles the chunk variants with every slot idle: ``variants`` is a list of
@@ -374,6 +377,11 @@ class ServingEngine:
         while n <= min(self.warmup_prefill, self.max_len - 1):
             self.state = self.decoder.prefill_row(self.state, 0, [0] * n)
             n *= 2
+        B = self.B  # the row updates, compiled once (rows past the batch are no-ops)
+        nowhere = jnp.full((B,), B, jnp.int32)
+        self.state = stop_rows(set_rows(self.state, nowhere, jnp.zeros((B,), jnp.int32),
+                                        jnp.zeros((B,), jnp.int32), jnp.zeros((B, 2), jnp.uint32)),
+                               nowhere)
         self.warm = True
 
     def _choose_gamma(self):
@@ -393,31 +401,22 @@ class ServingEngine:
                                        top_p=jnp.asarray(self.top_p), filtering=filtering,
                                        stochastic=not greedy)
 
-    def _chunk_state(self):
-        st = self.state
-        B, W = self.B, self.out_len
-        return st.replace(
-            last=jnp.asarray(self.last), out=jnp.zeros((B, W), jnp.int32),
-            from_draft=jnp.zeros((B, W), bool), n_out=jnp.zeros((B,), jnp.int32),
-            budget=jnp.asarray(np.where(self.done, 0, self.remaining), jnp.int32),
-            done=jnp.asarray(self.done), rng=jnp.asarray(self.rng_rows),
-            steps=jnp.zeros((), jnp.int32), stats=st.stats.zeros(B))
-
     def _run_chunk(self, rd, greedy, filtering, rounds, compile_only=False):
         sp = self._sampling(greedy, filtering)
-        state = self._chunk_state()
         if self.decoder.mesh is not None:
             from jaxspec.mesh import put_batch
-            state, sp = put_batch((state, sp), self.decoder.mesh, self.B)
-        state, t_compile = self.decoder.run(rd, sp, state, 0 if compile_only else rounds)
+            sp = put_batch(sp, self.decoder.mesh, self.B)
+        state, outs, t_compile = self.decoder.run_chunk(rd, sp, self.state,
+                                                        0 if compile_only else rounds)
         self.state = state
-        return state, t_compile
+        return outs, t_compile
 
     def _choose_chunk(self, greedy: bool):
-        """The next chunk's round kind and its number of rounds."""
+        """The next chunk's round kind and its number of rounds (from what the host knows: the
+        contexts after the last processed chunk)."""
         dec = self.decoder
         act = ~self.done
-        ctx = np.asarray(jax.device_get(self.state.cache.lengths), np.float64)[act]
+        ctx = self.lengths[act].astype(np.float64)
         rd = self._round(greedy)
         if rd.speculative:
             stats = self.state.stats.replace(
@@ -443,6 +442,7 @@ class ServingEngine:
                 while self._running and not self._has_work():
                     self._cv.wait(timeout=0.5)
                 if not self._running:
+                    self._drain()
                     return
                 cancelled = [s for s in self.slots if s is not None and s.cancelled]
                 dropped = [s for s in self.waiting if s.cancelled]
@@ -455,100 +455,134 @@ class ServingEngine:
                         admits.append((free.pop(0), self.waiting.popleft()))
             for s in cancelled + dropped:
                 self._finish(s, "cancelled")
-            for b, s in admits:
-                try:
-                    self._admit(b, s)
-                except Exception as e:  # noqa: BLE001 - fail this request only
-                    log.exception("admitting sequence %d failed", s.id)
-                    self._fail(s, f"prefill failed: {type(e).__name__}: {e}")
-            if not any(s is not None for s in self.slots):
-                continue
             try:
-                self._step()
+                self._admit_all(admits)
+                if any(s is not None for s in self.slots):
+                    self._step()
+                else:
+                    self._drain()
             except Exception as e:  # noqa: BLE001 - fail the active requests, keep serving
                 log.exception("decode chunk failed")
+                self._inflight.clear()
                 for s in [s for s in self.slots if s is not None]:
                     self._fail(s, f"decoding failed: {type(e).__name__}: {e}")
+                self._stop_rows.clear()
                 self.state = self.decoder.empty_state(self.B, self.S, self.out_len)
 
     def _has_work(self) -> bool:
-        if any(s is not None for s in self.slots):
+        if any(s is not None for s in self.slots) or self._inflight:
             return True
         return bool(self.waiting) and not self._paused or any(s.cancelled for s in self.waiting)
 
-    def _admit(self, b: int, s: Sequence):
-        if self.fault_hook is not None:
-            self.fault_hook(s)
-        ids = s.prompt_ids
-        n = len(ids) - 1
-        self.state = self.decoder.prefill_row(self.state, b, ids[:-1])
-        if self.state.draft is not None:
-            d = self.state.draft
-            self.state = self.state.replace(draft=d.replace(prev=d.prev.at[b].set(ids[-1])))
-        o = s.options
-        self.last[b] = ids[-1]
-        self.remaining[b] = s.budget
-        self.done[b] = s.budget <= 0
-        self.temperature[b] = o.temperature
-        self.top_k[b] = o.top_k
-        self.top_p[b] = o.top_p
-        seed = o.seed if o.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.rng_rows[b] = np.asarray(sampling.row_keys(seed, 1, first=s.index)[0], np.uint32)
-        self.row_rounds[b] = 0
-        self.row_committed[b] = 0
-        self.slots[b] = s
-        s.slot = b
-        self.m["prompt_tokens"] += len(ids)
-        self.m["sequences_admitted"] += 1
-        self.m["prefill_tokens"] += n
-        if s.budget <= 0:
-            self._finish(s, "length")
+    def _admit_all(self, admits):
+        """Prefills the admitted sequences into their slots and starts their rows (one update of
+        the device state for all of them); a sequence whose admission fails fails alone."""
+        rows, last, budget, keys = [], [], [], []
+        for b, s in admits:
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(s)
+                ids = s.prompt_ids
+                self.state = self.decoder.prefill_row(self.state, b, ids[:-1])
+            except Exception as e:  # noqa: BLE001 - fail this request only
+                log.exception("admitting sequence %d failed", s.id)
+                self._fail(s, f"prefill failed: {type(e).__name__}: {e}")
+                continue
+            o = s.options
+            self.temperature[b] = o.temperature
+            self.top_k[b] = o.top_k
+            self.top_p[b] = o.top_p
+            seed = o.seed if o.seed is not None else int.from_bytes(os.urandom(4), "little")
+            rows.append(b)
+            last.append(ids[-1])
+            budget.append(s.budget)
+            keys.append(np.asarray(sampling.row_keys(seed, 1, first=s.index)[0], np.uint32))
+            self.done[b] = s.budget <= 0
+            self.lengths[b] = len(ids) - 1
+            self.row_rounds[b] = 0
+            self.row_committed[b] = 0
+            self.slots[b] = s
+            s.slot = b
+            self._stop_rows.discard(b)  # that stop was the row's last sequence's
+            self.m["prompt_tokens"] += len(ids)
+            self.m["sequences_admitted"] += 1
+            self.m["prefill_tokens"] += len(ids) - 1
+        if rows:
+            pad = self.B - len(rows)  # one shape for any number of admissions
+            self.state = set_rows(self.state, jnp.asarray(rows + [self.B] * pad, jnp.int32),
+                                  jnp.asarray(last + [0] * pad, jnp.int32),
+                                  jnp.asarray(budget + [0] * pad, jnp.int32),
+                                  jnp.asarray(np.concatenate(
+                                      [np.stack(keys), np.zeros((pad, 2), np.uint32)])))
+            for b in rows:
+                if self.slots[b].budget <= 0:
+                    self._finish(self.slots[b], "length")
 
     def _step(self):
+        """Dispatches the next chunk, then handles the previous chunk's tokens while it runs (the
+        device never waits for detokenization and streaming)."""
+        if self._stop_rows:
+            rows = sorted(self._stop_rows)
+            self.state = stop_rows(self.state, jnp.asarray(rows + [self.B] * (self.B - len(rows)),
+                                                           jnp.int32))
+            self._stop_rows.clear()
         active = [b for b in range(self.B) if self.slots[b] is not None and not self.done[b]]
-        if not active:
-            return
-        if self.step_fault_hook is not None:
-            self.step_fault_hook([self.slots[b] for b in active])
-        greedy = bool(np.all(self.temperature[active] <= 0))
-        filtering = bool(np.any((self.top_k[active] > 0) | (self.top_p[active] < 1.0)))
-        rd, rounds, ctx = self._choose_chunk(greedy)
-        t0 = time.perf_counter()
-        state, t_compile = self._run_chunk(rd, greedy, filtering, rounds)
-        host = jax.device_get((state.out, state.from_draft, state.n_out, state.done, state.last,
-                               state.rng, state.steps, state.stats, state.cache.lengths))
-        out, flags, n_out, done, last, rng, n, stats, lengths = host
-        dt = time.perf_counter() - t0 - t_compile
-        n = int(n)
-        act = ~self.done
-        self.decoder._observe(rd, ctx, np.asarray(lengths, np.float64)[act & ~np.asarray(done)],
-                              n, dt)
-        self.rng_rows = np.array(rng, np.uint32)
-        self.last = np.array(last, np.int32)
+        if active:
+            if self.step_fault_hook is not None:
+                self.step_fault_hook([self.slots[b] for b in active])
+            greedy = bool(np.all(self.temperature[active] <= 0))
+            filtering = bool(np.any((self.top_k[active] > 0) | (self.top_p[active] < 1.0)))
+            rd, rounds, ctx = self._choose_chunk(greedy)
+            outs, t_compile = self._run_chunk(rd, greedy, filtering, rounds)
+            self._inflight.append((outs, list(self.slots), rd, ctx, t_compile))
+        while self._inflight and (len(self._inflight) > 1 or not active):
+            self._process(*self._inflight.popleft())
+
+    def _drain(self):
+        while self._inflight:
+            self._process(*self._inflight.popleft())
+
+    def _process(self, outs, owners, rd, ctx, t_compile):
+        """The tokens of a finished chunk: to their sequences (if they still own their slots)."""
+        host = jax.device_get(outs)
+        t = time.perf_counter()
+        dt = t - max(self._t_last, 0.0) - t_compile
+        if self._t_last <= 0:
+            dt = None
+        self._t_last = t
+        out, flags, n_out, done, lengths = (np.asarray(x) for x in (
+            host.out, host.from_draft, host.n_out, host.done, host.lengths))
+        stats = host.stats
+        n = int(host.steps)
+        ran = [b for b in range(self.B) if owners[b] is not None]
+        self.lengths = np.asarray(lengths, np.int64).copy()
+        if dt is not None and dt > 0:
+            still = [b for b in ran if not done[b]]
+            self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
+            self.m["chunk_seconds"] += dt
         self.m["chunks"] += 1
         self.m["speculative_chunks" if rd.speculative else "plain_chunks"] += 1
         self.m["rounds"] += n
-        self.m["chunk_seconds"] += dt
         busy = int(np.asarray(stats.spec_rounds).sum()) if rd.speculative else int(n_out.sum())
         self.m["busy_slot_rounds"] += busy
         self.m["slot_rounds"] += n * self.B
+        self.m["target_row_steps"] += busy
+        self.m["generation_tokens"] += int(n_out.sum())
         if rd.speculative:
             self.m["draft_proposed"] += int(np.asarray(stats.proposed).sum())
             self.m["draft_accepted"] += int(np.asarray(stats.accepted).sum())
+            self.row_rounds += np.asarray(stats.spec_rounds)
+            self.row_committed += np.asarray(stats.committed)
             if rd.is_chain:
                 self.decoder.costs.observe_acceptance(float(np.sum(stats.accepted)),
                                                       float(np.sum(stats.spec_rounds)), rd.gamma)
-            self.row_rounds += np.asarray(stats.spec_rounds)
-            self.row_committed += np.asarray(stats.committed)
-        self.m["target_row_steps"] += busy
-        self.m["generation_tokens"] += int(np.asarray(n_out)[active].sum())
-        for b in active:
-            s = self.slots[b]
+        for b in ran:
+            s = owners[b]
+            if self.slots[b] is not s or s.finished_flag:
+                continue  # the sequence ended on the host meanwhile: its tokens are dropped
             k = int(n_out[b])
-            self.remaining[b] -= k
-            self.done[b] = bool(done[b])
-            if s is None:
-                continue
+            if done[b]:
+                self.done[b] = True
             if rd.speculative:
                 s.rounds += int(stats.spec_rounds[b])
                 s.accepted += int(stats.accepted[b])
@@ -643,8 +677,9 @@ class ServingEngine:
         b = s.slot
         if b is not None and self.slots[b] is s:
             self.slots[b] = None
+            if not self.done[b]:  # still running on the device: it stops before the next chunk
+                self._stop_rows.add(b)
             self.done[b] = True
-            self.remaining[b] = 0
         s.slot = None
 
     def _finish(self, s: Sequence, reason: str):

@@ -34,7 +34,7 @@ from jaxspec import sampling
 from jaxspec.cache import SLOT_ALIGN, KVCache, positions_of, round_up
 from jaxspec.config import sliding_window_of
 from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
-from jaxspec.decoding import DecodeState, Round, RoundStats, run_rounds
+from jaxspec.decoding import DecodeState, Round, RoundStats, run_chunk, run_rounds
 from jaxspec.drafter import DraftState, ModelDrafter, SelfDrafter, ring_cache_len, ring_prefill
 from jaxspec.mesh import ShardingError, cache_sharding, fetch, pad_batch, put_batch, use_mesh
 from jaxspec.model import Model
@@ -306,6 +306,23 @@ class Decoder:
                 self._compiled[key] = compiled
             out = compiled(*args, jnp.int32(max_rounds))
         return out, t_compile
+
+    def run_chunk(self, rd: Round, sp, state: DecodeState, max_rounds: int):
+        """A serving chunk (`jaxspec.decoding.run_chunk`) of at most ``max_rounds`` rounds of
+        ``rd``: returns ``(state, outputs, seconds compiling)``; the outputs are copies, so the
+        host can read them while the next chunk runs on the state."""
+        args = (self.params, self.dparams, sp, state)
+        key = ("chunk", rd, _avals(args))
+        compiled = self._compiled.get(key)
+        t_compile = 0.0
+        with use_mesh(self.mesh):
+            if compiled is None:
+                t = time.perf_counter()
+                compiled = run_chunk.lower(*args, jnp.int32(max_rounds), rd=rd).compile()
+                t_compile = time.perf_counter() - t
+                self._compiled[key] = compiled
+            state, outs = compiled(*args, jnp.int32(max_rounds))
+        return state, outs, t_compile
 
     # ------------------------------------------------------------------ a static batch
     def prepare(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,

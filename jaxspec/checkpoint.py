@@ -371,7 +371,7 @@ def save(model_or_params, dst, config: ModelConfig | None = None, tokenizer=None
     try:
         _save_params(tmp / PARAMS_DIR, params)
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+            save_tokenizer(tokenizer, tmp)
         dtype = jax.tree_util.tree_leaves(params)[0].dtype
         meta = {"format": FORMAT_VERSION, "config": config.to_hf_dict(),
                 "dtype": jnp.dtype(dtype).name, "source": {"kind": "memory"}}

@@ -13,6 +13,7 @@ later calls with the same settings pay neither compilation nor measurement again
 
 from __future__ import annotations
 
+from jaxspec import compile_cache
 from jaxspec.model import Model
 from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
 from jaxspec.session import Decoder, GenerationResult, stop_token_ids  # noqa: F401 (re-exported)
@@ -50,6 +51,7 @@ def decoder_for(model: Model, speculation: Speculation | None = None, *,
     if hit is not None and (speculation is None or speculation.is_self
                             or hit.speculation.draft is speculation.draft):
         return hit
+    compile_cache.enable()  # compiled loops outlive the process (JAXSPEC_COMPILE_CACHE=0: off)
     dec = Decoder(model, speculation, attn_impl=attn_impl, prefill_chunk=prefill_chunk)
     model.decoders[key] = dec
     return dec

@@ -55,6 +55,7 @@ from pallas_kernels.merge import merge_partials
 
 from jaxspec.cache import PrefixLevel, SharedPrefix
 from jaxspec.mesh import active_mesh, per_shard_attention
+from jaxspec.paged import gather_view
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
 
@@ -84,6 +85,9 @@ class AttentionPlan:
     # config (`jaxspec.config.ModelConfig.attention_window`); a ring-buffer draft cache, whose
     # slots are not positions, leaves it None.
     sliding_window: int | None = struct.field(pytree_node=False, default=None)
+    # [B, MB] int32 or None: the cache is a block pool (`jaxspec.paged`) and row b's logical slot
+    # s lives in block block_table[b, s // BS]
+    block_table: Any = None
 
     @property
     def sparse(self) -> bool:
@@ -328,6 +332,13 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
     if plan.active is not None:  # finished rows: no context read (their output is discarded)
         plan = plan.replace(lengths=jnp.where(plan.active, plan.lengths, 0), active=None)
+    if plan.block_table is not None:  # a block pool: this layer's blocks of each row, in order
+        if plan.prefix is not None:
+            raise ValueError("paged caches do not combine with shared-prefix levels")
+        k_view = gather_view(k_LBKSD, layer, plan.block_table)[None]
+        v_view = gather_view(v_LBKSD, layer, plan.block_table)[None]
+        return attend(q_BTHD, k_view, v_view, jnp.int32(0),
+                      plan.replace(block_table=None), sm_scale=sm_scale)
     T = q_BTHD.shape[1]
     num_new = plan.new_tokens(T)
     W = plan.sliding_window
@@ -561,3 +572,10 @@ def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, p
     return _softmax_attend(q, k, v, visible, sm_scale)[0]
 
 
+
+
+def plan_for(cache, lengths, **kw) -> AttentionPlan:
+    """An `AttentionPlan` over ``cache`` with context ``lengths``: its shared-prefix segments and
+    its block table (a paged cache) come with it."""
+    return AttentionPlan(lengths=lengths, prefix=getattr(cache, "prefix", None),
+                         block_table=getattr(cache, "block_table", None), **kw)

@@ -40,6 +40,7 @@ from jaxspec.cache import KVCache, positions_of
 from jaxspec.config import ModelConfig
 from jaxspec.drafter import plan_on
 from jaxspec.model import forward
+from jaxspec.paged import compact_pages
 from jaxspec.tree import TokenTree, compact_path
 from jaxspec.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
 
@@ -205,7 +206,12 @@ class Round:
                     r_verify, node_tok, q, p)
             acc_nodes = acc_nodes.astype(jnp.int32)
             # the accepted path's K/V to consecutive slots L + 0..n (the root is already at L)
-            k, v = compact_path((cache.k, cache.v), acc_nodes, L, slot_axis=3, batch_axis=1)
+            table = getattr(cache, "block_table", None)
+            if table is None:
+                k, v = compact_path((cache.k, cache.v), acc_nodes, L, slot_axis=3, batch_axis=1)
+            else:
+                k = compact_pages(cache.k, table, acc_nodes, L)
+                v = compact_pages(cache.v, table, acc_nodes, L)
             cache = cache.replace(k=k, v=v)
             path = jnp.take_along_axis(node_tok, jnp.maximum(acc_nodes, 0), axis=1)  # [B, D]
         n_acc = n_acc.astype(jnp.int32)

@@ -37,7 +37,7 @@ import numpy as np
 from flax import struct
 
 from jaxspec import sampling
-from jaxspec.attention import AttentionPlan
+from jaxspec.attention import AttentionPlan, plan_for
 from jaxspec.cache import SLOT_ALIGN, KVCache, positions_of, round_up, set_bits
 from jaxspec.config import ModelConfig
 from jaxspec.model import forward
@@ -52,10 +52,7 @@ class DraftState:
     prev: jax.Array  # [B] committed token at position L - 1 (needed when the draft lags by one)
 
 
-def plan_on(cache, lengths, **kw) -> AttentionPlan:
-    """An `AttentionPlan` over ``cache`` (its shared-prefix segments included) with context
-    ``lengths``."""
-    return AttentionPlan(lengths=lengths, prefix=getattr(cache, "prefix", None), **kw)
+plan_on = plan_for  # an `AttentionPlan` over a cache (prefix segments, block table)
 
 
 def propose(rd, keys, logits_BV, sp):

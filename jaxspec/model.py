@@ -31,6 +31,7 @@ import numpy as np
 from jaxspec.attention import AttentionPlan, attend
 from jaxspec.cache import KVCache, set_bits
 from jaxspec.config import ModelConfig, sliding_window_of  # noqa: F401 (re-exported)
+from jaxspec.paged import write_pages
 
 
 @dataclasses.dataclass
@@ -177,8 +178,12 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
     first = plan.new_tokens(T) - T
     slots = plan.lengths[:, None] + (first + jnp.arange(T, dtype=jnp.int32))[None, :]
     b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
-    k_cache = write_slots(k_cache, layer, b_idx, slots, k)
-    v_cache = write_slots(v_cache, layer, b_idx, slots, v)
+    if plan.block_table is not None:  # a block pool (jaxspec.paged)
+        k_cache = write_pages(k_cache, layer, plan.block_table, slots, k)
+        v_cache = write_pages(v_cache, layer, plan.block_table, slots, v)
+    else:
+        k_cache = write_slots(k_cache, layer, b_idx, slots, k)
+        v_cache = write_slots(v_cache, layer, b_idx, slots, v)
 
     attn = attend(q, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
     o = attn.reshape(B, T, H * Dh).astype(dt) @ p["wo"]

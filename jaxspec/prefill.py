@@ -41,7 +41,8 @@ def _prefill_chunk(params, cache: KVCache, prefix, tokens_BC, start, *, config: 
     B, C = tokens_BC.shape
     offset = jnp.zeros((B,), jnp.int32) if prefix is None else prefix.offset
     positions = offset[:, None] + start + jnp.arange(C, dtype=jnp.int32)[None]
-    plan = AttentionPlan(lengths=jnp.full((B,), start, jnp.int32), impl=impl, prefix=prefix)
+    plan = AttentionPlan(lengths=jnp.full((B,), start, jnp.int32), impl=impl, prefix=prefix,
+                         block_table=getattr(cache, "block_table", None))
     _, cache = forward(config, params, tokens_BC, positions, cache, plan,
                        logits_at=jnp.zeros((B, 1), jnp.int32))
     return cache

@@ -1,7 +1,8 @@
 """The router: which kernel serves an attention call, chosen in one place.
 
 Entry points (contracts in ``decode_attention.py`` and ``prefix_attention.py``):
-``decode_attention``, ``prefix_attention``, ``multi_level_prefix_attention``. Each checks its
+``decode_attention``, ``paged_decode_attention`` (the decode contract over a paged cache,
+``triton_paged``), ``prefix_attention``, ``multi_level_prefix_attention``. Each checks its
 arguments (``contracts``), asks ``decode_route`` / ``prefix_route`` for a kernel and calls it.
 
 The platform is ``jax.default_backend()``, or the one ``target_platform`` names while
@@ -17,6 +18,12 @@ decode / verify (``decode_route``):
   3. ``"triton"``: ``interpret=True`` (the Pallas interpreter, any backend) or a GPU with the
      Triton backend (``triton_decode``);
   4. ``"reference"``: elsewhere (CPU): ``reference.decode_attention_reference``.
+
+paged decode / verify (``paged_decode_route``; K/V in a block pool read through block tables):
+  1. ``"triton"``: ``interpret=True`` (the Pallas interpreter, any backend) or a GPU with the
+     Triton backend (``triton_paged``; no Hopper variant: the Triton kernel serves every T);
+  2. ``"reference"``: elsewhere (CPU, TPU): ``reference.paged_decode_attention_reference``
+     (the sequences' blocks gathered into a dense cache).
 
 shared prefix (``prefix_route``):
   1. ``"tpu"``: as for decode (``tpu.tpu_prefix_attention``; a stacked layer is sliced out);
@@ -40,11 +47,13 @@ from . import hopper, tpu
 from .contracts import (check_decode_args, check_prefix_args, layer_slice,
                         prefix_lengths_or_full, resolve_sm_scale)
 from .merge import merge_partials
-from .reference import (decode_attention_reference, prefix_attention_reference,
+from .reference import (check_paged_decode_args, decode_attention_reference,
+                        paged_decode_reference_impl, prefix_attention_reference,
                         prefix_reference_impl)
 from .triton_core import pltriton
 from .triton_decode import DecodeAttentionBlockSizes, triton_decode_attention
 from .triton_decode import GPU_DEFAULTS as DECODE_GPU_DEFAULTS
+from .triton_paged import triton_paged_decode_attention
 from .triton_prefix import PrefixAttentionBlockSizes, triton_prefix_attention
 from .triton_prefix import GPU_DEFAULTS as PREFIX_GPU_DEFAULTS
 
@@ -141,6 +150,16 @@ def decode_route(q, k_cache, *, block_sizes=None, sink=None, window=None,
                                          DECODE_GPU_DEFAULTS), on_gpu and not interpret)
 
 
+def paged_decode_route(q, k_pages, *, block_sizes=None, interpret=None) -> Route:
+    """Which kernel ``paged_decode_attention`` runs for these arguments (see the module doc)."""
+    del q, k_pages  # every shape the contract allows has one route per platform
+    on_gpu = dispatch_platform() in GPU_PLATFORMS
+    if not (bool(interpret) or (on_gpu and pltriton is not None)):
+        return Route("reference", None, False)
+    return Route("triton", _triton_sizes(block_sizes, DecodeAttentionBlockSizes,
+                                         DECODE_GPU_DEFAULTS), on_gpu and not interpret)
+
+
 def prefix_route(q, k_prefix, *, block_sizes=None, interpret=None) -> Route:
     """Which kernel ``prefix_attention`` runs for these arguments (see the module doc)."""
     platform = dispatch_platform()
@@ -228,6 +247,45 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
                                           num_new=T_new)
     return triton_decode_attention(
         q, k_cache, v_cache, lengths, tree_mask, layer, sink=int(sink or 0),
+        window=int(window or 0), sm_scale=sm_scale, interpret=bool(interpret),
+        block_sizes=route.block_sizes, on_gpu=route.on_gpu, num_new=T_new)
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask=None, *,
+                           layer=None, sink=None, window=None, sm_scale=None, num_new=None,
+                           interpret=None, block_sizes=None):
+    """``decode_attention`` over a paged K/V cache: a block pool read through block tables.
+
+    Args:
+      q: ``[B, T, H, D]`` queries of the last T of the T_new new tokens.
+      k_pages, v_pages: block pools ``[L, NB, K, BS, D]`` (with ``layer``) or
+        ``[NB, K, BS, D]``: NB blocks of BS slots (BS a multiple of 16 for the kernel).
+      block_table: ``[B, MB]`` int: sequence b's logical slot ``s`` is in block
+        ``block_table[b, s // BS]`` at offset ``s % BS``. The blocks must hold slots
+        ``[0, lengths[b] + T_new)`` (the new tokens' K/V already written there), so
+        ``lengths[b] + T_new <= MB * BS``; later entries may hold anything (e.g. NB for
+        "no block"): they are never read into a result.
+      lengths, tree_mask, num_new, layer, sink, window, sm_scale: as ``decode_attention``.
+      interpret: None: the Triton kernel on a GPU, the reference elsewhere (CPU, TPU);
+        True: the Triton kernel in Pallas interpret mode (any backend); False: as None.
+      block_sizes: ``DecodeAttentionBlockSizes`` for the Triton kernel (None: defaults);
+        ``block_k`` and ``block_k_new`` must divide BS (by default they are chosen so).
+
+    Returns:
+      ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)`` exactly as
+      ``decode_attention`` over the dense cache the tables describe; a query that saw no key
+      gets ``out = 0`` and ``lse = -inf``.
+    """
+    T_new = check_paged_decode_args(q, k_pages, v_pages, block_table, lengths, tree_mask, layer,
+                                    num_new)
+    sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
+    route = paged_decode_route(q, k_pages, block_sizes=block_sizes, interpret=interpret)
+    if route.kernel == "reference":
+        return paged_decode_reference_impl(q, k_pages, v_pages, block_table, lengths, tree_mask,
+                                           layer, sink=int(sink or 0), window=int(window or 0),
+                                           sm_scale=sm_scale, num_new=T_new)
+    return triton_paged_decode_attention(
+        q, k_pages, v_pages, block_table, lengths, tree_mask, layer, sink=int(sink or 0),
         window=int(window or 0), sm_scale=sm_scale, interpret=bool(interpret),
         block_sizes=route.block_sizes, on_gpu=route.on_gpu, num_new=T_new)
 

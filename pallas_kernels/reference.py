@@ -3,6 +3,9 @@
 * ``decode_attention_reference``: decode / verify (causal or tree mask over the new tokens,
   the last T of ``T_new >= T`` new tokens as queries) and the sparse StreamingLLM context
   (sink + window);
+* ``paged_decode_attention_reference``: the decode / verify contract over a paged cache (a
+  block pool and per-sequence block tables): each sequence's blocks gathered into a dense
+  cache (``gather_pages``), then ``decode_attention_reference``;
 * ``prefix_attention_reference``: shared-prefix attention (Hydragen);
 * the log-sum-exp merge of partial attentions has one implementation for every path,
   ``merge.merge_stacked``, which is its own reference.
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .contracts import (check_decode_args, check_prefix_args, layer_slice,
-                        prefix_lengths_or_full, resolve_sm_scale)
+                        prefix_lengths_or_full, resolve_num_new, resolve_sm_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("sink", "window", "sm_scale", "num_new"))
@@ -85,6 +88,80 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, tree_mask=None, *, 
     return decode_reference_impl(q, k_cache, v_cache, lengths, tree_mask, layer,
                                  sink=int(sink or 0), window=int(window or 0),
                                  sm_scale=sm_scale, num_new=T_new)
+
+
+def check_paged_decode_args(q, k_pages, v_pages, block_table, lengths, tree_mask, layer,
+                            num_new=None):
+    """Validates the shapes of a paged decode / verify call (``paged_decode_attention``);
+    returns T_new."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, D], got {q.shape}")
+    B, T, H, D = q.shape
+    want_nd = 4 if layer is None else 5
+    if k_pages.ndim != want_nd or v_pages.shape != k_pages.shape:
+        want = "[NB, K, BS, D]" if layer is None else "[L, NB, K, BS, D] (with layer=)"
+        raise ValueError(f"k_pages / v_pages must be {want}, got {k_pages.shape} / "
+                         f"{v_pages.shape} (layer={layer!r})")
+    if layer is not None and jnp.ndim(layer) != 0:
+        raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
+    NB, K, BS, Dk = k_pages.shape[-4:]
+    if Dk != D or K == 0 or H % K:
+        raise ValueError(f"shape mismatch: q {q.shape} (H must be a multiple of K), "
+                         f"k_pages {k_pages.shape}")
+    if NB == 0 or BS == 0:
+        raise ValueError(f"k_pages needs at least one block of at least one slot, got "
+                         f"{k_pages.shape}")
+    if block_table.ndim != 2 or block_table.shape[0] != B or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must be [B, MB] = [{B}, MB >= 1], got "
+                         f"{block_table.shape}")
+    if not jnp.issubdtype(block_table.dtype, jnp.integer):
+        raise ValueError(f"block_table must be integer, got {block_table.dtype}")
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must be [B]={B}, got {lengths.shape}")
+    T_new = resolve_num_new(T, tree_mask, num_new)
+    if tree_mask is not None and tree_mask.shape not in ((T, T_new), (B, T, T_new),
+                                                         (1, T, T_new)):
+        raise ValueError(f"tree_mask must be [T, T_new] or [B, T, T_new] with T = {T} "
+                         f"queries, got {tree_mask.shape}")
+    return T_new
+
+
+def gather_pages(pages, block_table, layer=None):
+    """Each sequence's blocks of a pool ``[(L,) NB, K, BS, D]`` in table order: a dense
+    ``[B, K, MB * BS, D]`` cache (entries outside ``[0, NB)`` read a clamped block: callers
+    mask those slots by length)."""
+    if layer is not None:
+        pages = lax.dynamic_index_in_dim(pages, layer, axis=0, keepdims=False)
+    NB, K, BS, D = pages.shape
+    B, MB = block_table.shape
+    g = pages[jnp.clip(block_table.astype(jnp.int32), 0, NB - 1)]     # [B, MB, K, BS, D]
+    return g.transpose(0, 2, 1, 3, 4).reshape(B, K, MB * BS, D)
+
+
+@functools.partial(jax.jit, static_argnames=("sink", "window", "sm_scale", "num_new"))
+def paged_decode_reference_impl(q, k_pages, v_pages, block_table, lengths, tree_mask, layer, *,
+                                sink, window, sm_scale, num_new):
+    """``paged_decode_attention_reference`` on checked arguments."""
+    k = gather_pages(k_pages, block_table, layer)
+    v = gather_pages(v_pages, block_table, layer)
+    return decode_reference_impl(q, k, v, lengths, tree_mask, None, sink=sink, window=window,
+                                 sm_scale=sm_scale, num_new=num_new)
+
+
+def paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, tree_mask=None,
+                                     *, layer=None, sink=None, window=None, sm_scale=None,
+                                     num_new=None, interpret=None, block_sizes=None):
+    """Plain-jnp paged decode attention; same contract as ``paged_decode_attention``: the
+    sequences' blocks gathered into a dense ``[B, K, MB * BS, D]`` cache (a copy of every
+    block a table names), then ``decode_attention_reference``. ``interpret`` and
+    ``block_sizes`` are accepted for signature compatibility and ignored."""
+    del interpret, block_sizes
+    T_new = check_paged_decode_args(q, k_pages, v_pages, block_table, lengths, tree_mask, layer,
+                                    num_new)
+    sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
+    return paged_decode_reference_impl(q, k_pages, v_pages, block_table, lengths, tree_mask,
+                                       layer, sink=int(sink or 0), window=int(window or 0),
+                                       sm_scale=sm_scale, num_new=T_new)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))

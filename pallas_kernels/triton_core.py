@@ -14,6 +14,12 @@ the running sum of ``exp2(logit - m)``. The pieces:
 * ``exp2``: one ``ex2.approx.ftz.f32`` instruction on NVIDIA GPUs (what Triton's own exp2
   emits) instead of libdevice's ``exp2f``.
 
+Two address modes for the K/V a kernel streams: dense (a tile is ``pl.ds(start, size)`` of a
+sequence's slot axis) and paged (``page_tile_index``: a block pool ``[(L,) NB, K, BS, D]`` and a
+block table; a tile lies inside one page, so its keys must start on a tile boundary and the tile
+size divide the page size, ``check_page_tiles``). ``stream_keys_from`` streams an aligned key
+range whose first keys are hidden (a paged kernel's sparse window starting inside a tile).
+
 These are plain Python functions called while the kernel body is traced: they emit the ops
 in place, so sharing them costs nothing at run time.
 
@@ -143,6 +149,47 @@ def stream_keys(step, state, lo, hi, block: int):
         return step(st, tail, tail + jnp.arange(block, dtype=jnp.int32) < hi)
     has_tail = (n - n_full * block > 0).astype(jnp.int32)
     return lax.fori_loop(0, has_tail, tail_body, state)
+
+
+def stream_keys_from(step, state, lo, hi, first, block: int):
+    """``stream_keys`` over ``[lo, hi)`` with the keys below ``first`` hidden, where ``lo`` is
+    a tile boundary at most one ``block`` below ``first`` (or at / past it): a head block that
+    holds hidden keys runs masked (``ok`` marks keys in ``[first, hi)``), the rest as
+    ``stream_keys``. Every load stays at ``lo + i * block``."""
+    head = ((lo < first) & (lo < hi)).astype(jnp.int32)
+
+    def head_body(i, st):
+        key = lo + jnp.arange(block, dtype=jnp.int32)
+        return step(st, lo, (key >= first) & (key < hi))
+    state = lax.fori_loop(0, head, head_body, state)
+    return stream_keys(step, state, lo + head * block, hi, block)
+
+
+def page_tile_index(table_ref, row, start, size: int, *, page_size: int, max_blocks: int,
+                    num_blocks: int, head, layer=None):
+    """The index of the K/V tile of logical slots ``[start, start + size)`` of sequence ``row``
+    in a block pool ``[(L,) NB, K, BS, D]`` (``layer`` None: no layer axis): logical slot ``s``
+    is in block ``table_ref[row, s // BS]`` at offset ``s % BS``. The tile must lie in one
+    page: ``start`` a multiple of ``size`` and ``size`` a divisor of ``page_size``
+    (``check_page_tiles``). The table column and the block are clamped into the table and the
+    pool, so a tile past a sequence's blocks (unmapped entries, any value) addresses some
+    block of the pool, never memory outside it: callers mask its keys."""
+    j = lax.div(start, page_size)
+    blk = table_ref[row, jnp.minimum(j, max_blocks - 1)]
+    blk = jnp.minimum(jnp.maximum(blk, 0), num_blocks - 1)
+    off = start - j * page_size
+    lead = (blk, head) if layer is None else (layer, blk, head)
+    return (*lead, pl.ds(off, size), slice(None))
+
+
+def check_page_tiles(page_size: int, **sizes) -> None:
+    """Every key tile of a paged kernel must divide the page size (a tile never straddles two
+    pages)."""
+    for name, val in sizes.items():
+        if page_size % val:
+            raise ValueError(
+                f"{name}={val} must divide the page size {page_size} (a key tile of a paged "
+                f"kernel lies in one page; page sizes must be multiples of 16)")
 
 
 def finalize(state, o_ref, lse_ref, head_ok):

@@ -259,7 +259,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask=
     Args:
       q: ``[B, T, H, D]`` queries of the last T of the T_new new tokens.
       k_pages, v_pages: block pools ``[L, NB, K, BS, D]`` (with ``layer``) or
-        ``[NB, K, BS, D]``: NB blocks of BS slots (BS a multiple of 16 for the kernel).
+        ``[NB, K, BS, D]``: NB blocks of BS slots (for the kernel: BS a power of 2, or a
+        multiple of 16).
       block_table: ``[B, MB]`` int: sequence b's logical slot ``s`` is in block
         ``block_table[b, s // BS]`` at offset ``s % BS``. The blocks must hold slots
         ``[0, lengths[b] + T_new)`` (the new tokens' K/V already written there), so
@@ -269,7 +270,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask=
       interpret: None: the Triton kernel on a GPU, the reference elsewhere (CPU, TPU);
         True: the Triton kernel in Pallas interpret mode (any backend); False: as None.
       block_sizes: ``DecodeAttentionBlockSizes`` for the Triton kernel (None: defaults);
-        ``block_k`` and ``block_k_new`` must divide BS (by default they are chosen so).
+        ``block_k`` and ``block_k_new`` must each divide BS or be a multiple of it (by
+        default they are chosen so).
 
     Returns:
       ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)`` exactly as

@@ -16,8 +16,8 @@ the running sum of ``exp2(logit - m)``. The pieces:
 
 Two address modes for the K/V a kernel streams: dense (a tile is ``pl.ds(start, size)`` of a
 sequence's slot axis) and paged (``page_tile_index``: a block pool ``[(L,) NB, K, BS, D]`` and a
-block table; a tile lies inside one page, so its keys must start on a tile boundary and the tile
-size divide the page size, ``check_page_tiles``). ``stream_keys_from`` streams an aligned key
+block table; a tile starts on a multiple of its size and is part of one page or whole pages,
+``check_page_tiles``). ``stream_keys_from`` streams an aligned key
 range whose first keys are hidden (a paged kernel's sparse window starting inside a tile).
 
 These are plain Python functions called while the kernel body is traced: they emit the ops
@@ -166,30 +166,47 @@ def stream_keys_from(step, state, lo, hi, first, block: int):
 
 
 def page_tile_index(table_ref, row, start, size: int, *, page_size: int, max_blocks: int,
-                    num_blocks: int, head, layer=None):
+                    num_blocks: int, head, head_lanes: int, layer=None):
     """The index of the K/V tile of logical slots ``[start, start + size)`` of sequence ``row``
     in a block pool ``[(L,) NB, K, BS, D]`` (``layer`` None: no layer axis): logical slot ``s``
-    is in block ``table_ref[row, s // BS]`` at offset ``s % BS``. The tile must lie in one
-    page: ``start`` a multiple of ``size`` and ``size`` a divisor of ``page_size``
-    (``check_page_tiles``). The table column and the block are clamped into the table and the
-    pool, so a tile past a sequence's blocks (unmapped entries, any value) addresses some
-    block of the pool, never memory outside it: callers mask its keys."""
-    j = lax.div(start, page_size)
-    blk = table_ref[row, jnp.minimum(j, max_blocks - 1)]
-    blk = jnp.minimum(jnp.maximum(blk, 0), num_blocks - 1)
-    off = start - j * page_size
+    is in block ``table_ref[row, s // BS]`` at offset ``s % BS``. ``start`` must be a multiple
+    of ``size``, and ``size`` a divisor or a multiple of ``page_size`` (``check_page_tiles``):
+
+    * ``size <= page_size``: the tile lies in one page; one table read, a contiguous
+      ``pl.ds`` of that page;
+    * ``size > page_size``: the tile is ``size / page_size`` whole pages; key ``r`` of the tile
+      is read from its page's block (a table entry per key; integer arrays index every axis,
+      ``head_lanes`` lanes: the load gathers the pages' rows).
+
+    Table columns and blocks are clamped into the table and the pool, so a tile past a
+    sequence's blocks (unmapped entries, any value) addresses blocks of the pool, never memory
+    outside it: callers mask its keys."""
+    if size <= page_size:
+        j = lax.div(start, page_size)
+        blk = jnp.minimum(jnp.maximum(table_ref[row, jnp.minimum(j, max_blocks - 1)], 0),
+                          num_blocks - 1)
+        lead = (blk, head) if layer is None else (layer, blk, head)
+        return (*lead, pl.ds(start - j * page_size, size), slice(None))
+    # whole pages: integer arrays index every axis (blocks and offsets [size, 1], lanes
+    # [1, head lanes]), so the tile's rows come from their own pages
+    r = jnp.arange(size, dtype=jnp.int32)[:, None]
+    page_of_key = lax.div(r, page_size)
+    j = lax.div(start, page_size) + page_of_key
+    blk = jnp.minimum(jnp.maximum(table_ref[row, jnp.minimum(j, max_blocks - 1)], 0),
+                      num_blocks - 1)                                  # [size, 1]
+    lanes = jnp.arange(head_lanes, dtype=jnp.int32)[None, :]
     lead = (blk, head) if layer is None else (layer, blk, head)
-    return (*lead, pl.ds(off, size), slice(None))
+    return (*lead, r - page_of_key * page_size, lanes)
 
 
 def check_page_tiles(page_size: int, **sizes) -> None:
-    """Every key tile of a paged kernel must divide the page size (a tile never straddles two
-    pages)."""
+    """Every key tile of a paged kernel must divide the page size (a tile inside one page) or
+    be a multiple of it (a tile of whole pages)."""
     for name, val in sizes.items():
-        if page_size % val:
+        if page_size % val and val % page_size:
             raise ValueError(
-                f"{name}={val} must divide the page size {page_size} (a key tile of a paged "
-                f"kernel lies in one page; page sizes must be multiples of 16)")
+                f"{name}={val} must divide the page size {page_size} or be a multiple of it "
+                f"(a key tile of the paged kernel is part of one page or whole pages)")
 
 
 def finalize(state, o_ref, lse_ref, head_ok):

@@ -13,24 +13,27 @@ such tiles, so whatever those blocks hold (NaN included) never reaches a result.
 Kernel structure: as ``triton_decode`` (grid ``(q_blocks, splits, B, K)``, one program per
 block of query rows, key split, sequence and KV head; ``triton_core``'s online softmax; splits
 merged by log-sum-exp), with every K/V tile addressed through the block table
-(``triton_core.page_tile_index``: one table read per tile). A tile never straddles two pages:
-every tile starts on a multiple of its size and the sizes divide BS (the constraint below).
-For that the visible context is laid out in tile-aligned pieces:
+(``triton_core.page_tile_index``). A tile is part of one page (one table read, a contiguous
+load) or whole pages (a table entry per key: the load gathers the pages' rows): every tile
+starts on a multiple of its size, and its size divides BS or is a multiple of it (the
+constraint below). For that the visible context is laid out in tile-aligned pieces:
 
 * the sink part ``[0, a_end)`` and the window part ``[b_start, length)`` of a sparse context
   sit in a virtual key space as ``[0, a_end)`` padded up to a whole tile, then the window from
   the tile holding ``b_start`` (its keys below ``b_start`` masked), so the splits' tile
-  boundaries are page-tile boundaries in both parts (the dense kernel lays the window right
+  boundaries are slot tile boundaries in both parts (the dense kernel lays the window right
   after ``a_end``, unaligned);
 * the new tokens (slots ``length + [0, T_new)``) are read in ``block_k_new`` tiles from the
   one holding slot ``length``; keys before ``length`` are masked, and a tree mask is read at
   the matching (unaligned) column offset of a padded copy.
 
-Constraint: ``block_k`` and ``block_k_new`` (powers of 2 >= 16) must divide the page size BS,
-so BS must be a multiple of 16. By default ``block_k`` is the dense kernel's choice halved
-until it divides BS (BS = 16: 16-key tiles; BS >= 128 keeps the dense kernel's tiles), and
-``block_k_new`` is at most ``block_k``; explicit sizes that do not divide BS raise a
-ValueError.
+Constraint: ``block_k`` and ``block_k_new`` (powers of 2 >= 16) must each divide the page size
+BS or be a multiple of it. Any power-of-2 BS (1, 8, 16, ..., 256, ...) works with every tile;
+for other page sizes (48, 96, ...) the tiles must divide BS, so BS must be a multiple of 16
+(any other page size raises a ValueError). By default ``block_k`` is the dense kernel's
+choice (halved while it fits neither way: on power-of-2 pages it is kept, e.g. 64-key tiles
+of four 16-slot pages), and ``block_k_new`` is at most ``block_k``; explicit sizes that fit
+neither way raise a ValueError.
 """
 from __future__ import annotations
 
@@ -97,11 +100,11 @@ def _paged_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, table_ref, *rest,
     q, head_ok = core.load_queries(q_ref, k_ref.dtype, c.D)      # [bq, Dp]
 
     def step(state, start, size, load_ok, score_ok):
-        """One online-softmax step over logical slots [start, start + size) (one page's
-        tile)."""
+        """One online-softmax step over logical slots [start, start + size) (part of one
+        page or whole pages)."""
         idx = core.page_tile_index(table_ref, b, start, size, page_size=c.page_size,
                                    max_blocks=c.max_blocks, num_blocks=c.num_blocks, head=h,
-                                   layer=layer)
+                                   head_lanes=k_ref.shape[-1], layer=layer)
         # masked where needed: keys outside the range come back as 0 (no NaN), as do lanes
         # past D
         k = core.load_rows(k_ref, idx, load_ok, head_ok)
@@ -167,11 +170,13 @@ def plan(B, K, T, G, D, page_size, max_blocks, *, sink, window,
          T_new: int | None = None):
     """Concrete static tiling of the paged kernel (T: queries, T_new: new keys):
     ``(block_q, block_k, block_k_new, split_size, num_splits, num_q_blocks)``. Raises a
-    ValueError where a key tile cannot divide the page size (see the module doc)."""
+    ValueError for a page size that is neither a power of 2 nor a multiple of 16 (no key tile
+    fits it) and where a key tile neither divides the page size nor is a multiple of it (see
+    the module doc)."""
     T_new = T if T_new is None else T_new
-    if page_size % 16:
+    if page_size % 16 and page_size != next_pow2(page_size):
         raise ValueError(f"the paged kernel needs a page size (k_pages.shape[-2]) that is a "
-                         f"multiple of 16, got {page_size}")
+                         f"power of 2 or a multiple of 16, got {page_size}")
     S = max_blocks * page_size
     rows = T * G
     sparse = bool(sink) or bool(window)
@@ -181,7 +186,7 @@ def plan(B, K, T, G, D, page_size, max_blocks, *, sink, window,
     else:
         v_dense = min(S, (sink or 0) + (window or 0)) if sparse else S
         block_k = 128 if block_q <= 32 and v_dense > 4096 else 64
-        while page_size % block_k:
+        while block_k > 16 and page_size % block_k and block_k % page_size:
             block_k //= 2
     if on_gpu:
         block_k = core.fit_block_k(block_k, block_q, D, itemsize, bs.num_stages)

@@ -209,6 +209,17 @@ KERNEL_CASES = [
     # each sequence's context
     Case(2, 5, 4, 2, 128, 128, 6, (600, 77), dtype="bfloat16", mask="tree", T_new=8,
          bs=DecodeAttentionBlockSizes(target_programs=64, min_split_size=64)),
+    # tiles of whole pages (a table entry per key): the default tiles on 8-slot pages (64-key
+    # context tiles of eight pages, 16-key new-token tiles of two), decode over ragged lengths
+    Case(3, 1, 2, 2, 64, 8, 24, (0, 37, 150), bs=DecodeAttentionBlockSizes()),
+    # 4-slot pages, head dim 80 (lanes past D masked in the gathered load), sparse, a tree
+    # per sequence over more new tokens than queries, a layer axis
+    Case(3, 5, 2, 2, 80, 4, 40, (5, 0, 140), mask="tree_b", T_new=7, sink=3, window=50,
+         layers=2),
+    # both modes in one call: 64-key context tiles of two 32-slot pages, 16-key new-token
+    # tiles inside a page; the sparse window starting inside a tile
+    Case(2, 5, 2, 2, 64, 32, 8, (100, 33), mask="tree", T_new=9, sink=4, window=40,
+         bs=DecodeAttentionBlockSizes(block_k=64, split_size=64, block_k_new=16)),
 ]
 
 
@@ -254,17 +265,18 @@ def test_paged_equals_dense_kernel():
 # --- argument checks and routing -------------------------------------------------------
 
 def test_page_size_and_tile_errors():
-  c = Case(2, 1, 2, 1, 32, 32, 4, (5, 40))
+  c = Case(2, 1, 2, 1, 32, 48, 4, (5, 40))
   q, k, v, table, lengths, _, _ = make_inputs(c, seed=0)
-  with pytest.raises(ValueError, match="block_k=64 must divide the page size 32"):
+  with pytest.raises(ValueError, match="block_k=32 must divide the page size 48 or be a "
+                                       "multiple of it"):
     paged_decode_attention(q, k, v, table, lengths, interpret=True,
-                           block_sizes=DecodeAttentionBlockSizes(block_k=64))
-  with pytest.raises(ValueError, match="block_k_new=64 must divide the page size 32"):
+                           block_sizes=DecodeAttentionBlockSizes(block_k=32))
+  with pytest.raises(ValueError, match="block_k_new=64 must divide the page size 48"):
     paged_decode_attention(q, k, v, table, lengths, interpret=True,
-                           block_sizes=DecodeAttentionBlockSizes(block_k=32, block_k_new=64))
-  k8, v8 = k.reshape(-1, 1, 8, 32), v.reshape(-1, 1, 8, 32)
-  with pytest.raises(ValueError, match="multiple of 16, got 8"):
-    paged_decode_attention(q, k8, v8, table, lengths, interpret=True)
+                           block_sizes=DecodeAttentionBlockSizes(block_k=16, block_k_new=64))
+  k24, v24 = k.reshape(-1, 1, 24, 32), v.reshape(-1, 1, 24, 32)
+  with pytest.raises(ValueError, match="power of 2 or a multiple of 16, got 24"):
+    paged_decode_attention(q, k24, v24, table, lengths, interpret=True)
   with pytest.raises(ValueError, match="block_table must be"):
     paged_decode_attention(q, k, v, table[:1], lengths, interpret=True)
   with pytest.raises(ValueError, match="block_table must be integer"):
@@ -291,14 +303,17 @@ def test_cpu_route_is_the_reference():
 
 
 def test_plan_page_tiles():
-  """Default key tiles divide the page (halved from the dense choice), splits whole tiles."""
+  """Default key tiles: the dense choice (128 keys here) on power-of-2 pages (whole pages or
+  part of one), halved until it divides other pages; splits of whole tiles."""
   bs = DecodeAttentionBlockSizes()
-  for page in (16, 48, 64, 128, 256):
+  for page in (1, 4, 16, 48, 64, 128, 256, 96):
     bq, bk, bkn, split, ns, nq = triton_paged.plan(64, 8, 5, 4, 128, page, 8192 // page,
                                                    sink=0, window=0, bs=bs, on_gpu=False,
                                                    T_new=5)
-    assert page % bk == 0 and page % bkn == 0 and split % bk == 0
-    assert bk == min(128, page & -page)
+    for tile in (bk, bkn):
+      assert page % tile == 0 or tile % page == 0
+    assert split % bk == 0
+    assert bk == (128 if page & (page - 1) == 0 else min(128, page & -page))
     assert ns * split >= page * (8192 // page)
   _, bk, _, split, ns, _ = triton_paged.plan(2, 2, 1, 4, 64, 32, 1024, sink=16, window=496,
                                              bs=DecodeAttentionBlockSizes(split_size=64),
@@ -335,6 +350,10 @@ GPU_DEFAULT_CASES = [
     Case(4, 64, 4, 2, 128, 128, 32, (4000, 17, 2049, 0), dtype="bfloat16", layers=2),
     Case(4, 16, 7, 2, 64, 256, 16, (4000, 17, 2049, 0), dtype="bfloat16", mask="tree",
          T_new=20),
+    # tiles of whole pages: 8-slot pages (decode) and 1-slot pages (sparse verify)
+    Case(8, 1, 4, 4, 128, 8, 512, (4000, 17, 2049, 0, 4095, 1000, 3333, 64), dtype="bfloat16"),
+    Case(4, 5, 4, 2, 128, 1, 2048, (2000, 17, 1000, 600), dtype="bfloat16", sink=16,
+         window=496, mask="tree_b"),
 ]
 
 
@@ -354,6 +373,9 @@ LOWERING_CASES = [
     Case(2, 1, 4, 2, 128, 16, 64, (5, 900), dtype="bfloat16", bs=DecodeAttentionBlockSizes()),
     Case(2, 5, 2, 2, 64, 64, 40, (18, 2500), sink=16, window=40, mask="tree", layers=2,
          T_new=9, bs=DecodeAttentionBlockSizes()),
+    # tiles of whole pages (the gathered load), head dim 80
+    Case(2, 5, 2, 2, 80, 8, 100, (18, 700), sink=16, window=40, mask="tree", T_new=7,
+         bs=DecodeAttentionBlockSizes()),
 ]
 
 

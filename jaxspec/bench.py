@@ -55,8 +55,9 @@ RANDOM_SHAPES = {
 }
 
 
-def load_model(name: str, dtype: str | None = None):
-    """A checkpoint path, or random weights of a shape in `RANDOM_SHAPES`."""
+def load_model(name: str, dtype: str | None = None, mesh=None):
+    """A checkpoint path, or random weights of a shape in `RANDOM_SHAPES`; on ``mesh`` (from
+    ``--tp / --dp``) when given."""
     import jax
     import jax.numpy as jnp
 
@@ -65,8 +66,18 @@ def load_model(name: str, dtype: str | None = None):
     if name in RANDOM_SHAPES:
         cfg = jaxspec.ModelConfig(**RANDOM_SHAPES[name])
         dt = jnp.dtype(dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
-        return jaxspec.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(0), dt))
-    return jaxspec.load(name, dtype=dtype)
+        model = jaxspec.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(0), dt))
+        if mesh is not None:
+            from jaxspec.sharding import shard_model
+            model = shard_model(model, mesh)
+        return model
+    return jaxspec.load(name, dtype=dtype, mesh=mesh)
+
+
+def mesh_of_args(args):
+    """The mesh of ``--tp / --dp`` (None: one device)."""
+    from jaxspec.args import mesh_from_args
+    return mesh_from_args(args)
 
 
 def environment() -> dict:
@@ -74,13 +85,24 @@ def environment() -> dict:
     import flax
     import jax
     dev = jax.devices()[0]
-    try:
+    import jaxlib
+    here = pathlib.Path(__file__).parent
+    try:  # the commit, "+dirty" when the tree differs from it (empty outside a git checkout)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
+                                text=True, cwd=here).stdout.strip()
+        if commit and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                     capture_output=True, text=True, cwd=here).stdout.strip():
+            commit += "+dirty"
     except OSError:
         commit = ""
+    try:
+        from importlib.metadata import version
+        transformers = version("transformers")
+    except Exception:  # noqa: BLE001 - not installed
+        transformers = None
     return {"device": getattr(dev, "device_kind", str(dev)), "devices": jax.device_count(),
-            "backend": jax.default_backend(), "jax": jax.__version__, "flax": flax.__version__,
+            "backend": jax.default_backend(), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "flax": flax.__version__, "transformers": transformers,
             "python": platform.python_version(), "commit": commit,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "command": "jaxspec " + " ".join(sys.argv[1:])}
@@ -157,8 +179,9 @@ def bench_generate(args) -> dict:
 
     import jaxspec
     from jaxspec.costs import DeviceRates
-    model = load_model(args.model, args.dtype)
-    draft = load_model(args.draft, args.dtype) if args.draft else None
+    mesh = mesh_of_args(args)
+    model = load_model(args.model, args.dtype, mesh)
+    draft = load_model(args.draft, args.dtype, mesh) if args.draft else None
     variants = args.variants.split(",")
     if "plain" not in variants:
         variants = ["plain"] + variants
@@ -315,7 +338,7 @@ def bench_steps(args) -> dict:
 
     import jaxspec
     from jaxspec.costs import DeviceRates
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, mesh_of_args(args))
     rates = DeviceRates.measure(model.dtype)
     out = {"env": environment(), "model": args.model, "rates": dataclasses.asdict(rates),
            "points": []}
@@ -444,6 +467,9 @@ def _common(p):
     p.add_argument("--prompt", default="16384")
     p.add_argument("--points", default=None, help="BxP,BxP,... instead of --batch x --prompt")
     p.add_argument("--out", default=None, help="directory for NAME.json and NAME.md")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel devices (model axis; default: all the --dp leaves)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel groups (batch axis)")
 
 
 def run(args) -> None:

@@ -89,8 +89,6 @@ def verify_chain(
     draft_tokens: Array,
     draft_probs: Array | None,
     target_probs: Array,
-    *,
-    _ablate: str | None = None,
 ) -> tuple[Array, Array]:
     """Speculative sampling of a chain (Leviathan et al. / Chen et al.).
 
@@ -128,8 +126,6 @@ def verify_chain(
         qx = jnp.take_along_axis(draft_probs[:, :g].astype(jnp.float32), d[..., None], axis=-1)[..., 0]
     stoch = qx > 0
     accept = jnp.where(stoch, u * qx < px, u < px)
-    if _ablate == "always_accept":
-        accept = accept | (u >= 0)
     n = _leading_true(accept)
 
     rejected = n < g
@@ -144,8 +140,6 @@ def verify_chain(
             q_raw = jnp.take_along_axis(draft_probs, i[:, None, None], axis=1)[:, 0].astype(jnp.float32)
             s_n = jnp.take_along_axis(stoch, i[:, None], axis=1)
             q_n = jnp.where(s_n, q_raw, onehot)
-        if _ablate == "no_residual":
-            q_n = jnp.zeros_like(q_n)
         dist = jnp.where(rejected[:, None], _residual(p_n, q_n), p_n)
     else:
         dist = p_n
@@ -197,7 +191,6 @@ def verify_tree(
     target_probs: Array,
     *,
     mode: TreeMode = "iid",
-    _ablate: str | None = None,
 ) -> tuple[Array, Array, Array]:
     """Token-tree speculative sampling (SpecInfer's multi-step speculative sampling and
     its without-replacement variant).
@@ -303,15 +296,12 @@ def verify_tree(
         qx = q[rows, x]
         stoch = qx > 0
         accept = jnp.where(stoch, u * qx < px, u < px)
-        if _ablate == "always_accept":
-            accept = accept | (u >= 0)
         acc = valid & accept
         rej = valid & ~accept
         onehot = vocab[None, :] == x[:, None]
         q_eff = jnp.where(stoch[:, None], q, onehot.astype(jnp.float32))
-        if _ablate != "keep_p":
-            p = jnp.where(rej[:, None], _residual(p, q_eff), p)
-        if mode == "without_replacement" and _ablate != "keep_q":
+        p = jnp.where(rej[:, None], _residual(p, q_eff), p)
+        if mode == "without_replacement":
             q_rm = jnp.where(onehot, 0.0, q)
             zq = jnp.sum(q_rm, axis=-1, keepdims=True)
             q_rm = jnp.where(zq > 0, q_rm / jnp.where(zq > 0, zq, 1.0), 0.0)

@@ -105,13 +105,14 @@ def test_tree_sampling_other_drafts_have_target_distribution(tiny_vocab_models, 
 
 
 def test_tree_sampling_test_has_power(tiny_vocab_models, monkeypatch):
-    """Without removing rejected children from q (a classic bug) the test must fail."""
+    """Without removing rejected children from q (a classic bug: children drawn without
+    replacement verified by the iid rule) the test must fail."""
     import jaxspec.decoding as spec_mod
     from jaxspec import verify
     real = verify.verify_tree
 
     def wrong(rng, tree, node_tok, q, p, *, mode):
-        return real(rng, tree, node_tok, q, p, mode=mode, _ablate="keep_q")
+        return real(rng, tree, node_tok, q, p, mode="iid")
 
     monkeypatch.setattr(spec_mod, "verify_tree", wrong)
     target, draft = tiny_vocab_models

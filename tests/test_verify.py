@@ -21,6 +21,7 @@ from scipy import stats
 from jaxspec.sampling import SamplingParams, draft_children, probs_from_logits
 from jaxspec.tree import TokenTree
 from jaxspec.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
+from jaxspec import verify as verify_mod
 
 ALPHA = 1e-3
 V = 4
@@ -28,8 +29,8 @@ K = 4  # committed-prefix length compared
 MAXLEN = 3  # contexts up to this many tokens
 ROWS = 200_000
 
-jit_chain = jax.jit(verify_chain, static_argnames=("_ablate",))
-jit_tree = jax.jit(verify_tree, static_argnames=("tree", "mode", "_ablate"))
+jit_chain = jax.jit(verify_chain)
+jit_tree = jax.jit(verify_tree, static_argnames=("tree", "mode"))
 jit_tree_greedy = jax.jit(verify_tree_greedy, static_argnums=0)
 
 
@@ -256,7 +257,11 @@ def test_big_tree_compiles_and_walks():
 # --------------------------------------------------------------------------- chain sampling
 
 
-def chain_round(tables, rng, g, deterministic=False, ablate=None, seed=0):
+def chain_round(tables, rng, g, deterministic=False, ablate=None, seed=0, verifier=None):
+    """One round of chain verification of drafts drawn from ``Q`` against ``P`` (counts of the
+    committed prefixes). ``ablate``: a wrong verifier, to show the test has power:
+    ``"always_accept"`` verifies against the draft's own distribution (the target ignored),
+    ``"no_residual"`` needs ``verifier`` compiled with the residual step removed."""
     P, Q = tables
     code = np.zeros(ROWS, np.int64)
     drafts, dprobs, tprobs = [], [], []
@@ -269,12 +274,13 @@ def chain_round(tables, rng, g, deterministic=False, ablate=None, seed=0):
         code = child_code(code, d)
     tprobs.append(P[code])
     drafts = np.stack(drafts, 1)
-    n, nxt = jit_chain(
+    if ablate == "always_accept":
+        tprobs = dprobs + [tprobs[-1]]
+    n, nxt = (verifier or jit_chain)(
         jax.random.key(seed),
         jnp.asarray(drafts),
         None if deterministic else jnp.asarray(np.stack(dprobs, 1)),
         jnp.asarray(np.stack(tprobs, 1)),
-        _ablate=ablate,
     )
     n, nxt = np.asarray(n), np.asarray(nxt)
     return prefix_counts(rng, P, drafts, n, nxt), n
@@ -290,9 +296,14 @@ def test_chain_sampling_matches_target_distribution(tables, g, deterministic):
 
 
 @pytest.mark.parametrize("ablate", ["always_accept", "no_residual"])
-def test_chain_wrong_verifiers_fail(tables, ablate):
+def test_chain_wrong_verifiers_fail(tables, ablate, monkeypatch):
     rng = np.random.default_rng(20)
-    counts, _ = chain_round(tables, rng, 3, ablate=ablate)
+    verifier = None
+    if ablate == "no_residual":  # a rejection resamples from p, not from norm(max(0, p - q))
+        monkeypatch.setattr(verify_mod, "_residual", lambda p, q: p)
+        # a new function object: jit's trace cache is keyed on it, and would serve the real one
+        verifier = jax.jit(lambda *a: verify_mod.verify_chain(*a))
+    counts, _ = chain_round(tables, rng, 3, ablate=ablate, verifier=verifier)
     assert chi2_pvalue(counts, exact_joint(tables[0])) < ALPHA
 
 
@@ -328,18 +339,18 @@ def draft_tree(rng, tree, Q, mode):
     return toks, code
 
 
-def tree_round(tables, tree, mode, ablate=None, seed=0):
+def tree_round(tables, tree, mode, ablate=None, seed=0, verifier=None):
+    """One round of tree verification; ``ablate`` as in `chain_round`."""
     P, Q = tables
     rng = np.random.default_rng(seed)
     toks, code = draft_tree(rng, tree, Q, mode)
-    n, acc, nxt = jit_tree(
+    n, acc, nxt = (verifier or jit_tree)(
         jax.random.key(seed),
         tree,
         jnp.asarray(toks),
         None if mode == "deterministic" else jnp.asarray(Q[code]),
-        jnp.asarray(P[code]),
+        jnp.asarray((Q if ablate == "always_accept" else P)[code]),
         mode=mode,
-        _ablate=ablate,
     )
     n, acc, nxt = map(np.asarray, (n, acc, nxt))
     path_toks = np.take_along_axis(toks, np.maximum(acc, 0), 1)
@@ -364,13 +375,21 @@ def test_tree_sampling_matches_target_distribution(tables, mode, shape):
     [
         ("iid", "keep_p"),  # MSS without updating p to the residual
         ("iid", "always_accept"),
-        ("without_replacement", "keep_q"),  # forgetting to remove x from q
         ("deterministic", "keep_p"),
+        # forgetting to remove x from q: test_without_replacement_drafts_verified_as_iid_fail
     ],
 )
-def test_tree_wrong_verifiers_fail(tables, mode, ablate):
+def test_tree_wrong_verifiers_fail(tables, mode, ablate, monkeypatch):
     tree = TokenTree.from_expansion(TREES["wide"])
-    counts, _ = tree_round(tables, tree, mode, ablate=ablate, seed=5)
+    verifier = None
+    if ablate == "keep_p":
+        monkeypatch.setattr(verify_mod, "_residual", lambda p, q: p)
+
+        def wrong(rng, tree, *a, mode):  # a new function object (see the chain test)
+            return verify_mod.verify_tree(rng, tree, *a, mode=mode)
+
+        verifier = jax.jit(wrong, static_argnames=("tree", "mode"))
+    counts, _ = tree_round(tables, tree, mode, ablate=ablate, seed=5, verifier=verifier)
     assert chi2_pvalue(counts, exact_joint(tables[0])) < ALPHA
 
 

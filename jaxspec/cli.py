@@ -14,6 +14,7 @@ from jaxspec.args import (check_convert, check_fetch, check_generate, check_serv
                           nonneg_int, parse_gamma, parse_tree, positive_int, probabilities_arg,
                           require_server_extra, top_p_arg, window_arg)
 from jaxspec.fetch import FetchError
+from jaxspec.speculation import Speculation
 
 
 def _cmd_convert(a):
@@ -120,10 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", type=dtype_arg, default=None, help="load the weights as (default: as stored)")
     g.add_argument("--draft", default=None, help="'self' or a draft checkpoint path")
-    g.add_argument("--gamma", type=parse_gamma, default=4, help="drafts per round, or 'auto'")
-    g.add_argument("--sink", type=nonneg_int, default=16)
-    g.add_argument("--window", type=window_arg, default=496,
-                   help="draft window (StreamingLLM); 'none': a draft model with a full cache")
+    g.add_argument("--gamma", type=parse_gamma, default=Speculation.gamma, help="drafts per round, or 'auto'")
+    g.add_argument("--sink", type=nonneg_int, default=Speculation.sink)
+    g.add_argument("--window", type=window_arg, default=Speculation.window,
+                   help="draft window (StreamingLLM; default %(default)s); 'none': a draft model "
+                        "with a full cache")
     g.add_argument("--tree", default=None, help="expansion config, e.g. 1,1,3,1, or a tree file")
     g.add_argument("--tp", type=positive_int, default=None,
                    help="tensor-parallel devices (model axis; default: all the --dp leaves)")

@@ -48,6 +48,7 @@ from typing import Any
 from jaxspec.args import parse_gamma, parse_tree, window_arg
 from jaxspec.serving import (EngineStopped, PromptTooLong, QueueFull, SamplingOptions, Sequence,
                              ServingEngine)
+from jaxspec.speculation import Speculation
 
 log = logging.getLogger("jaxspec.server")
 
@@ -1073,10 +1074,11 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--draft", default=None, help="'self' or a draft checkpoint path (speculation)")
-    p.add_argument("--gamma", type=parse_gamma, default=4, help="drafts per round, or 'auto'")
-    p.add_argument("--sink", type=int, default=16)
-    p.add_argument("--window", type=window_arg, default=496,
-                   help="draft window (StreamingLLM); 'none': a draft model with a full cache")
+    p.add_argument("--gamma", type=parse_gamma, default=Speculation.gamma, help="drafts per round, or 'auto'")
+    p.add_argument("--sink", type=int, default=Speculation.sink)
+    p.add_argument("--window", type=window_arg, default=Speculation.window,
+                   help="draft window (StreamingLLM; default %(default)s); 'none': a draft model "
+                        "with a full cache")
     p.add_argument("--tree", default=None, help="token-tree expansion config, e.g. 1,1,3,1")
     p.add_argument("--max-batch", type=int, default=None,
                    help="slots (concurrent sequences); default 64 on GPU/TPU, 4 on CPU")

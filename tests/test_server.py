@@ -87,7 +87,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
-    spec = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=6)
+    # fixed gamma (adaptive off): on the CPU the cost model would often choose plain decoding,
+    # and these tests check what speculation shows (draft spans, acceptance counters)
+    spec = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=6, adaptive=False)
     engine = ServingEngine(model, max_batch=8, max_len=MAX_LEN, speculation=spec,
                            rounds_per_chunk=4, max_queue=128, prefill_chunk=128).start()
     s = Server(engine)

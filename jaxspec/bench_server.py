@@ -57,6 +57,7 @@ import numpy as np
 WITHIN = 0.10  # the server's plain decode throughput should be within this of generate's
 SERVED_NAME = "jaxspec-bench"  # the model name the benchmark's server answers to
 IDLE_TIMEOUT_S = 120.0  # waiting for the server to finish what a point left running
+WORKLOADS = ("independent", "shared-doc")
 
 
 # ============================================================================= the client process
@@ -68,12 +69,14 @@ async def _load(job: dict) -> list[dict]:
     deadline = float(job["deadline_s"])
     url = job["url"] + "/v1/completions"
     bodies = [json.dumps({"model": job["model"], "prompt": prompts[r["prompt"]],
-                          "max_tokens": job["max_tokens"], "temperature": 0, "stream": True,
+                          "max_tokens": r.get("max_tokens", job["max_tokens"]),
+                          "temperature": 0, "stream": True,
+                          "stream_options": {"include_usage": True},
                           "return_token_ids": True}).encode() for r in reqs]
     del prompts
     records = [{"i": i, "prompt": r["prompt"], "arrival": r["arrival"], "status": "unfinished",
                 "t_send": None, "events": [], "t_done": None, "finish_reason": None,
-                "token_ids": None, "error": None} for i, r in enumerate(reqs)]
+                "token_ids": None, "usage": None, "error": None} for i, r in enumerate(reqs)]
     n = len(reqs)
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     timeout = httpx.Timeout(deadline + 5.0, connect=min(30.0, deadline + 5.0))
@@ -107,6 +110,8 @@ async def _load(job: dict) -> list[dict]:
                     if "error" in obj:
                         rec.update(status="error", error=str(obj["error"].get("message"))[:300])
                         return
+                    if obj.get("usage"):  # the last chunk before [DONE] (include_usage)
+                        rec["usage"] = obj["usage"]
                     for ch in obj.get("choices", []):
                         n_tok = (ch.get("jaxspec") or {}).get("n_tokens")
                         if ch.get("finish_reason") is not None:
@@ -233,6 +238,58 @@ def plan_requests(model, n: int, lo: int, hi: int, seed: int, source: str) -> li
     return [list(p[:int(k)]) for p, k in zip(pool, lengths)]
 
 
+def plan_shared_doc(model, n: int, doc_len: int, question_len: int, seed: int,
+                    source: str) -> list[list[int]]:
+    """``n`` prompts that share one document: the same ``doc_len`` tokens of the text source
+    (`jaxspec.bench.make_prompts`, ``seed``), each followed by its own ``question_len`` tokens
+    (disjoint passages of the same source, ``seed + 1``; random tokens for a model without a
+    tokenizer)."""
+    from jaxspec.bench import make_prompts
+    (doc,) = make_prompts(model, 1, doc_len, seed, source)
+    return [list(doc) + list(q) for q in make_prompts(model, n, question_len, seed + 1, source)]
+
+
+SETUP_PAGE_SIZE = 16  # the page size of a setup named ``paged``
+
+
+def parse_servers(text: str) -> list[dict]:
+    """``dense,paged,paged8-blocks4096-budget8192`` -> server setups: ``dense`` (one dense K/V
+    row per slot) or ``paged[N]`` (paged K/V, pages of N slots, default 16) with optional
+    ``-blocksM`` (blocks in the pool) and ``-budgetT`` (prefill tokens between decode chunks)."""
+    out, seen = [], set()
+    for name in (x.strip() for x in str(text).split(",")):
+        if not name:
+            continue
+        if name in seen:
+            raise ValueError(f"--servers: {name!r} is given twice")
+        seen.add(name)
+        head, *opts = name.split("-")
+        setup = {"name": name, "page_size": None, "kv_blocks": None, "prefill_budget": None}
+        if head == "dense":
+            if opts:
+                raise ValueError(f"--servers: {name!r}: a dense setup takes no options")
+        elif head.startswith("paged") and (head[5:] == "" or head[5:].isdigit()):
+            setup["page_size"] = int(head[5:] or SETUP_PAGE_SIZE)
+            for o in opts:
+                for key, word in (("kv_blocks", "blocks"), ("prefill_budget", "budget")):
+                    if o.startswith(word) and o[len(word):].isdigit():
+                        setup[key] = int(o[len(word):])
+                        break
+                else:
+                    raise ValueError(f"--servers: {name!r}: unknown option {o!r} (blocksM, "
+                                     f"budgetT)")
+            if min(v for v in (setup["page_size"], setup["kv_blocks"], setup["prefill_budget"])
+                   if v is not None) < 1:
+                raise ValueError(f"--servers: {name!r}: sizes must be >= 1")
+        else:
+            raise ValueError(f"--servers: {name!r} is not 'dense' or 'paged[N][-blocksM]"
+                             f"[-budgetT]'")
+        out.append(setup)
+    if not out:
+        raise ValueError("--servers: give at least one server setup")
+    return out
+
+
 def warmup_lengths(lo: int, hi: int) -> list[int]:
     """Prompt lengths whose prefills cover the shapes of prompts of [lo, hi] tokens: the ends and
     each power of two between (the server buckets prefill lengths by powers of two)."""
@@ -275,6 +332,8 @@ def summarize(records: list[dict]) -> dict:
         finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
     duration = (max(r["t_done"] for r in ok) - min(sent)) if ok else 0.0
     errors = sorted({r["error"] for r in records if r["status"] == "error"})
+    cached = [_cached_tokens(r) for r in ok]
+    reported = [c for c in cached if c is not None]
     return {
         "requests": len(records), "completed": len(ok),
         "failed": sum(r["status"] == "error" for r in records),
@@ -284,11 +343,22 @@ def summarize(records: list[dict]) -> dict:
         "output_tok_s": tokens / duration if duration > 0 else 0.0,
         "ttft_s": _pct(ttft), "itl_s": _pct(itl), "e2e_s": _pct(e2e), "tpot_s": _pct(tpot),
         "chunk_gap_s": _pct(gaps), "finish_reasons": finish,
+        # prompt tokens the server found in its prefix cache, summed over the completed requests
+        # whose usage said (None: no response carried usage.prompt_tokens_details)
+        "cached_tokens": sum(reported) if reported else None,
+        "cached_tokens_reported": len(reported),
         "per_request": [{"prompt_tokens": r.get("prompt_tokens"), "ttft_s": r["events"][0][0] -
                          r["t_send"], "e2e_s": r["t_done"] - r["t_send"],
-                         "tokens": r["events"][-1][1], "finish_reason": r["finish_reason"]}
-                        for r in ok],
+                         "tokens": r["events"][-1][1], "finish_reason": r["finish_reason"],
+                         "cached_tokens": c} for r, c in zip(ok, cached)],
     }
+
+
+def _cached_tokens(rec: dict):
+    """``usage.prompt_tokens_details.cached_tokens`` of a record's response, or None."""
+    details = (rec.get("usage") or {}).get("prompt_tokens_details") or {}
+    c = details.get("cached_tokens")
+    return None if c is None else int(c)
 
 
 def parse_metrics(text: str) -> dict:
@@ -325,6 +395,89 @@ def served_gamma(metrics: dict):
         if k.startswith("jaxspec_model_info{") and 'gamma="' in k:
             return int(k.split('gamma="', 1)[1].split('"', 1)[0])
     return None
+
+
+KV_GAUGES = ("kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached",
+             "prefix_cache_hit_rate")
+KV_COUNTERS = ("preemptions", "prefix_hit_tokens", "prefix_query_tokens")
+
+
+def kv_metrics(prom: dict, engine_metrics: dict | None = None) -> dict | None:
+    """A paged server's block and prefix-cache numbers: each from ``/metrics`` where it has it
+    (``jaxspec_NAME`` or ``jaxspec_NAME_total``), else from the engine's own ``metrics()``
+    (the benchmark's server runs in this process); None for a server without a block pool."""
+    out, src = {}, set()
+    for k in KV_GAUGES + KV_COUNTERS:
+        for name in (f"jaxspec_{k}", f"jaxspec_{k}_total"):
+            if name in prom:
+                out[k] = prom[name]
+                src.add("/metrics")
+                break
+        else:
+            if engine_metrics is not None and k in engine_metrics:
+                out[k] = float(engine_metrics[k])
+                src.add("engine")
+    if "kv_blocks_total" not in out:
+        return None
+    out["source"] = "+".join(sorted(src))
+    return out
+
+
+def kv_delta(before: dict | None, after: dict | None, peak: int | None) -> dict | None:
+    """A paged server's numbers over one point: blocks (total, the peak in use while the point
+    ran, in use and cached after it), preemptions, and the prefix cache's hits over the point
+    (``prefix_hit_rate``) and since the server started (``prefix_cache_hit_rate``)."""
+    if before is None or after is None:
+        return None
+
+    def d(k):
+        return int(after.get(k, 0) - before.get(k, 0)) if k in after else None
+    hit, query = d("prefix_hit_tokens"), d("prefix_query_tokens")
+    return {"kv_blocks_total": int(after["kv_blocks_total"]),
+            "kv_blocks_peak": None if peak is None else int(peak),
+            "kv_blocks_used_after": int(after.get("kv_blocks_used", 0)),
+            "kv_blocks_cached_after": int(after.get("kv_blocks_cached", 0)),
+            "preemptions": d("preemptions"), "prefix_hit_tokens": hit,
+            "prefix_query_tokens": query,
+            "prefix_hit_rate": hit / query if hit is not None and query else None,
+            "prefix_cache_hit_rate": after.get("prefix_cache_hit_rate"),
+            "source": after.get("source")}
+
+
+class _BlockPeak:
+    """The most blocks in use in a paged engine's pool while a point runs, sampled every
+    ``period`` seconds by a thread in the server's process (the pool has no high-water mark)."""
+
+    def __init__(self, engine, period: float = 0.02):
+        import threading
+        self.engine, self.period, self.peak = engine, period, None
+        self._stop = threading.Event()
+        self._thread = None
+        if getattr(engine, "paged", False):
+            self._thread = threading.Thread(target=self._run, name="bench-kv-peak", daemon=True)
+
+    def _sample(self):
+        blocks = getattr(self.engine, "blocks", None)
+        if blocks is not None:
+            used = int(blocks.used)
+            self.peak = used if self.peak is None else max(self.peak, used)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.period)
+
+    def __enter__(self):
+        if self._thread is not None:
+            self._sample()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._sample()
 
 
 # ============================================================================= the server side
@@ -369,6 +522,22 @@ def check_args(a, has_draft: bool = False) -> None:
         raise ValueError("--rounds-per-chunk and --prefill-chunk must be >= 1")
     if not a.point_timeout_s > 0:
         raise ValueError(f"--point-timeout-s must be > 0, got {a.point_timeout_s!r}")
+    servers = getattr(a, "servers", None)
+    a.setups_given = servers is not None
+    a.setups = parse_servers(servers if a.setups_given else "dense")
+    a.workload = getattr(a, "workload", "independent")
+    if a.workload not in WORKLOADS:
+        raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {a.workload!r}")
+    a.question = getattr(a, "question", 32)
+    a.doc_cache = getattr(a, "doc_cache", "warm")
+    if a.workload == "shared-doc":
+        if a.lengths[0] != a.lengths[1]:
+            raise ValueError(f"--prompt: --workload shared-doc takes one document length, not "
+                             f"a range, got {a.prompt!r}")
+        if not isinstance(a.question, int) or a.question < 1:
+            raise ValueError(f"--question must be an integer >= 1, got {a.question!r}")
+        if a.doc_cache not in ("warm", "cold"):
+            raise ValueError(f"--doc-cache must be 'warm' or 'cold', got {a.doc_cache!r}")
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     if not variants or len(set(variants)) != len(variants):
         raise ValueError(f"--variants: give distinct variant names, got {a.variants!r}")
@@ -431,27 +600,44 @@ def bench_server(args, model=None, draft=None) -> dict:
     specs = {v: _speculation(v, draft) for v in args.variant_list}
     lo, hi = args.lengths
     N, B, new = args.requests, args.max_batch, args.new
+    shared = args.workload == "shared-doc"
+    Q = args.question if shared else 0  # the question after the shared document
     ctx = model.config.max_position_embeddings
-    max_len = args.max_len or hi + new
-    if hi + new > min(max_len, ctx):
-        raise ValueError(f"--prompt up to {hi} tokens + --new {new} need {hi + new} tokens per "
-                         f"sequence, more than {'--max-len' if args.max_len else 'the model'} "
-                         f"allows ({min(max_len, ctx)})")
-    prompts = plan_requests(model, max(N, B), lo, hi, args.seed, args.source)
-    # warm-up prompts: other text, the shapes of the measured ones (the reference's warm-up call:
-    # the same lengths; the servers': every prefill length bucket at least once)
-    pool = plan_requests(model, max(B, args.warmup, len(warmup_lengths(lo, hi))), hi, hi,
-                         args.seed + 1000, args.source)
-    ref_warm = [w[:len(p)] for w, p in zip(pool, prompts[:B])]
-    lens = warmup_lengths(lo, hi)
-    n_warm = max(args.warmup, len(lens))
-    warm = [w[:lens[i % len(lens)]] for i, w in enumerate(pool[:n_warm])]
+    max_len = args.max_len or hi + Q + new
+    if hi + Q + new > min(max_len, ctx):
+        what = f"--prompt up to {hi} tokens" + (f" + --question {Q}" if shared else "")
+        raise ValueError(f"{what} + --new {new} need {hi + Q + new} tokens per sequence, more "
+                         f"than {'--max-len' if args.max_len else 'the model'} allows "
+                         f"({min(max_len, ctx)})")
+    n_warm = max(args.warmup, 2 if shared else len(warmup_lengths(lo, hi)))
+    prime = None
+    if shared:
+        # one document, a question per request; the last question primes the document (it is
+        # not one of the measured requests)
+        prompts = plan_shared_doc(model, max(N, B) + 1, hi, Q, args.seed, args.source)
+        prime = prompts.pop()
+        # warm-up: another document of the same length (the measured one is new to the server)
+        pool = plan_shared_doc(model, max(B, n_warm), hi, Q, args.seed + 1000, args.source)
+        ref_warm = pool[:B]
+        warm = pool[:n_warm]
+    else:
+        prompts = plan_requests(model, max(N, B), lo, hi, args.seed, args.source)
+        # warm-up prompts: other text, the shapes of the measured ones (the reference's warm-up
+        # call: the same lengths; the servers': every prefill length bucket at least once)
+        pool = plan_requests(model, max(B, n_warm), hi, hi, args.seed + 1000, args.source)
+        ref_warm = [w[:len(p)] for w, p in zip(pool, prompts[:B])]
+        lens = warmup_lengths(lo, hi)
+        warm = [w[:lens[i % len(lens)]] for i, w in enumerate(pool[:n_warm])]
     out = {"env": environment(), "model": label,
            "draft": args.draft, "max_batch": B, "max_len": max_len,
            "rounds_per_chunk": args.rounds_per_chunk, "prefill_chunk": args.prefill_chunk,
-           "prompt": [lo, hi], "source": args.source if model.tokenizer else "random",
+           "prompt": [lo, hi], "workload": args.workload,
+           "question_tokens": Q if shared else None,
+           "doc_cache": args.doc_cache if shared else None,
+           "source": args.source if model.tokenizer else "random",
            "seed": args.seed, "new_tokens": new, "requests": N,
            "rates": [rate_label(r) for r in args.rate_list], "variants": args.variant_list,
+           "setups": [dict(s) for s in args.setups], "setups_given": args.setups_given,
            "stop_tokens": list(stop_token_ids(model, None)), "reference": None, "check": None,
            "servers": {}, "points": [], "speedups": [], "verdict": None}
 
@@ -483,110 +669,153 @@ def bench_server(args, model=None, draft=None) -> dict:
     limits = ServerLimits(max_generation_tokens=max(ServerLimits().max_generation_tokens, new))
     with tempfile.TemporaryDirectory(prefix="jaxspec-bench-server-") as work:
         prompts_file = str(pathlib.Path(work) / "prompts.json")
-        pathlib.Path(prompts_file).write_text(json.dumps(prompts[:N] + warm))
+        pathlib.Path(prompts_file).write_text(json.dumps(prompts[:N] + warm + [prime or [0]]))
         plan = {r: [{"prompt": i, "arrival": a} for i, a in
                     enumerate(arrival_times(N, r, args.seed + 1 + j))]
                 for j, r in enumerate(args.rate_list)}
         warm_reqs = [{"prompt": N + i, "arrival": 0.0} for i in range(len(warm))]
-        for v in args.variant_list:
-            info = out["servers"][v] = {}
-            if over_budget():
-                info["error"] = "skipped: time budget spent"
-                for r in args.rate_list:
-                    out["points"].append({"variant": v, "rate": rate_label(r),
-                                          "status": "skipped", "error": info["error"]})
-                save()
-                continue
-            engine = server = None
-            try:
-                t = time.perf_counter()
-                engine = ServingEngine(model, max_batch=B, max_len=max_len,
-                                       speculation=specs[v],
-                                       rounds_per_chunk=args.rounds_per_chunk,
-                                       max_queue=max(1024, N + len(warm_reqs)),
-                                       prefill_chunk=args.prefill_chunk, warmup_prefill=hi)
-                engine.start(variants=[(True, False)])  # greedy requests only
-                server = BackgroundServer(engine, SERVED_NAME, limits=limits)
-                info["start_seconds"] = time.perf_counter() - t
-                t = time.perf_counter()
-                recs = run_client(server.url, prompts_file, warm_reqs, new,
-                                  args.point_timeout_s, work)
-                bad = [r for r in recs if r["status"] != "ok"]
-                if bad:
-                    raise RuntimeError(f"warm-up request failed: {bad[0]['error']}")
-                m = _wait_idle(server.url)
-                info["warmup_seconds"] = time.perf_counter() - t
-                info["gamma"] = served_gamma(m)
-                print(f"{v}: server ready (start {info['start_seconds']:.1f} s, warm-up "
-                      f"{info['warmup_seconds']:.1f} s, gamma {info['gamma']})", flush=True)
-                for r in args.rate_list:
-                    point = {"variant": v, "rate": rate_label(r)}
-                    if over_budget():
-                        point.update(status="skipped", error="time budget spent")
-                        out["points"].append(point)
-                        continue
-                    m0 = _wait_idle(server.url)
-                    recs = run_client(server.url, prompts_file, plan[r], new,
-                                      args.point_timeout_s, work)
-                    m1 = _wait_idle(server.url)
-                    for rec in recs:
-                        rec["prompt_tokens"] = len(prompts[rec["prompt"]])
-                    point.update(summarize(recs))
-                    point["status"] = "ok" if point["completed"] == N else "incomplete"
-                    point["server"] = server_delta(m0, m1)
-                    got = [recs[i]["token_ids"] for i in range(K)]
-                    point["outputs"] = got
-                    point["rows_checked"] = sum(g is not None for g in got)
-                    point["rows_equal_generate"] = sum(g == c for g, c in zip(got, check_tokens))
-                    out["points"].append(point)
-                    print(_point_line(point), flush=True)
+        # shared-doc: the first warm-up request alone, then the others (a paged server then
+        # finds their document cached: the prefix-hit path is compiled before measuring)
+        warm_waves = [warm_reqs[:1], warm_reqs[1:]] if shared else [warm_reqs]
+        prime_req = [{"prompt": N + len(warm), "arrival": 0.0, "max_tokens": 1}]
+        for setup in args.setups:
+            for v in args.variant_list:
+                key = server_key(out, setup["name"], v)
+                info = out["servers"][key] = {"setup": setup["name"], "variant": v}
+                if over_budget():
+                    info["error"] = "skipped: time budget spent"
+                    for r in args.rate_list:
+                        out["points"].append({"setup": setup["name"], "variant": v,
+                                              "rate": rate_label(r), "status": "skipped",
+                                              "error": info["error"]})
                     save()
-            except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
-                info["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-                print(f"{v}: {info['error']}", file=sys.stderr, flush=True)
-                done = {p["rate"] for p in out["points"] if p["variant"] == v}
-                for r in args.rate_list:
-                    if rate_label(r) not in done:
-                        out["points"].append({"variant": v, "rate": rate_label(r),
-                                              "status": "error", "error": info["error"]})
-            finally:
-                if server is not None:
-                    server.close()
-                if engine is not None:
-                    engine.stop()
-                del engine, server
-                gc.collect()
-                jax.clear_caches()
-            save()
+                    continue
+                engine = server = None
+                try:
+                    t = time.perf_counter()
+                    paged = {}
+                    if setup["page_size"] is not None:
+                        paged = {"page_size": setup["page_size"],
+                                 "kv_blocks": setup["kv_blocks"],
+                                 "prefill_budget": setup["prefill_budget"]}
+                    engine = ServingEngine(model, max_batch=B, max_len=max_len,
+                                           speculation=specs[v],
+                                           rounds_per_chunk=args.rounds_per_chunk,
+                                           max_queue=max(1024, N + len(warm_reqs)),
+                                           prefill_chunk=args.prefill_chunk,
+                                           warmup_prefill=hi + Q, **paged)
+                    if engine.paged:
+                        info.update(page_size=engine.page_size, kv_blocks=engine.n_blocks,
+                                    blocks_per_sequence=engine.max_blocks,
+                                    prefill_budget=engine.prefill_budget)
+                    engine.start(variants=[(True, False)])  # greedy requests only
+                    server = BackgroundServer(engine, SERVED_NAME, limits=limits)
+                    info["start_seconds"] = time.perf_counter() - t
+                    t = time.perf_counter()
+                    for wave in warm_waves:
+                        if not wave:
+                            continue
+                        recs = run_client(server.url, prompts_file, wave, new,
+                                          args.point_timeout_s, work)
+                        bad = [r for r in recs if r["status"] != "ok"]
+                        if bad:
+                            raise RuntimeError(f"warm-up request failed: {bad[0]['error']}")
+                        m = _wait_idle(server.url)
+                    info["warmup_seconds"] = time.perf_counter() - t
+                    info["gamma"] = served_gamma(m)
+                    print(f"{key}: server ready (start {info['start_seconds']:.1f} s, warm-up "
+                          f"{info['warmup_seconds']:.1f} s, gamma {info['gamma']})", flush=True)
+                    for r in args.rate_list:
+                        point = {"setup": setup["name"], "variant": v, "rate": rate_label(r)}
+                        if over_budget():
+                            point.update(status="skipped", error="time budget spent")
+                            out["points"].append(point)
+                            continue
+                        if shared and args.doc_cache == "warm":  # the document, once, unmeasured
+                            recs = run_client(server.url, prompts_file, prime_req, new,
+                                              args.point_timeout_s, work)
+                            if recs[0]["status"] != "ok":
+                                raise RuntimeError(f"the priming request failed: "
+                                                   f"{recs[0]['error']}")
+                        m0 = _wait_idle(server.url)
+                        kv0 = kv_metrics(m0, engine.metrics())
+                        with _BlockPeak(engine) as peak:
+                            recs = run_client(server.url, prompts_file, plan[r], new,
+                                              args.point_timeout_s, work)
+                            m1 = _wait_idle(server.url)
+                        kv1 = kv_metrics(m1, engine.metrics())
+                        for rec in recs:
+                            rec["prompt_tokens"] = len(prompts[rec["prompt"]])
+                        point.update(summarize(recs))
+                        point["status"] = "ok" if point["completed"] == N else "incomplete"
+                        point["server"] = server_delta(m0, m1)
+                        point["kv"] = kv_delta(kv0, kv1, peak.peak)
+                        got = [recs[i]["token_ids"] for i in range(K)]
+                        point["outputs"] = got
+                        point["rows_checked"] = sum(g is not None for g in got)
+                        point["rows_equal_generate"] = sum(g == c for g, c in
+                                                           zip(got, check_tokens))
+                        out["points"].append(point)
+                        print(_point_line(point), flush=True)
+                        save()
+                except Exception as e:  # noqa: BLE001 - a server that fails is recorded
+                    info["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                    print(f"{key}: {info['error']}", file=sys.stderr, flush=True)
+                    done = {p["rate"] for p in out["points"]
+                            if p["variant"] == v and p.get("setup") == setup["name"]}
+                    for r in args.rate_list:
+                        if rate_label(r) not in done:
+                            out["points"].append({"setup": setup["name"], "variant": v,
+                                                  "rate": rate_label(r), "status": "error",
+                                                  "error": info["error"]})
+                finally:
+                    if server is not None:
+                        server.close()
+                    if engine is not None:
+                        engine.stop()
+                    del engine, server
+                    gc.collect()
+                    jax.clear_caches()
+                save()
     return out
 
 
+def server_key(out: dict, setup: str, variant: str) -> str:
+    """The key of a server in ``out["servers"]``: the variant alone when no ``--servers`` was
+    given, else ``SETUP/VARIANT``."""
+    return f"{setup}/{variant}" if out.get("setups_given") else variant
+
+
 def _finish(out: dict) -> None:
-    """Speedups vs ``off`` at the same rate, and the verdict against the reference."""
-    ok = {(p["variant"], p["rate"]): p for p in out["points"] if p.get("status") == "ok"}
+    """Speedups vs the first setup's ``off`` at the same rate, and the verdict against the
+    reference."""
+    first = out["setups"][0]["name"] if out.get("setups") else "dense"
+    ok = {(p.get("setup", first), p["variant"], p["rate"]): p for p in out["points"]
+          if p.get("status") == "ok"}
     out["speedups"] = []
-    for (v, r), p in ok.items():
-        base = ok.get(("off", r))
-        if v == "off" or base is None:
+    for (st, v, r), p in ok.items():
+        base = ok.get((first, "off", r))
+        if (st, v) == (first, "off") or base is None:
             continue
 
         def ratio(a, b):
             return a / b if a and b else None
         out["speedups"].append({
-            "variant": v, "rate": r,
+            "setup": st, "variant": v, "rate": r,
             "output_tok_s": ratio(p["output_tok_s"], base["output_tok_s"]),
             "request_throughput": ratio(p["request_throughput"], base["request_throughput"]),
             "ttft_p50": ratio(base["ttft_s"]["p50"], p["ttft_s"]["p50"]),
+            "ttft_p99": ratio(base["ttft_s"]["p99"], p["ttft_s"]["p99"]),
             "itl_p50": ratio(base["itl_s"]["p50"], p["itl_s"]["p50"]),
             "e2e_p50": ratio(base["e2e_s"]["p50"], p["e2e_s"]["p50"]),
             "decode_tok_s": ratio(p["server"]["decode_tok_s"], base["server"]["decode_tok_s"])})
     ref = out.get("reference")
-    offs = [p for (v, _), p in ok.items() if v == "off"]
+    offs = [p for (st, v, _), p in ok.items() if (st, v) == (first, "off")]
     if ref and offs:  # the highest load: the point with the most requests per second offered
         top = max(offs, key=lambda p: math.inf if p["rate"] == "inf" else float(p["rate"]))
         dec = top["server"]["decode_tok_s"]
         ratio = dec / ref["decode_tok_s"] if dec else None
-        out["verdict"] = {"rate": top["rate"], "server_decode_tok_s": dec,
+        out["verdict"] = {"setup": first, "rate": top["rate"], "server_decode_tok_s": dec,
                           "reference_decode_tok_s": ref["decode_tok_s"],
                           "decode_ratio": ratio,
                           "within": None if ratio is None else bool(ratio >= 1 - WITHIN),
@@ -610,22 +839,60 @@ def _f(x, fmt=".2f") -> str:
 
 def _point_line(p: dict) -> str:
     head = f"{p['variant']} @ {p['rate']} req/s"
+    if p.get("setup") is not None:
+        head = f"{p['setup']}/{head}"
     if p.get("status") not in ("ok", "incomplete"):
         return f"{head}: {p.get('status')}: {p.get('error')}"
     s = p["server"]
-    return (f"{head}: {p['completed']}/{p['requests']} done, {p['request_throughput']:.2f} req/s, "
+    line = (f"{head}: {p['completed']}/{p['requests']} done, {p['request_throughput']:.2f} req/s, "
             f"{p['output_tok_s']:.1f} tok/s, TTFT p50 {_f(p['ttft_s']['p50'], '.3f')} s, ITL p50 "
             f"{_ms(p['itl_s'], ('p50',))} ms, e2e p50 {_f(p['e2e_s']['p50'], '.3f')} s, accept "
             f"{_f(s['acceptance_rate'])}, tok/step {_f(s['tokens_per_target_step'])}, "
             f"= generate {p['rows_equal_generate']}/{p['rows_checked']}")
+    if p.get("cached_tokens") is not None:
+        line += f", cached tokens {p['cached_tokens']}"
+    kv = p.get("kv")
+    if kv:
+        line += (f", KV blocks peak {_f(kv['kv_blocks_peak'], 'd')}/{kv['kv_blocks_total']}, "
+                 f"prefix hit rate {_f(kv['prefix_hit_rate'])}, preemptions "
+                 f"{_f(kv['preemptions'], 'd')}")
+    return line
+
+
+def _setup_words(out: dict) -> str:
+    words = []
+    for s in out.get("setups") or []:
+        if s["page_size"] is None:
+            words.append(f"`{s['name']}`: one dense K/V row of max_len slots per slot")
+        else:
+            info = next((i for i in out["servers"].values()
+                         if i.get("setup") == s["name"] and i.get("kv_blocks")), {})
+            pool = (f"{info['kv_blocks']} blocks ({info['blocks_per_sequence']} per sequence of "
+                    f"max_len), prefill budget {info['prefill_budget']} tokens per chunk"
+                    if info else "pool size and budget: the server's defaults")
+            words.append(f"`{s['name']}`: paged K/V, pages of {s['page_size']} slots, {pool}, "
+                         f"automatic prefix caching")
+    return "; ".join(words)
 
 
 def markdown(out: dict) -> str:
     env = out["env"]
     lo, hi = out["prompt"]
-    lengths = f"{lo}" if lo == hi else f"{lo}-{hi} (uniform per request)"
+    shared = out.get("workload") == "shared-doc"
+    if shared:
+        what = (f"one shared document of {hi} tokens followed by a distinct "
+                f"{out['question_tokens']}-token question per request (token ids; document and questions from "
+                f"{out['source']}, seed {out['seed']}); "
+                + ("before each point one unmeasured request with the document and another "
+                   "question (`--doc-cache warm`)" if out.get("doc_cache") == "warm" else
+                   "no priming: the document is new to each server at its first point only "
+                   "(`--doc-cache cold`)"))
+    else:
+        lengths = f"{lo}" if lo == hi else f"{lo}-{hi} (uniform per request)"
+        what = f"token-id prompts of {lengths} tokens ({out['source']}, seed {out['seed']})"
     eos = (f"honoured (stop ids {out['stop_tokens']})" if out["stop_tokens"] else
            "none in this model")
+    multi = bool(out.get("setups_given"))
     lines = [f"# `jaxspec bench server`: the OpenAI-compatible server under load "
              f"({env['device']})", "",
              f"- device: {env['device']} x{env['devices']} ({env['backend']}), jax {env['jax']}, "
@@ -634,17 +901,18 @@ def markdown(out: dict) -> str:
              f"- model: {out['model']}" + (f", draft {out['draft']}" if out["draft"] else ""),
              f"- server: {out['max_batch']} slots, max_len {out['max_len']}, "
              f"{out['rounds_per_chunk']} rounds per chunk at most, prefill chunk "
-             f"{out['prefill_chunk']}; HTTP on 127.0.0.1, a client in its own process",
-             f"- load: {out['requests']} streamed `/v1/completions` requests per point, token-id "
-             f"prompts of {lengths} tokens ({out['source']}, seed {out['seed']}), max_tokens "
-             f"{out['new_tokens']}, greedy, EOS {eos}; "
-             f"arrivals all at once (inf) or Poisson; the same prompts and arrivals for every "
-             f"variant; each server warmed up with requests of these shapes first.",
-             "- TTFT: sent -> first token event; ITL: gaps between token events split over their "
-             "tokens; e2e: sent -> `[DONE]`; throughput: completed / (first send -> last "
-             "completion). Server columns from its `/metrics` over the point: decode tok/s = "
-             "generated tokens / seconds in decode chunks; accept = accepted / proposed drafts; "
-             "tok/step = tokens per target step.", ""]
+             f"{out['prefill_chunk']}; HTTP on 127.0.0.1, a client in its own process"]
+    if multi:
+        lines.append(f"- server setups: {_setup_words(out)}")
+    lines += [f"- load: {out['requests']} streamed `/v1/completions` requests per point, "
+              f"{what}, max_tokens {out['new_tokens']}, greedy, EOS {eos}; "
+              f"arrivals all at once (inf) or Poisson; the same prompts and arrivals for every "
+              f"server; each server warmed up with requests of these shapes first.",
+              "- TTFT: sent -> first token event; ITL: gaps between token events split over their "
+              "tokens; e2e: sent -> `[DONE]`; throughput: completed / (first send -> last "
+              "completion). Server columns from its `/metrics` over the point: decode tok/s = "
+              "generated tokens / seconds in decode chunks; accept = accepted / proposed drafts; "
+              "tok/step = tokens per target step.", ""]
     ref, ver = out.get("reference"), out.get("verdict")
     if ref:
         lines.append(f"Reference: `jaxspec.generate`, plain decoding at batch {ref['batch']} on "
@@ -653,45 +921,82 @@ def markdown(out: dict) -> str:
                      f"(`stats['decode_seconds']`), {ref['e2e_tok_s']:.1f} tok/s end to end.")
     if ver:
         word = {True: "within", False: "NOT within", None: "-"}[ver["within"]]
-        lines.append(f"Server, speculation off, rate {ver['rate']}: "
+        where = f"`{ver['setup']}`, " if multi else ""
+        lines.append(f"Server, {where}speculation off, rate {ver['rate']}: "
                      f"{_f(ver['server_decode_tok_s'], '.1f')} tok/s decoding = "
                      f"{_f(ver['decode_ratio'])}x the reference ({word} {WITHIN:.0%}); "
                      f"{ver['server_output_tok_s']:.1f} tok/s end to end = "
                      f"{ver['e2e_ratio']:.2f}x the reference's end to end.")
     lines.append("")
-    for v, info in out["servers"].items():
+    for key, info in out["servers"].items():
         if info.get("error"):
-            lines.append(f"- {v}: {info['error']}")
-    lines += ["", "| variant | gamma | rate req/s | done/sent | req/s | out tok/s | "
+            lines.append(f"- {key}: {info['error']}")
+    col, sep = ("| setup ", "|---") if multi else ("", "")
+
+    def cells(p):
+        return (f"| {p.get('setup')} " if multi else "") + f"| {p['variant']} "
+    lines += ["", f"{col}| variant | gamma | rate req/s | done/sent | req/s | out tok/s | "
               "TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | e2e p50 / p99 s | "
               "server decode tok/s | accept | tok/step | finish | = generate |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              f"{sep}|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in out["points"]:
-        gamma = _f(out["servers"].get(p["variant"], {}).get("gamma"), "d")
+        info = out["servers"].get(server_key(out, p.get("setup"), p["variant"]), {})
+        gamma = _f(info.get("gamma"), "d")
         if p.get("status") not in ("ok", "incomplete"):
-            lines.append(f"| {p['variant']} | {gamma} | {p['rate']} | {p.get('status')}: "
+            lines.append(f"{cells(p)}| {gamma} | {p['rate']} | {p.get('status')}: "
                          f"{p.get('error')} | | | | | | | | | | |")
             continue
         s = p["server"]
         e2e = p["e2e_s"]
         fin = ", ".join(f"{k} {n}" for k, n in sorted(p["finish_reasons"].items()))
         lines.append(
-            f"| {p['variant']} | {gamma} | {p['rate']} | {p['completed']}/{p['requests']} | "
+            f"{cells(p)}| {gamma} | {p['rate']} | {p['completed']}/{p['requests']} | "
             f"{p['request_throughput']:.2f} | {p['output_tok_s']:.1f} | {_ms(p['ttft_s'])} | "
             f"{_ms(p['itl_s'])} | {_f(e2e['p50'], '.3f')} / {_f(e2e['p99'], '.3f')} | "
             f"{_f(s['decode_tok_s'], '.1f')} | {_f(s['acceptance_rate'])} | "
             f"{_f(s['tokens_per_target_step'])} | {fin} | "
             f"{p['rows_equal_generate']}/{p['rows_checked']} |")
+    kv_points = [p for p in out["points"] if p.get("status") in ("ok", "incomplete")
+                 and (p.get("kv") or shared or multi)]
+    if kv_points:
+        lines += ["", "K/V and prefix cache: cached tokens = the sum of "
+                  "`usage.prompt_tokens_details.cached_tokens` over the completed responses "
+                  "(responses that carried it / completed); a paged server's numbers over the "
+                  "point (from `/metrics`, or its engine's counters where `/metrics` lacks them: "
+                  "source): prefix hit tokens / looked-up prompt tokens, its hit rate since "
+                  "start after the point, the most blocks in use while the point ran (sampled "
+                  "every 20 ms) / blocks in the pool, blocks cached after, preemptions.", "",
+                  f"{col}| variant | rate req/s | cached tokens | prefix hit / looked up | "
+                  "hit rate (since start) | KV blocks peak / total | cached after | "
+                  "preemptions | source |",
+                  f"{sep}|---|---|---|---|---|---|---|---|---|"]
+        for p in kv_points:
+            kv = p.get("kv") or {}
+            ct = (f"{p['cached_tokens']} ({p['cached_tokens_reported']}/{p['completed']})"
+                  if p.get("cached_tokens") is not None else "- (not reported)")
+            if kv:
+                hit = (f"{_f(kv['prefix_hit_tokens'], 'd')} / {_f(kv['prefix_query_tokens'], 'd')}"
+                       f" = {_f(kv['prefix_hit_rate'])}")
+                lines.append(
+                    f"{cells(p)}| {p['rate']} | {ct} | {hit} | "
+                    f"{_f(kv['prefix_cache_hit_rate'])} | {_f(kv['kv_blocks_peak'], 'd')} / "
+                    f"{kv['kv_blocks_total']} | {kv['kv_blocks_cached_after']} | "
+                    f"{_f(kv['preemptions'], 'd')} | {kv['source']} |")
+            else:
+                lines.append(f"{cells(p)}| {p['rate']} | {ct} | - (dense) | | | | | |")
     if out["speedups"]:
-        lines += ["", "Speedups vs `off` at the same rate (throughputs: variant / off; latencies: "
-                  "off / variant):", "",
-                  "| variant | rate req/s | out tok/s | req/s | server decode tok/s | TTFT p50 | "
-                  "ITL p50 | e2e p50 |", "|---|---|---|---|---|---|---|---|"]
+        first = out["setups"][0]["name"] if out.get("setups") else "dense"
+        base = f"`{first}` with `off`" if multi else "`off`"
+        lines += ["", f"Speedups vs {base} at the same rate (throughputs: point / {base}; "
+                  f"latencies: {base} / point):", "",
+                  f"{col}| variant | rate req/s | out tok/s | req/s | server decode tok/s | "
+                  "TTFT p50 | TTFT p99 | ITL p50 | e2e p50 |",
+                  f"{sep}|---|---|---|---|---|---|---|---|---|"]
         for s in out["speedups"]:
-            x = [_f(s[k]) + ("x" if s[k] is not None else "") for k in (
-                "output_tok_s", "request_throughput", "decode_tok_s", "ttft_p50", "itl_p50",
-                "e2e_p50")]
-            lines.append(f"| {s['variant']} | {s['rate']} | " + " | ".join(x) + " |")
+            x = [_f(s.get(k)) + ("x" if s.get(k) is not None else "") for k in (
+                "output_tok_s", "request_throughput", "decode_tok_s", "ttft_p50", "ttft_p99",
+                "itl_p50", "e2e_p50")]
+            lines.append(f"{cells(s)}| {s['rate']} | " + " | ".join(x) + " |")
     if out.get("check") and out["check"]["requests"]:
         lines += ["", f"= generate: of the first {out['check']['requests']} requests, those whose "
                   f"greedy tokens equal `jaxspec.generate`'s (plain, same prompts, same "
@@ -718,8 +1023,25 @@ def add_arguments(sub) -> None:
                    help="request rates (requests/s, Poisson arrivals), 'inf': all at once; e.g. "
                         "inf,4,1")
     s.add_argument("--requests", type=int, default=128, help="requests per point")
+    s.add_argument("--servers", default=None,
+                   help="server setups to compare, each with every variant: 'dense' (one K/V "
+                        "row of max_len per slot), 'paged' (paged K/V, pages of "
+                        f"{SETUP_PAGE_SIZE} slots, prefix caching), 'pagedN' (pages of N), "
+                        "options '-blocksM' (pool size) '-budgetT' (prefill tokens between "
+                        "decode chunks); e.g. dense,paged,paged32-budget8192 (default: dense "
+                        "only, reported as before); speedups are vs the first setup's off")
+    s.add_argument("--workload", default="independent", choices=WORKLOADS,
+                   help="independent: each request its own prompt of --prompt tokens; "
+                        "shared-doc: every request the same document of --prompt tokens "
+                        "followed by its own --question tokens")
+    s.add_argument("--question", type=int, default=32,
+                   help="shared-doc: tokens of each request's own question after the document")
+    s.add_argument("--doc-cache", default="warm", choices=("warm", "cold"),
+                   help="shared-doc: warm = one unmeasured request with the document before "
+                        "each point (a paged server then has it cached); cold = none")
     s.add_argument("--prompt", default="4096",
-                   help="prompt tokens: a length, or a range LO-HI drawn per request")
+                   help="prompt tokens: a length, or a range LO-HI drawn per request; "
+                        "shared-doc: the document's length")
     s.add_argument("--new", type=int, default=256, help="max_tokens of each request")
     s.add_argument("--max-batch", type=int, default=64,
                    help="server slots (the reference decodes a batch of this many)")

@@ -175,8 +175,116 @@ def test_arrivals_and_lengths():
     (["--prompt", "40-8"], "--prompt"), (["--prompt", "x"], "--prompt"),
     (["--requests", "0"], "--requests"), (["--variants", "off,g4-bogus"], "--variants"),
     (["--variants", "off,draft"], "--variants"), (["--check", "-1"], "--check"),
+    (["--servers", "dense,sparse"], "--servers"), (["--servers", "paged8-big"], "--servers"),
+    (["--servers", "dense,dense"], "--servers"), (["--servers", "paged0"], "--servers"),
+    (["--workload", "shared-doc", "--prompt", "8-40"], "--prompt"),
+    (["--workload", "shared-doc", "--question", "0"], "--question"),
 ])
 def test_bad_arguments_named(extra, flag):
     # refused by name before the (missing) model is loaded
     with pytest.raises(ValueError, match=flag):
         bench_server.bench_server(_args(["--model", "no-such-checkpoint"] + extra))
+
+
+SHARED_ARGV = ["--servers", "dense,paged8", "--workload", "shared-doc", "--variants", "off",
+               "--rates", "inf", "--requests", "5", "--max-batch", "4", "--prompt", "44",
+               "--question", "6", "--new", "10", "--source", "random", "--seed", "3",
+               "--check", "5", "--warmup", "0"]
+
+
+@pytest.fixture(scope="module")
+def shared_doc_run(tmp_path_factory):
+    """One run of two server setups (dense, paged with pages of 8) on the shared-document
+    workload: 5 requests, each the same 44-token document and its own 6-token question."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    model = served_model(seed=7, eos=False)  # no stop token: every row runs to --new
+    d = tmp_path_factory.mktemp("shared-doc")
+    out = bench_server.bench_server(_args(SHARED_ARGV + ["--out", str(d)]), model=model)
+    return model, out, json.loads((d / "server.json").read_text()), (d / "server.md").read_text()
+
+
+def test_shared_doc_setups_report_and_outputs(shared_doc_run):
+    model, out, saved, md = shared_doc_run
+    assert saved["points"] == json.loads(json.dumps(out["points"]))
+    assert out["workload"] == "shared-doc" and out["question_tokens"] == 6
+    assert [s["name"] for s in out["setups"]] == ["dense", "paged8"]
+    assert out["setups"][1]["page_size"] == 8 and out["setups"][0]["page_size"] is None
+    assert "| setup | variant | gamma |" in md and "K/V and prefix cache" in md
+    assert "Speedups vs `dense` with `off`" in md
+
+    # the prompts, built here from the seeds: one random document (seed 3), the questions
+    # (seed 4); 5 measured + 1 that primes the document (not measured)
+    V = model.config.vocab_size
+    doc = np.random.default_rng(3).integers(0, V, size=(1, 44))[0].tolist()
+    questions = np.random.default_rng(4).integers(0, V, size=(6, 6)).tolist()
+    prompts = [doc + q for q in questions[:5]]
+    ref = jaxspec.generate(model, prompts, max_new_tokens=10).tokens
+    assert all(len(t) == 10 for t in ref)
+
+    assert [(p["setup"], p["variant"], p["rate"]) for p in out["points"]] == \
+        [("dense", "off", "inf"), ("paged8", "off", "inf")]
+    assert set(out["servers"]) == {"dense/off", "paged8/off"}
+    assert out["servers"]["paged8/off"]["page_size"] == 8
+    for p in out["points"]:
+        assert p["status"] == "ok" and p["completed"] == p["requests"] == 5, p
+        assert p["outputs"] == ref, p["setup"]  # greedy: exactly generate's, each setup
+        assert p["rows_equal_generate"] == p["rows_checked"] == 5
+        assert p["output_tokens"] == 50
+        assert p["request_throughput"] == pytest.approx(5 / p["duration_s"])
+        assert p["output_tok_s"] == pytest.approx(50 / p["duration_s"])
+        _pct_ok(p["ttft_s"], 5)
+        _pct_ok(p["e2e_s"], 5)
+        assert [r["prompt_tokens"] for r in p["per_request"]] == [50] * 5
+    dense, paged = out["points"]
+    assert dense["kv"] is None
+    kv = paged["kv"]  # 5 sequences of 49 cached slots (all but the last prompt token) looked up;
+    # the document's 5 full blocks of 8 found (cached by the priming request)
+    assert kv["prefix_query_tokens"] == 5 * 49 and kv["prefix_hit_tokens"] == 5 * 40
+    assert kv["prefix_hit_rate"] == pytest.approx(40 / 49)
+    assert kv["preemptions"] == 0 and kv["kv_blocks_used_after"] == 0
+    assert kv["kv_blocks_total"] == out["servers"]["paged8/off"]["kv_blocks"]
+    assert 5 <= kv["kv_blocks_peak"] <= kv["kv_blocks_total"]
+    assert kv["kv_blocks_cached_after"] >= 5
+    (sp,) = out["speedups"]  # paged8 vs dense, both off
+    assert (sp["setup"], sp["variant"]) == ("paged8", "off")
+    assert sp["ttft_p99"] == pytest.approx(dense["ttft_s"]["p99"] / paged["ttft_s"]["p99"])
+    assert out["verdict"]["setup"] == "dense"
+
+
+def test_shared_doc_cached_tokens_in_responses(shared_doc_run):
+    _, out, _, md = shared_doc_run
+    dense, paged = out["points"]
+    if paged["cached_tokens_reported"] == 0:
+        pytest.xfail("the server's usage has no prompt_tokens_details.cached_tokens")
+    # usage.prompt_tokens_details.cached_tokens of every response: none on the dense server,
+    # the document's full blocks on the paged one (equal to the server's own count)
+    assert dense["cached_tokens_reported"] == paged["cached_tokens_reported"] == 5
+    assert dense["cached_tokens"] == 0
+    assert [r["cached_tokens"] for r in paged["per_request"]] == [40] * 5
+    assert paged["cached_tokens"] == paged["kv"]["prefix_hit_tokens"] == 200
+    assert "| 200 (5/5) |" in md
+
+
+def test_server_setups_and_kv_numbers():
+    dense, paged, p8 = bench_server.parse_servers("dense, paged, paged8-blocks300-budget64")
+    assert dense == {"name": "dense", "page_size": None, "kv_blocks": None,
+                     "prefill_budget": None}
+    assert (paged["page_size"], paged["kv_blocks"], paged["prefill_budget"]) == \
+        (bench_server.SETUP_PAGE_SIZE, None, None)
+    assert (p8["name"], p8["page_size"], p8["kv_blocks"], p8["prefill_budget"]) == \
+        ("paged8-blocks300-budget64", 8, 300, 64)
+    # /metrics where it has a number, else the engine's own; none for a dense server
+    prom = bench_server.parse_metrics("jaxspec_kv_blocks_total 40\njaxspec_preemptions_total 2\n")
+    eng = {"kv_blocks_total": 99, "kv_blocks_used": 7, "prefix_hit_tokens": 16,
+           "prefix_query_tokens": 20, "preemptions": 5}
+    k0 = bench_server.kv_metrics(prom, eng)
+    assert (k0["kv_blocks_total"], k0["preemptions"], k0["kv_blocks_used"]) == (40, 2, 7)
+    assert k0["source"] == "/metrics+engine"
+    assert bench_server.kv_metrics({}, {"slots_busy": 0}) is None
+    k1 = dict(k0, preemptions=3, prefix_hit_tokens=64, prefix_query_tokens=100, kv_blocks_used=0)
+    d = bench_server.kv_delta(k0, k1, 31)
+    assert (d["preemptions"], d["prefix_hit_tokens"], d["prefix_query_tokens"]) == (1, 48, 80)
+    assert d["prefix_hit_rate"] == 0.6 and d["kv_blocks_peak"] == 31
+    assert bench_server.kv_delta(None, None, None) is None

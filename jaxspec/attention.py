@@ -49,7 +49,7 @@ import numpy as np
 from flax import struct
 
 from pallas_kernels import (decode_attention as decode_kernel, merge_attention_states,
-                            prefix_attention, prefix_attention_reference)
+                            paged_decode_attention, prefix_attention, prefix_attention_reference)
 from pallas_kernels.decode_attention import resolve_num_new
 from pallas_kernels.merge import merge_partials
 
@@ -335,6 +335,13 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
     if plan.block_table is not None:  # a block pool: this layer's blocks of each row, in order
         if plan.prefix is not None:
             raise ValueError("paged caches do not combine with shared-prefix levels")
+        if _use_kernel(impl) and plan.sliding_window is None:  # the paged kernel reads the pool
+            sink, window = resolve_sparse(plan.sink, plan.window, None)
+            return paged_decode_attention(
+                q_BTHD, k_LBKSD, v_LBKSD, plan.block_table, plan.lengths, plan.mask, layer=layer,
+                sink=sink, window=window, sm_scale=sm_scale,
+                num_new=plan.new_tokens(q_BTHD.shape[1]),
+                interpret=True if impl == "interpret" else None)[0]
         k_view = gather_view(k_LBKSD, layer, plan.block_table)[None]
         v_view = gather_view(v_LBKSD, layer, plan.block_table)[None]
         return attend(q_BTHD, k_view, v_view, jnp.int32(0),

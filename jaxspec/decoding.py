@@ -287,11 +287,13 @@ def run_chunk(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def set_rows(state: DecodeState, rows, last, budget, keys) -> DecodeState:
-    """Starts sequences in rows ``rows`` (their caches already prefilled): last token, budget,
-    PRNG key; a draft model's ``prev`` is the last token too (the draft saw the prompt). Rows
-    past the batch are ignored (callers pad to one shape)."""
-    st = state.replace(last=state.last.at[rows].set(last, mode="drop"),
+def set_rows(state: DecodeState, rows, last, budget, keys, lengths) -> DecodeState:
+    """Starts sequences in rows ``rows`` whose caches hold ``lengths`` prefilled tokens: last
+    token, budget, PRNG key; a draft model's ``prev`` is the last token too (the draft saw the
+    prompt). Rows past the batch are ignored (callers pad to one shape)."""
+    c = state.cache
+    st = state.replace(cache=c.replace(lengths=c.lengths.at[rows].set(lengths, mode="drop")),
+                       last=state.last.at[rows].set(last, mode="drop"),
                        budget=state.budget.at[rows].set(budget, mode="drop"),
                        n_out=state.n_out.at[rows].set(0, mode="drop"),
                        done=state.done.at[rows].set(budget <= 0, mode="drop"),
@@ -307,3 +309,12 @@ def stop_rows(state: DecodeState, rows) -> DecodeState:
     """Rows ``rows`` stop (their sequences ended on the host: cancelled, a stop string); rows past
     the batch are ignored."""
     return state.replace(done=state.done.at[rows].set(True, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def set_block_tables(state: DecodeState, rows, tables) -> DecodeState:
+    """Rows ``rows`` of a paged cache get the block tables ``tables[n, MB]`` (rows past the batch
+    are ignored)."""
+    c = state.cache
+    return state.replace(cache=c.replace(block_table=c.block_table.at[rows].set(tables,
+                                                                               mode="drop")))

@@ -179,6 +179,8 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
     slots = plan.lengths[:, None] + (first + jnp.arange(T, dtype=jnp.int32))[None, :]
     b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
     if plan.block_table is not None:  # a block pool (jaxspec.paged)
+        if plan.active is not None:  # an idle row must not write into blocks it gave back
+            slots = jnp.where(plan.active[:, None], slots, jnp.iinfo(jnp.int32).max // 2)
         k_cache = write_pages(k_cache, layer, plan.block_table, slots, k)
         v_cache = write_pages(v_cache, layer, plan.block_table, slots, v)
     else:

@@ -122,3 +122,25 @@ def prefill_row(config: ModelConfig, params, cache: KVCache, row: int, tokens: l
         small = _prefill_chunk(params, small, None, jnp.asarray(buf[:, start:start + C]),
                                jnp.int32(start), config=config, impl=impl)
     return write_row(cache, small.k, small.v, jnp.int32(row), jnp.int32(n))
+
+
+def prefill_paged_row(config: ModelConfig, params, cache, row: int, tokens: list[int],
+                      start: int, *, impl: str = "auto", chunk: int = DEFAULT_PREFILL_CHUNK):
+    """Prefills ``tokens`` into row ``row`` of a paged cache (`jaxspec.paged.PagedKVCache`) from
+    logical slot ``start`` on (the slots before it already hold the row's first ``start``
+    tokens, e.g. blocks shared from the prefix cache), through the row's block table, in chunks
+    of ``chunk`` tokens (the last one padded: its padding writes past the tokens, into the row's
+    own blocks or nowhere). Other rows are untouched; ``cache.lengths[row]`` becomes
+    ``start + len(tokens)``."""
+    n = len(tokens)
+    if n == 0:
+        return cache.replace(lengths=cache.lengths.at[row].set(start))
+    table = cache.block_table[row:row + 1]
+    view = cache.replace(lengths=jnp.zeros((1,), jnp.int32), block_table=table)
+    C = int(chunk)
+    buf = np.zeros((1, round_up(n, C)), np.int32)
+    buf[0, :n] = tokens
+    for off in range(0, n, C):
+        view = _prefill_chunk(params, view, None, jnp.asarray(buf[:, off:off + C]),
+                              jnp.int32(start + off), config=config, impl=impl)
+    return cache.replace(k=view.k, v=view.v, lengths=cache.lengths.at[row].set(start + n))

@@ -921,13 +921,15 @@ async def _collect(engine, shutdown, entry, request, base, chat, return_ids, JSO
     entry.started = True
     texts = {s.tag: [] for s in seqs}
     finished: dict[int, dict] = {}
+    gone = False
     try:
         while len(finished) < len(seqs):
             try:
-                ev = await asyncio.wait_for(queue.get(), timeout=1.0)
+                ev = await asyncio.wait_for(queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise asyncio.CancelledError from None
+                if await request.is_disconnected():  # the client hung up: not a server error
+                    gone = True
+                    break
                 continue
             if ev["type"] == "delta":
                 texts[ev["tag"]].append(ev["text"])
@@ -942,6 +944,10 @@ async def _collect(engine, shutdown, entry, request, base, chat, return_ids, JSO
             if not s.finished_flag:
                 engine.cancel(s)
         shutdown.untrack(entry)
+    if gone:  # nobody reads this; 499 (nginx's "client closed request") for the logs
+        return JSONResponse({"error": {"message": "the client closed the request",
+                                       "type": "client_closed_request", "param": None,
+                                       "code": None}}, status_code=499)
     choices = []
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     for s in sorted(seqs, key=lambda s: s.tag):
@@ -1091,6 +1097,15 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--warmup-prefill", type=int, default=1024,
                    help="compile prefill for prompts up to this many tokens at start-up")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="paged K/V cache (experimental): blocks of this many slots shared by all "
+                        "slots, with automatic prefix caching, chunked prefill and preemption; "
+                        "default: one dense cache row of --max-len slots per slot")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="blocks in the paged pool (default: what the dense cache would hold)")
+    p.add_argument("--prefill-budget", type=int, default=None,
+                   help="paged: prompt tokens prefilled between two decode chunks "
+                        "(default: 4 x --prefill-chunk)")
     p.add_argument("--shared-rng", action="store_true",
                    help="one PRNG key for the whole batch (no per-request seeds; no vmap)")
     p.add_argument("--host", default="127.0.0.1",
@@ -1171,7 +1186,10 @@ def build_engine(a) -> tuple[ServingEngine, str]:
     engine = ServingEngine(model, max_batch=max_batch, max_len=max_len, speculation=spec,
                            rounds_per_chunk=a.rounds_per_chunk, max_queue=a.max_queue,
                            prefill_chunk=a.prefill_chunk, per_row=not a.shared_rng,
-                           warmup_prefill=a.warmup_prefill)
+                           warmup_prefill=a.warmup_prefill,
+                           page_size=getattr(a, "page_size", None),
+                           kv_blocks=getattr(a, "kv_blocks", None),
+                           prefill_budget=getattr(a, "prefill_budget", None))
     name = a.served_model_name or pathlib.Path(path).name
     return engine, name
 

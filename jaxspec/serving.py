@@ -44,9 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import sampling
+from jaxspec import compile_cache, sampling
 from jaxspec.cache import SLOT_ALIGN, round_up
-from jaxspec.decoding import set_rows, stop_rows
+from jaxspec.blocks import BlockManager
+from jaxspec.decoding import set_block_tables, set_rows, stop_rows
 from jaxspec.model import Model
 from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
 from jaxspec.session import Decoder, stop_token_ids
@@ -120,6 +121,12 @@ class Sequence:
         self.accepted = 0  # accepted draft tokens
         self.proposed = 0
         self.t_submit = time.perf_counter()
+        self.blocks: list[int] = []  # its blocks of a paged pool (in table order)
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.fill: list[int] = []  # the tokens its row's cache must hold before decoding
+        self.filled = 0  # of which are in the cache
+        self.preemptions = 0
+        self.counted = False  # its prompt is in the metrics (paged admission may be retried)
         self.t_first: float | None = None
         self.t_done: float | None = None
         self.finished = threading.Event()
@@ -139,7 +146,8 @@ class Sequence:
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.tokens),
-                "total_tokens": len(self.prompt_ids) + len(self.tokens)}
+                "total_tokens": len(self.prompt_ids) + len(self.tokens),
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def stats(self) -> dict:
         out = {"rounds": self.rounds, "accepted": self.accepted, "proposed": self.proposed,
@@ -162,15 +170,27 @@ class ServingEngine:
     chunk_seconds: the time a decode chunk aims at (the streaming granularity).
     rounds_per_chunk: the most rounds a chunk runs.
     max_queue: waiting sequences beyond which `submit` raises `QueueFull`.
+    page_size: paged K/V (`jaxspec.paged`): blocks of this many slots shared by all slots, so
+        memory follows the sequences' actual lengths; a request reuses the cached blocks of its
+        longest cached prefix (automatic prefix caching, `jaxspec.blocks`); prompts are prefilled
+        in chunks between decode chunks (at most ``prefill_budget`` tokens each time); when
+        blocks run out, the most recently admitted sequence is preempted (its cache recomputed
+        later, from its prompt and the tokens it has generated: nothing is lost). None: one dense
+        cache row of ``max_len`` slots per slot.
+    kv_blocks: blocks in the pool (default: what a dense cache of the same slots would hold).
+    ignore_eos: sequences do not stop at the model's EOS (benchmarks of fixed length).
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
                  speculation=None, rounds_per_chunk: int = 64, max_queue: int = 256,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, attn_impl: str = "auto",
                  stop_tokens=None, warmup_prefill: int = 0,
-                 chunk_seconds: float = CHUNK_SECONDS, per_row: bool = True):
+                 chunk_seconds: float = CHUNK_SECONDS, per_row: bool = True,
+                 page_size: int | None = None, kv_blocks: int | None = None,
+                 prefill_budget: int | None = None, ignore_eos: bool = False):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
+        compile_cache.enable()  # as generate: compiled chunks outlive the process
         if max_batch < 1 or rounds_per_chunk < 1 or max_queue < 0:
             raise ValueError("max_batch and rounds_per_chunk must be >= 1, max_queue >= 0")
         if not chunk_seconds > 0:
@@ -191,7 +211,7 @@ class ServingEngine:
         self.prefill_chunk = int(prefill_chunk)
         self.impl = attn_impl
         self.warmup_prefill = int(warmup_prefill)
-        self.stop_ids = stop_token_ids(model, stop_tokens)
+        self.stop_ids = stop_token_ids(model, stop_tokens, eos=not ignore_eos)
         ctx = cfg.max_position_embeddings
         self.max_len = int(min(max_len or min(ctx, 4096), ctx))
         self.speculation = speculation
@@ -210,7 +230,25 @@ class ServingEngine:
         self.S = round_up(self.max_len + self.extra, max(SLOT_ALIGN, self.prefill_chunk))
         self.tokens_per_round = (dec.max_depth + 1) if speculation is not None else 1
         self.out_len = self.rounds * self.tokens_per_round
-        self.state = dec.empty_state(self.B, self.S, self.out_len)
+        self.paged = page_size is not None
+        self.blocks = None
+        if self.paged:
+            if int(page_size) < 1:
+                raise ValueError(f"page_size must be >= 1, got {page_size!r}")
+            if speculation is not None and not speculation.is_self and speculation.window is None:
+                raise ValueError("a paged server speculates with draft='self' or a ring-buffer "
+                                 "draft model (window=...), not a full-cache draft")
+            self.page_size = int(page_size)
+            # a sequence of max_len, the writes of one chunk ahead and the slot after them
+            self.max_blocks = -(-(self.max_len + self.extra + self.out_len + 1) // self.page_size)
+            n_blocks = int(kv_blocks) if kv_blocks else self.B * self.max_blocks
+            if n_blocks < self.max_blocks:
+                raise ValueError(f"kv_blocks={n_blocks} cannot hold one sequence of max_len "
+                                 f"{self.max_len} ({self.max_blocks} blocks of "
+                                 f"{self.page_size})")
+            self.n_blocks = n_blocks
+            self.prefill_budget = int(prefill_budget or 4 * self.prefill_chunk)
+        self.state = self._fresh_state()
         # host mirrors of the per-slot state
         self.done = np.ones(self.B, bool)  # no running sequence, or the device said done
         self.lengths = np.zeros(self.B, np.int64)  # cache lengths after the last chunk seen
@@ -219,6 +257,7 @@ class ServingEngine:
         self.top_p = np.ones(self.B, np.float32)
         self._inflight = collections.deque()  # chunks dispatched, tokens not yet handled
         self._stop_rows: set[int] = set()  # rows to stop on the device before the next chunk
+        self._started: set[int] = set()  # paged rows whose prefill is done (they decode)
         self._t_last = 0.0
         self.row_rounds = np.zeros(self.B, np.int64)  # speculative rounds of the slot's sequence
         self.row_committed = np.zeros(self.B, np.int64)  # tokens those rounds committed
@@ -237,7 +276,8 @@ class ServingEngine:
             "generation_tokens", "chunks", "rounds", "chunk_seconds", "busy_slot_rounds",
             "slot_rounds", "draft_proposed", "draft_accepted", "target_row_steps",
             "speculative_chunks", "plain_chunks", "rejected_queue_full", "finished_stop",
-            "finished_length", "finished_cancelled", "finished_error")})
+            "finished_length", "finished_cancelled", "finished_error", "preemptions",
+            "prefix_hit_tokens", "prefix_query_tokens")})
         self.started_at = time.time()
         self.warm = False  # set once the programs are compiled (`warmup`)
 
@@ -373,15 +413,17 @@ class ServingEngine:
             kinds = [rd, rd.plain()] if rd.speculative and self.speculation.adaptive else [rd]
             for r in kinds:
                 self._run_chunk(r, bool(greedy), bool(filtering), rounds=1, compile_only=True)
+        if self.paged:  # one prefill shape (chunks of prefill_chunk); row 0 maps no block yet
+            self.state = self.decoder.prefill_paged_row(self.state, 0, [0], 0)
         n = 16  # prefill shapes (power-of-two buckets) up to warmup_prefill tokens, in free row 0
-        while n <= min(self.warmup_prefill, self.max_len - 1):
+        while not self.paged and n <= min(self.warmup_prefill, self.max_len - 1):
             self.state = self.decoder.prefill_row(self.state, 0, [0] * n)
             n *= 2
         B = self.B  # the row updates, compiled once (rows past the batch are no-ops)
         nowhere = jnp.full((B,), B, jnp.int32)
-        self.state = stop_rows(set_rows(self.state, nowhere, jnp.zeros((B,), jnp.int32),
-                                        jnp.zeros((B,), jnp.int32), jnp.zeros((B, 2), jnp.uint32)),
-                               nowhere)
+        zeros = jnp.zeros((B,), jnp.int32)
+        self.state = stop_rows(set_rows(self.state, nowhere, zeros, zeros,
+                                        jnp.zeros((B, 2), jnp.uint32), zeros), nowhere)
         self.warm = True
 
     def _choose_gamma(self):
@@ -437,37 +479,58 @@ class ServingEngine:
         return rd, rounds, ctx
 
     def _main(self):
-        while True:
-            with self._cv:
-                while self._running and not self._has_work():
-                    self._cv.wait(timeout=0.5)
-                if not self._running:
-                    self._drain()
-                    return
-                cancelled = [s for s in self.slots if s is not None and s.cancelled]
-                dropped = [s for s in self.waiting if s.cancelled]
-                for s in dropped:
-                    self.waiting.remove(s)
-                admits = []
-                if not self._paused:
-                    free = [b for b in range(self.B) if self.slots[b] is None]
-                    while free and self.waiting:
-                        admits.append((free.pop(0), self.waiting.popleft()))
-            for s in cancelled + dropped:
-                self._finish(s, "cancelled")
-            try:
+        while self._tick():
+            pass
+
+    def _tick(self) -> bool:
+        """One pass of the engine loop (False: the engine stopped). A method of its own so that
+        nothing of a pass (a cancelled sequence, the admitted ones) stays referenced while the
+        loop waits for work."""
+        with self._cv:
+            while self._running and not self._has_work():
+                self._cv.wait(timeout=0.5)
+            if not self._running:
+                self._drain()
+                return False
+            cancelled = [s for s in self.slots if s is not None and s.cancelled]
+            dropped = [s for s in self.waiting if s.cancelled]
+            for s in dropped:
+                self.waiting.remove(s)
+            admits = []
+            if not self._paused:
+                free = [b for b in range(self.B) if self.slots[b] is None]
+                while free and self.waiting:
+                    admits.append((free.pop(0), self.waiting.popleft()))
+        for s in cancelled + dropped:
+            self._finish(s, "cancelled")
+        try:
+            if self.paged:
+                self._admit_paged(admits)
+                self._prefill_step()
+            else:
                 self._admit_all(admits)
-                if any(s is not None for s in self.slots):
-                    self._step()
-                else:
-                    self._drain()
-            except Exception as e:  # noqa: BLE001 - fail the active requests, keep serving
-                log.exception("decode chunk failed")
-                self._inflight.clear()
-                for s in [s for s in self.slots if s is not None]:
-                    self._fail(s, f"decoding failed: {type(e).__name__}: {e}")
-                self._stop_rows.clear()
-                self.state = self.decoder.empty_state(self.B, self.S, self.out_len)
+            if any(s is not None for s in self.slots):
+                self._step()
+            else:
+                self._drain()
+        except Exception as e:  # noqa: BLE001 - fail the active requests, keep serving
+            log.exception("decode chunk failed")
+            self._inflight.clear()
+            for s in [s for s in self.slots if s is not None]:
+                self._fail(s, f"decoding failed: {type(e).__name__}: {e}")
+            self._stop_rows.clear()
+            self._started.clear()
+            self.state = self._fresh_state()
+        return True
+
+    def _fresh_state(self):
+        """The slots' device state with nothing in it (and, paged, an empty block pool whose
+        prefix cache starts over: the pool's contents are gone)."""
+        if not self.paged:
+            return self.decoder.empty_state(self.B, self.S, self.out_len)
+        self.blocks = BlockManager(self.n_blocks, self.page_size)
+        return self.decoder.paged_state(self.B, self.n_blocks, self.page_size, self.max_blocks,
+                                        self.out_len)
 
     def _has_work(self) -> bool:
         if any(s is not None for s in self.slots) or self._inflight:
@@ -513,10 +576,214 @@ class ServingEngine:
                                   jnp.asarray(last + [0] * pad, jnp.int32),
                                   jnp.asarray(budget + [0] * pad, jnp.int32),
                                   jnp.asarray(np.concatenate(
-                                      [np.stack(keys), np.zeros((pad, 2), np.uint32)])))
+                                      [np.stack(keys), np.zeros((pad, 2), np.uint32)])),
+                                  jnp.asarray([int(self.lengths[b]) for b in rows] + [0] * pad,
+                                              jnp.int32))
             for b in rows:
                 if self.slots[b].budget <= 0:
                     self._finish(self.slots[b], "length")
+
+    # ------------------------------------------------------------------ paged K/V
+    def _admit_paged(self, admits):
+        """Maps blocks for the admitted sequences (their longest cached prefix shared, the rest
+        new) and queues their prefill; a sequence for which blocks are short waits (first in
+        line) until blocks free up."""
+        back = []
+        for b, s in admits:
+            if back:  # keep the order: nothing is admitted past a sequence that waits
+                back.append(s)
+                continue
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(s)
+                ok = self._map_blocks(b, s)
+            except Exception as e:  # noqa: BLE001 - fail this request only
+                log.exception("admitting sequence %d failed", s.id)
+                self._fail(s, f"prefill failed: {type(e).__name__}: {e}")
+                continue
+            if not ok:
+                back.append(s)
+                continue
+            o = s.options
+            self.temperature[b] = o.temperature
+            self.top_k[b] = o.top_k
+            self.top_p[b] = o.top_p
+            self.done[b] = True  # decodes once its prefill is done
+            self.row_rounds[b] = 0
+            self.row_committed[b] = 0
+            self.slots[b] = s
+            s.slot = b
+            self._stop_rows.discard(b)
+            self.m["sequences_admitted"] += 1
+        if back:
+            with self._cv:
+                self.waiting.extendleft(reversed(back))
+
+    def _map_blocks(self, b: int, s: Sequence) -> bool:
+        """Blocks for what ``s`` must hold before decoding (its prompt, or after a preemption
+        its prompt and the tokens it generated): cached prefix blocks acquired, new ones
+        allocated; False (nothing taken) when the pool is short."""
+        bm = self.blocks
+        first = s.preemptions == 0 and not s.counted
+        # the cache holds all but the last token (it is fed to the next step)
+        s.fill = (s.prompt_ids + s.tokens)[:-1]
+        hit = bm.lookup(s.fill)
+        need = -(-(len(s.fill) + 1) // self.page_size)
+        bm.acquire(hit)
+        n_new = max(need - len(hit), 0)
+        # the sequences already in slots keep room to grow for the chunks in flight and the next
+        # one: admitting into that room would only preempt someone (and, readmitted at once,
+        # preempt again, for ever)
+        if bm.free - n_new < self._growth_reserve():
+            bm.release(hit)
+            return False
+        new = bm.allocate(n_new)
+        if new is None:
+            bm.release(hit)
+            return False
+        s.blocks = hit + new
+        s.filled = len(hit) * self.page_size
+        if first:
+            s.counted = True
+            s.cached_tokens = s.filled
+            bm.count_lookup(len(s.fill), s.filled)
+            self.m["prefix_query_tokens"] += len(s.fill)
+            self.m["prefix_hit_tokens"] += s.filled
+            self.m["prompt_tokens"] += len(s.prompt_ids)
+            self.m["prefill_tokens"] += len(s.fill) - s.filled
+        self._tables({b: s.blocks})
+        return True
+
+    def _growth_reserve(self) -> int:
+        """Blocks the sequences in slots may need for two chunks of ``out_len`` tokens each."""
+        per = -(-2 * self.out_len // self.page_size) + 1
+        return sum(min(per, self.max_blocks - len(x.blocks)) for x in self.slots
+                   if x is not None and x.blocks)
+
+    def _tables(self, rows: dict):
+        """Writes the block tables of ``rows`` ({row: blocks}) to the device state."""
+        NB, MB = self.blocks.num_blocks, self.max_blocks
+        idx = sorted(rows)
+        tab = np.full((self.B, MB), NB, np.int32)
+        for i, r in enumerate(idx):
+            tab[i, :len(rows[r])] = rows[r]
+        pad = self.B - len(idx)
+        self.state = set_block_tables(self.state, jnp.asarray(idx + [self.B] * pad, jnp.int32),
+                                      jnp.asarray(tab))
+
+    def _prefill_step(self):
+        """At most ``prefill_budget`` prompt tokens prefilled, oldest admission first; a sequence
+        whose prompt is in starts decoding."""
+        budget = self.prefill_budget
+        filling = sorted((s for s in self.slots if s is not None and s.filled < len(s.fill)),
+                         key=lambda s: s.t_submit)
+        for s in filling:
+            if budget <= 0:
+                break
+            b = s.slot
+            n = min(len(s.fill) - s.filled, budget)
+            try:
+                self.state = self.decoder.prefill_paged_row(
+                    self.state, b, s.fill[s.filled:s.filled + n], s.filled)
+            except Exception as e:  # noqa: BLE001 - fail this request only
+                log.exception("prefill of sequence %d failed", s.id)
+                self._fail(s, f"prefill failed: {type(e).__name__}: {e}")
+                continue
+            s.filled += n
+            budget -= n
+        starts = [s for s in self.slots if s is not None and s.filled >= len(s.fill)
+                  and self.done[s.slot] and not s.finished_flag and s.fill is not None
+                  and s.slot not in self._started]
+        rows, last, budgets, keys = [], [], [], []
+        for s in starts:
+            b = s.slot
+            self.blocks.register(s.fill, s.blocks)
+            self.state = self.decoder.prefill_draft_row(self.state, b, s.fill)
+            seed = s.options.seed if s.options.seed is not None else \
+                int.from_bytes(os.urandom(4), "little")
+            toks = s.prompt_ids + s.tokens
+            rows.append(b)
+            last.append(toks[-1])
+            budgets.append(s.budget - len(s.tokens))
+            key = sampling.row_keys(seed, 1, first=s.index)[0]
+            if s.tokens:  # a resumed sequence: a key of its own, not the first one again
+                key = jax.random.fold_in(key, len(s.tokens))
+            keys.append(np.asarray(key, np.uint32))
+            self.done[b] = budgets[-1] <= 0
+            self.lengths[b] = len(s.fill)
+            self._started.add(b)
+        if rows:
+            pad = self.B - len(rows)
+            self.state = set_rows(self.state, jnp.asarray(rows + [self.B] * pad, jnp.int32),
+                                  jnp.asarray(last + [0] * pad, jnp.int32),
+                                  jnp.asarray(budgets + [0] * pad, jnp.int32),
+                                  jnp.asarray(np.concatenate(
+                                      [np.stack(keys), np.zeros((pad, 2), np.uint32)])),
+                                  jnp.asarray([int(self.lengths[b]) for b in rows] + [0] * pad,
+                                              jnp.int32))
+            for b in rows:
+                if self.slots[b].budget - len(self.slots[b].tokens) <= 0:
+                    self._finish(self.slots[b], "length")
+
+    def _grow(self, active, rounds: int, rd) -> int:
+        """Blocks for what the next chunk may write (and the chunks in flight): each running row
+        is mapped up to ``lengths + (rounds in flight + rounds) x tokens per round + extra``
+        slots; when the pool is short the most recently admitted sequence is preempted. Returns
+        the rounds to run (0: the running rows changed)."""
+        tpr = (rd.tree.num_nodes if rd.speculative else 1)
+        ahead = sum(f[-1] for f in self._inflight) + rounds
+        want = {}
+        for b in active:
+            s = self.slots[b]
+            slots = int(self.lengths[b]) + ahead * tpr + self.extra + 1
+            need = min(-(-slots // self.page_size), self.max_blocks) - len(s.blocks)
+            if need > 0:
+                want[b] = need
+        if not want:
+            return rounds
+        if sum(want.values()) > self.blocks.free:
+            holders = sorted((s for s in self.slots if s is not None and s.blocks),
+                             key=lambda s: s.t_submit)
+            if len(holders) > 1:  # the most recently admitted one gives its blocks back
+                self._preempt(holders[-1])
+                return 0
+        grown = {}
+        for b, need in want.items():
+            new = self.blocks.allocate(need)
+            if new is None:
+                continue
+            self.slots[b].blocks += new
+            grown[b] = self.slots[b].blocks
+        if grown:
+            self._tables(grown)
+        for b in active:  # no row may write past its mapped slots
+            room = len(self.slots[b].blocks) * self.page_size - int(self.lengths[b]) \
+                - self.extra - 1
+            rounds = min(rounds, room // tpr - (ahead - rounds))
+        return max(rounds, 0)
+
+    def _preempt(self, s: Sequence):
+        """Gives back the blocks of a running sequence (its full prompt blocks stay cached) and
+        puts it first in line: on readmission its cache is recomputed from its prompt and the
+        tokens it generated, so nothing is lost."""
+        self._drain()
+        if s.finished_flag or s.slot is None:
+            return
+        b = s.slot
+        self.slots[b] = None
+        s.slot = None
+        self._stop_rows.add(b)
+        self._started.discard(b)
+        self.done[b] = True
+        self.blocks.release(s.blocks)
+        s.blocks = []
+        s.fill = []
+        s.filled = 0
+        s.preemptions += 1
+        self.m["preemptions"] += 1
+        self._tables({b: []})
+        with self._cv:
+            self.waiting.appendleft(s)
 
     def _step(self):
         """Dispatches the next chunk, then handles the previous chunk's tokens while it runs (the
@@ -533,8 +800,16 @@ class ServingEngine:
             greedy = bool(np.all(self.temperature[active] <= 0))
             filtering = bool(np.any((self.top_k[active] > 0) | (self.top_p[active] < 1.0)))
             rd, rounds, ctx = self._choose_chunk(greedy)
+            if self.paged:
+                rounds = self._grow(active, rounds, rd)
+                if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
+                    self._drain()
+                    return
             outs, t_compile = self._run_chunk(rd, greedy, filtering, rounds)
-            self._inflight.append((outs, list(self.slots), rd, ctx, t_compile))
+            # the rows this chunk decodes: a slot whose sequence is still being prefilled (paged)
+            # is idle on the device, and its "done" must not end the sequence
+            owners = [self.slots[b] if b in active else None for b in range(self.B)]
+            self._inflight.append((outs, owners, rd, ctx, t_compile, rounds))
         while self._inflight and (len(self._inflight) > 1 or not active):
             self._process(*self._inflight.popleft())
 
@@ -542,7 +817,7 @@ class ServingEngine:
         while self._inflight:
             self._process(*self._inflight.popleft())
 
-    def _process(self, outs, owners, rd, ctx, t_compile):
+    def _process(self, outs, owners, rd, ctx, t_compile, rounds=0):
         """The tokens of a finished chunk: to their sequences (if they still own their slots)."""
         host = jax.device_get(outs)
         t = time.perf_counter()
@@ -555,7 +830,9 @@ class ServingEngine:
         stats = host.stats
         n = int(host.steps)
         ran = [b for b in range(self.B) if owners[b] is not None]
-        self.lengths = np.asarray(lengths, np.int64).copy()
+        # only the rows this chunk decoded: another row may have started (or been prefilled)
+        # on the host since it was dispatched, and its length here is stale
+        self.lengths[ran] = np.asarray(lengths, np.int64)[ran]
         if dt is not None and dt > 0:
             still = [b for b in ran if not done[b]]
             self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
@@ -680,7 +957,11 @@ class ServingEngine:
             if not self.done[b]:  # still running on the device: it stops before the next chunk
                 self._stop_rows.add(b)
             self.done[b] = True
+            self._started.discard(b)
         s.slot = None
+        if self.paged and s.blocks:
+            self.blocks.release(s.blocks)
+            s.blocks = []
 
     def _finish(self, s: Sequence, reason: str):
         if s.finished_flag:
@@ -720,6 +1001,11 @@ class ServingEngine:
                                        if m.get("target_row_steps") else 0.0),
             "batch_occupancy": (m.get("busy_slot_rounds", 0) / m["slot_rounds"]
                                 if m.get("slot_rounds") else 0.0),
+            **({} if not self.paged else {
+                "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_used": self.blocks.used,
+                "kv_blocks_free": self.blocks.free, "kv_blocks_cached": self.blocks.cached,
+                "prefix_cache_hit_rate": (m["prefix_hit_tokens"] / m["prefix_query_tokens"]
+                                          if m["prefix_query_tokens"] else 0.0)}),
         }
 
     # ------------------------------------------------------------------ blocking helper

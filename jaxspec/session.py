@@ -38,7 +38,9 @@ from jaxspec.decoding import DecodeState, Round, RoundStats, run_chunk, run_roun
 from jaxspec.drafter import DraftState, ModelDrafter, SelfDrafter, ring_cache_len, ring_prefill
 from jaxspec.mesh import ShardingError, cache_sharding, fetch, pad_batch, put_batch, use_mesh
 from jaxspec.model import Model
-from jaxspec.prefill import DEFAULT_PREFILL_CHUNK, chunk_of, prefill, prefill_row, write_row
+from jaxspec.paged import PagedKVCache
+from jaxspec.prefill import (DEFAULT_PREFILL_CHUNK, chunk_of, prefill, prefill_paged_row, prefill_row,
+                             write_row)
 from jaxspec.prefix import plan_sharing, prefill_shared
 from jaxspec.sharding import decode_params, prepare as lay_out
 from jaxspec.speculation import GAMMA_CANDIDATES, Speculation, validate
@@ -655,7 +657,32 @@ class Decoder:
         with use_mesh(self.mesh):
             cache = prefill_row(self.config, self.params, state.cache, row, tokens,
                                 impl=self.impl, chunk=self.prefill_chunk)
-            draft = state.draft
+        return self.prefill_draft_row(state.replace(cache=cache), row, tokens)
+
+    def prefill_paged_row(self, state: DecodeState, row: int, tokens: list[int],
+                          start: int) -> DecodeState:
+        """`jaxspec.prefill.prefill_paged_row` on a slot state with a paged cache: ``tokens``
+        from logical slot ``start`` on (a chunk of a prompt; the slots before it are filled)."""
+        with use_mesh(self.mesh):
+            cache = prefill_paged_row(self.config, self.params, state.cache, row, tokens, start,
+                                      impl=self.impl, chunk=self.prefill_chunk)
+        return state.replace(cache=cache)
+
+    def paged_state(self, batch: int, num_blocks: int, block_size: int, max_blocks: int,
+                    width: int) -> DecodeState:
+        """`empty_state` with a paged target cache: a pool of ``num_blocks`` blocks of
+        ``block_size`` slots, rows of ``max_blocks`` table entries (all unmapped)."""
+        state = self.empty_state(batch, SLOT_ALIGN, width)
+        with use_mesh(self.mesh):
+            cache = PagedKVCache.create(self.config, batch, num_blocks, block_size, max_blocks,
+                                        dtype=self.model.dtype)
+        return state.replace(cache=cache)
+
+    def prefill_draft_row(self, state: DecodeState, row: int, tokens: list[int]) -> DecodeState:
+        """A draft model's cache (full or ring) of row ``row`` prefilled with ``tokens``; the
+        state as it is for self-speculation and plain decoding."""
+        draft = state.draft
+        with use_mesh(self.mesh):
             if isinstance(self.drafter, ModelDrafter):
                 dc = draft.cache
                 if self.drafter.ring:
@@ -666,4 +693,4 @@ class Decoder:
                     dc = prefill_row(self.draft.config, self.dparams, dc, row, tokens,
                                      impl=self.impl, chunk=self.prefill_chunk)
                 draft = draft.replace(cache=dc)
-        return state.replace(cache=cache, draft=draft)
+        return state.replace(draft=draft)

@@ -739,10 +739,6 @@ def test_soak_long(model, engine):
     assert f["completed_requests"] > f["requests"] // 2 and sum(f["hung_up"].values()) > 50, f
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ServingEngine._main keeps its loop variable `s` (and the lists `cancelled`, `dropped`, "
-    "`admits`) from its last iteration while it waits for work: the last cancelled Sequence "
-    "(its prompt, tokens, text and event queue) stays alive until another one is cancelled"))
 def test_a_cancelled_sequence_is_released(model, engine):
     """A sequence cancelled while it waits (admission paused) finishes, and then nothing in the
     engine refers to it any more."""

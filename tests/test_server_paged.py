@@ -1,0 +1,131 @@
+"""The serving engine's paged mode (`ServingEngine(page_size=...)`): block tables over one pool,
+automatic prefix caching, chunked prefill between decode chunks and preemption when blocks run
+out. Every greedy completion must equal `jaxspec.generate` of the same prompt (float32), whatever
+was shared, preempted or recomputed, and every block must be back in the pool afterwards."""
+
+import random
+
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.blocks import BlockManager
+from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
+from serverkit import served_model
+
+
+def _wait(seqs, timeout=600):
+    for s in seqs:
+        assert s.finished.wait(timeout), "a sequence did not finish"
+        assert s.error is None, s.error
+
+
+@pytest.fixture(scope="module")
+def model():
+    return served_model(eos=False)
+
+
+@pytest.mark.parametrize("spec", [None, "self"])
+def test_paged_engine_equals_generate(model, spec):
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    shared = rng.integers(5, 60, size=27).tolist()  # three full blocks of 8 and a bit
+    prompts = [shared + rng.integers(5, 60, size=int(n)).tolist() for n in (3, 11)]
+    prompts += [rng.integers(5, 60, size=int(n)).tolist() for n in (9, 20)]
+    new = 40  # three sequences of up to ~70 tokens need 27 blocks; the pool has 16
+    ref = jaxspec.generate(model, prompts, max_new_tokens=new).tokens
+    speculation = None if spec is None else jaxspec.Speculation(
+        draft="self", gamma=3, sink=2, window=6, adaptive=False)
+    kw = dict(max_batch=3, max_len=96, rounds_per_chunk=2, prefill_chunk=16, page_size=8,
+              speculation=speculation, prefill_budget=16)
+    one = ServingEngine(model, **kw).max_blocks  # the blocks one sequence of max_len needs
+    # a pool short of three full sequences: admissions wait for blocks and running ones are
+    # preempted, then resumed from their prompt and tokens
+    e = ServingEngine(model, kv_blocks=one + 3, **kw).start()
+    try:
+        opts = SamplingOptions(max_tokens=new, temperature=0)
+        seqs = [Sequence(p, opts) for p in prompts]
+        e.submit(seqs)
+        _wait(seqs)
+        for s, r in zip(seqs, ref):
+            assert s.tokens == r, (s.prompt_ids[:5], s.preemptions)
+        m = e.metrics()
+        assert m["preemptions"] > 0, "the small pool should have forced a preemption"
+        assert m["prompt_tokens"] == sum(map(len, prompts))
+        # one after the other on the idle engine: the second finds the first's three full
+        # blocks of the shared prefix in the cache (whole blocks only) and prefills the rest
+        for i in (0, 1):
+            s = Sequence(prompts[i], opts)
+            e.submit([s])
+            _wait([s])
+            assert s.tokens == ref[i]
+        assert s.usage()["prompt_tokens_details"]["cached_tokens"] == 24
+        m = e.metrics()
+        assert m["kv_blocks_used"] == 0 and m["kv_blocks_free"] == m["kv_blocks_total"]
+        assert all(x is None for x in e.slots)
+        assert m["prefix_cache_hit_rate"] > 0
+    finally:
+        e.stop()
+
+
+def test_paged_engine_rejects_bad_sizes(model):
+    with pytest.raises(ValueError, match="page_size"):
+        ServingEngine(model, max_batch=2, max_len=64, page_size=0)
+    with pytest.raises(ValueError, match="kv_blocks"):
+        ServingEngine(model, max_batch=2, max_len=64, page_size=8, kv_blocks=2)
+
+
+def test_block_manager_against_a_model():
+    """Random acquire / allocate / release / register sequences against plain bookkeeping:
+    reference counts, free counts, cache hits of exactly the registered prefixes, LRU eviction
+    of unreferenced cached blocks only."""
+    rng = random.Random(random.randrange(1 << 30))
+    bs, nb = 4, 24
+    bm = BlockManager(nb, bs)
+    held = []  # (tokens, blocks) of live sequences
+    registered = {}  # tuple(tokens of whole-block prefix) -> block
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.5:
+            vocab = rng.choice([2, 3])  # tiny vocabularies: many shared prefixes
+            toks = [rng.randrange(vocab) for _ in range(rng.randrange(1, 5 * bs))]
+            hit = bm.lookup(toks)
+            # the hit is exactly the longest prefix whose blocks are registered and still cached
+            j = 0
+            while (j + 1) * bs <= len(toks) and tuple(toks[:(j + 1) * bs]) in registered:
+                assert hit[j] == registered[tuple(toks[:(j + 1) * bs])]
+                j += 1
+            assert len(hit) == j
+            bm.acquire(hit)
+            need = -(-len(toks) // bs) - len(hit)
+            free0 = bm.free
+            new = bm.allocate(need)
+            if new is None:
+                assert need > free0
+                bm.release(hit)
+                continue
+            assert len(set(new)) == need and not set(new) & set(hit)
+            assert all(bm.ref[b] == 1 for b in new)
+            # allocation may evict unreferenced cached blocks: forget those
+            for key, b in list(registered.items()):
+                if b in new:
+                    del registered[key]
+            blocks = hit + new
+            bm.register(toks, blocks)
+            for i in range(len(toks) // bs):
+                registered.setdefault(tuple(toks[:(i + 1) * bs]), blocks[i])
+            held.append((toks, blocks))
+        elif held:
+            toks, blocks = held.pop(rng.randrange(len(held)))
+            bm.release(blocks)
+        refs = [0] * nb
+        for _, blocks in held:
+            for b in blocks:
+                refs[b] += 1
+        assert bm.ref == refs
+        assert bm.free == sum(r == 0 for r in refs)
+        assert bm.cached == len(set(registered.values()))
+    for _, blocks in held:
+        bm.release(blocks)
+    assert bm.free == nb
+    with pytest.raises(RuntimeError):
+        bm.release([0])

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # programs another module compiled already (and the fixture below drops the in-memory cache
 # after each module). Made here in the controlling process, removed in pytest_unconfigure; a
 # run-wide JAX_COMPILATION_CACHE_DIR of your own is used as is, JAXSPEC_TEST_XLA_CACHE=0 turns
-# it off. A cold cache made one run of four heavy files 11% faster (628 -> 557 s, session 14).
+# it off. A cold cache made one run of four heavy files 11% faster (628 -> 557 s).
 _RUN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("JAXSPEC_TEST_XLA_CACHE") != "0":
     import tempfile
@@ -21,7 +21,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("JAXSPEC_TES
 
 # A cheaper XLA CPU compile pipeline for the tests: most of a run is compiling many small
 # programs once each (jit per shape, Pallas kernels in interpret mode), not running them.
-# Measured side by side (session 14): 505 -> 377 s on three heavy files, 79 -> 59 s on
+# Measured side by side: 505 -> 377 s on three heavy files, 79 -> 59 s on
 # interpreter-heavy kernel tests. Only the CPU backend's LLVM work is cut; results are checked
 # against the same references. JAXSPEC_TEST_FAST_COMPILE=0 turns it off.
 if os.environ.get("JAXSPEC_TEST_FAST_COMPILE") != "0":
@@ -48,7 +48,7 @@ def _free_compiled_programs():
 
 
 # Worker-seconds per test file in the default run (2 pytest-xdist workers on the 2-core CI
-# machine, session 13). `make test` runs each file whole on one worker (--dist loadfile
+# machine). `make test` runs each file whole on one worker (--dist loadfile
 # --no-loadscope-reorder); handing out the longest files first keeps one long file from
 # starting last while the other worker sits idle. A stale or missing entry only costs balance.
 _FILE_SECONDS = {

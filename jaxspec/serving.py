@@ -654,6 +654,28 @@ class ServingEngine:
         self._tables({b: s.blocks})
         return True
 
+    def _late_hits(self, s: Sequence):
+        """Blocks of ``s``'s prefix cached since its admission (by a sequence prefilled before
+        it) replace its own unfilled ones: it prefills only what is still missing."""
+        bm = self.blocks
+        hit = bm.lookup(s.fill)
+        first = s.filled // self.page_size  # blocks before it are complete and its own
+        if len(hit) * self.page_size <= s.filled:
+            return
+        for j in range(first, len(hit)):
+            if s.blocks[j] != hit[j]:
+                bm.acquire([hit[j]])
+                bm.release([s.blocks[j]])
+                s.blocks[j] = hit[j]
+        gained = len(hit) * self.page_size - s.filled
+        s.filled = len(hit) * self.page_size
+        if s.preemptions == 0:
+            s.cached_tokens += gained
+            bm.count_lookup(0, gained)
+            self.m["prefix_hit_tokens"] += gained
+            self.m["prefill_tokens"] -= gained
+        self._tables({s.slot: s.blocks})
+
     def _growth_reserve(self) -> int:
         """Blocks the sequences in slots may need for two chunks of ``out_len`` tokens each."""
         per = -(-2 * self.out_len // self.page_size) + 1
@@ -681,7 +703,10 @@ class ServingEngine:
             if budget <= 0:
                 break
             b = s.slot
+            self._late_hits(s)
             n = min(len(s.fill) - s.filled, budget)
+            if n <= 0:
+                continue
             try:
                 self.state = self.decoder.prefill_paged_row(
                     self.state, b, s.fill[s.filled:s.filled + n], s.filled)
@@ -691,6 +716,9 @@ class ServingEngine:
                 continue
             s.filled += n
             budget -= n
+            # its full blocks are cached at once: sequences admitted with it that share the
+            # prefix (a document many requests ask about) find them before their own prefill
+            self.blocks.register(s.fill[:s.filled], s.blocks)
         starts = [s for s in self.slots if s is not None and s.filled >= len(s.fill)
                   and self.done[s.slot] and not s.finished_flag and s.fill is not None
                   and s.slot not in self._started]

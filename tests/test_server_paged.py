@@ -59,6 +59,17 @@ def test_paged_engine_equals_generate(model, spec):
             _wait([s])
             assert s.tokens == ref[i]
         assert s.usage()["prompt_tokens_details"]["cached_tokens"] == 24
+        # admitted together: the later one waits for the earlier one's prefill (oldest first,
+        # 16 tokens per step) and then takes its three full blocks of the shared prefix
+        e.pause_admission()
+        fresh = [int(t) for t in rng.integers(5, 60, size=27)]  # nothing of it cached
+        pair = [Sequence(fresh + [7, 8], opts), Sequence(fresh + [9, 10, 11, 12, 13, 14], opts)]
+        e.submit(pair)
+        e.resume_admission()
+        _wait(pair)
+        want = jaxspec.generate(model, [x.prompt_ids for x in pair], max_new_tokens=new).tokens
+        assert [x.tokens for x in pair] == want
+        assert [x.usage()["prompt_tokens_details"]["cached_tokens"] for x in pair] == [0, 24]
         m = e.metrics()
         assert m["kv_blocks_used"] == 0 and m["kv_blocks_free"] == m["kv_blocks_total"]
         assert all(x is None for x in e.slots)

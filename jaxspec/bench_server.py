@@ -41,6 +41,7 @@ file alone (not the ``jaxspec`` package) and runs `client_main`.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import json
@@ -525,15 +526,25 @@ def check_args(a, has_draft: bool = False) -> None:
     servers = getattr(a, "servers", None)
     a.setups_given = servers is not None
     a.setups = parse_servers(servers if a.setups_given else "dense")
-    a.workload = getattr(a, "workload", "independent")
-    if a.workload not in WORKLOADS:
-        raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {a.workload!r}")
+    names = [w.strip() for w in str(getattr(a, "workload", "independent")).split(",")
+             if w.strip()]
+    bad = [w for w in names if w not in WORKLOADS]
+    if not names or bad or len(set(names)) != len(names):
+        raise ValueError(f"--workload: give distinct names of {', '.join(WORKLOADS)}, got "
+                         f"{getattr(a, 'workload', None)!r}")
+    a.workload_list = names
+    a.reference = bool(getattr(a, "reference", True))
     a.question = getattr(a, "question", 32)
     a.doc_cache = getattr(a, "doc_cache", "warm")
-    if a.workload == "shared-doc":
-        if a.lengths[0] != a.lengths[1]:
-            raise ValueError(f"--prompt: --workload shared-doc takes one document length, not "
-                             f"a range, got {a.prompt!r}")
+    a.doc_len = getattr(a, "doc", None)
+    if "shared-doc" in names:
+        if a.doc_len is None:
+            if a.lengths[0] != a.lengths[1]:
+                raise ValueError(f"--prompt: --workload shared-doc takes one document length "
+                                 f"(or give --doc), not a range, got {a.prompt!r}")
+            a.doc_len = a.lengths[1]
+        if not isinstance(a.doc_len, int) or a.doc_len < 1:
+            raise ValueError(f"--doc must be an integer >= 1, got {a.doc_len!r}")
         if not isinstance(a.question, int) or a.question < 1:
             raise ValueError(f"--question must be an integer >= 1, got {a.question!r}")
         if a.doc_cache not in ("warm", "cold"):
@@ -579,6 +590,41 @@ def _reference(model, prompts, warm_prompts, new) -> dict:
             "e2e_tok_s": st["new_tokens"] / e2e, "tokens": res.tokens}
 
 
+def _workloads(args, model) -> list[dict]:
+    """The measured prompts of each workload, the warm-up prompts of its shapes (other text) and,
+    for shared-doc, the priming prompt (the document with a question of its own)."""
+    lo, hi = args.lengths
+    N, B = args.requests, args.max_batch
+    out = []
+    for name in args.workload_list:
+        w = {"name": name, "prime": None}
+        if name == "shared-doc":
+            L, Q = args.doc_len, args.question
+            # one document, a question per request; the last question primes the document
+            # (seeds of its own: no independent prompt starts with the document)
+            prompts = plan_shared_doc(model, max(N, B) + 1, L, Q, args.seed + 2000, args.source)
+            w["prime"] = prompts.pop()
+            n_warm = max(args.warmup, 2)
+            # warm-up: another document of the same length (the measured one stays new); the
+            # first request alone, then the others (a paged server then finds their document
+            # cached: the prefix-hit path is compiled before measuring)
+            pool = plan_shared_doc(model, max(B, n_warm), L, Q, args.seed + 3000, args.source)
+            w.update(prompts=prompts, ref_warm=pool[:B], warm=pool[:n_warm],
+                     longest=L + Q, waves=[1, n_warm - 1])
+        else:
+            prompts = plan_requests(model, max(N, B), lo, hi, args.seed, args.source)
+            # warm-up prompts: other text, the shapes of the measured ones (the reference's
+            # warm-up call: the same lengths; the servers': every prefill length bucket)
+            lens = warmup_lengths(lo, hi)
+            n_warm = max(args.warmup, len(lens))
+            pool = plan_requests(model, max(B, n_warm), hi, hi, args.seed + 1000, args.source)
+            w.update(prompts=prompts, ref_warm=[x[:len(p)] for x, p in zip(pool, prompts[:B])],
+                     warm=[x[:lens[i % len(lens)]] for i, x in enumerate(pool[:n_warm])],
+                     longest=hi, waves=[n_warm])
+        out.append(w)
+    return out
+
+
 def bench_server(args, model=None, draft=None) -> dict:
     """Runs the benchmark (``args`` from `add_arguments`); ``model`` / ``draft``: in-memory models
     instead of ``--model`` / ``--draft``. Returns what it writes to ``NAME.json``."""
@@ -600,39 +646,25 @@ def bench_server(args, model=None, draft=None) -> dict:
     specs = {v: _speculation(v, draft) for v in args.variant_list}
     lo, hi = args.lengths
     N, B, new = args.requests, args.max_batch, args.new
-    shared = args.workload == "shared-doc"
-    Q = args.question if shared else 0  # the question after the shared document
+    shared = "shared-doc" in args.workload_list
+    longest = max(hi if "independent" in args.workload_list else 0,
+                  args.doc_len + args.question if shared else 0)
     ctx = model.config.max_position_embeddings
-    max_len = args.max_len or hi + Q + new
-    if hi + Q + new > min(max_len, ctx):
-        what = f"--prompt up to {hi} tokens" + (f" + --question {Q}" if shared else "")
-        raise ValueError(f"{what} + --new {new} need {hi + Q + new} tokens per sequence, more "
-                         f"than {'--max-len' if args.max_len else 'the model'} allows "
+    max_len = args.max_len or longest + new
+    if longest + new > min(max_len, ctx):
+        what = (f"--doc {args.doc_len} + --question {args.question}"
+                if shared and longest == args.doc_len + args.question else f"--prompt up to {hi}")
+        raise ValueError(f"{what} tokens + --new {new} need {longest + new} tokens per sequence, "
+                         f"more than {'--max-len' if args.max_len else 'the model'} allows "
                          f"({min(max_len, ctx)})")
-    n_warm = max(args.warmup, 2 if shared else len(warmup_lengths(lo, hi)))
-    prime = None
-    if shared:
-        # one document, a question per request; the last question primes the document (it is
-        # not one of the measured requests)
-        prompts = plan_shared_doc(model, max(N, B) + 1, hi, Q, args.seed, args.source)
-        prime = prompts.pop()
-        # warm-up: another document of the same length (the measured one is new to the server)
-        pool = plan_shared_doc(model, max(B, n_warm), hi, Q, args.seed + 1000, args.source)
-        ref_warm = pool[:B]
-        warm = pool[:n_warm]
-    else:
-        prompts = plan_requests(model, max(N, B), lo, hi, args.seed, args.source)
-        # warm-up prompts: other text, the shapes of the measured ones (the reference's warm-up
-        # call: the same lengths; the servers': every prefill length bucket at least once)
-        pool = plan_requests(model, max(B, n_warm), hi, hi, args.seed + 1000, args.source)
-        ref_warm = [w[:len(p)] for w, p in zip(pool, prompts[:B])]
-        lens = warmup_lengths(lo, hi)
-        warm = [w[:lens[i % len(lens)]] for i, w in enumerate(pool[:n_warm])]
+    wls = _workloads(args, model)
+    first_w = wls[0]["name"]
     out = {"env": environment(), "model": label,
            "draft": args.draft, "max_batch": B, "max_len": max_len,
            "rounds_per_chunk": args.rounds_per_chunk, "prefill_chunk": args.prefill_chunk,
-           "prompt": [lo, hi], "workload": args.workload,
-           "question_tokens": Q if shared else None,
+           "prompt": [lo, hi], "workloads": args.workload_list,
+           "doc_tokens": args.doc_len if shared else None,
+           "question_tokens": args.question if shared else None,
            "doc_cache": args.doc_cache if shared else None,
            "source": args.source if model.tokenizer else "random",
            "seed": args.seed, "new_tokens": new, "requests": N,
@@ -650,44 +682,64 @@ def bench_server(args, model=None, draft=None) -> dict:
         return args.time_budget_s is not None and time.monotonic() - t_start > args.time_budget_s
 
     # reference and check outputs (plain jaxspec.generate, in this process, before any server)
-    print(f"reference: jaxspec.generate, plain, batch {B}", flush=True)
-    ref = _reference(model, prompts[:B], ref_warm, new)
     K = min(args.check_outputs, N)
-    if K and not out["stop_tokens"] and K <= B:
-        check_tokens = ref["tokens"][:K]  # no stop token: fixed-length rows are the outputs
-    elif K:
-        check_tokens = jaxspec.generate(model, prompts[:K], max_new_tokens=new).tokens
-    else:
-        check_tokens = []
-    del ref["tokens"]
-    out["reference"] = ref
-    out["check"] = {"requests": K, "outputs": check_tokens}
-    print(f"reference: {ref['decode_tok_s']:.1f} tok/s decode, {ref['e2e_tok_s']:.1f} tok/s "
-          f"end to end", flush=True)
+    ref = None
+    if args.reference:
+        print(f"reference: jaxspec.generate, plain, batch {B} ({first_w})", flush=True)
+        ref = _reference(model, wls[0]["prompts"][:B], wls[0]["ref_warm"], new)
+        ref["workload"] = first_w
+    out["check"] = {"requests": K, "outputs": {}}
+    for i, w in enumerate(wls):
+        if not K:
+            w["check"] = []
+        elif i == 0 and ref is not None and not out["stop_tokens"] and K <= B:
+            w["check"] = ref["tokens"][:K]  # no stop token: fixed-length rows are the outputs
+        else:
+            w["check"] = jaxspec.generate(model, w["prompts"][:K], max_new_tokens=new).tokens
+        out["check"]["outputs"][w["name"]] = w["check"]
+    if len(wls) == 1:  # one workload: its outputs, as a list
+        out["check"]["outputs"] = wls[0]["check"]
+    if ref is not None:
+        del ref["tokens"]
+        out["reference"] = ref
+        print(f"reference: {ref['decode_tok_s']:.1f} tok/s decode, {ref['e2e_tok_s']:.1f} tok/s "
+              f"end to end", flush=True)
     save()
 
     limits = ServerLimits(max_generation_tokens=max(ServerLimits().max_generation_tokens, new))
     with tempfile.TemporaryDirectory(prefix="jaxspec-bench-server-") as work:
         prompts_file = str(pathlib.Path(work) / "prompts.json")
-        pathlib.Path(prompts_file).write_text(json.dumps(prompts[:N] + warm + [prime or [0]]))
-        plan = {r: [{"prompt": i, "arrival": a} for i, a in
-                    enumerate(arrival_times(N, r, args.seed + 1 + j))]
-                for j, r in enumerate(args.rate_list)}
-        warm_reqs = [{"prompt": N + i, "arrival": 0.0} for i in range(len(warm))]
-        # shared-doc: the first warm-up request alone, then the others (a paged server then
-        # finds their document cached: the prefix-hit path is compiled before measuring)
-        warm_waves = [warm_reqs[:1], warm_reqs[1:]] if shared else [warm_reqs]
-        prime_req = [{"prompt": N + len(warm), "arrival": 0.0, "max_tokens": 1}]
+        every = []  # one file of prompts; requests name them by index
+        for w in wls:
+            base = len(every)
+            every += w["prompts"][:N] + w["warm"] + ([w["prime"]] if w["prime"] else [])
+            w["plan"] = {r: [{"prompt": base + i, "arrival": a} for i, a in
+                             enumerate(arrival_times(N, r, args.seed + 1 + j))]
+                         for j, r in enumerate(args.rate_list)}
+            warm = [{"prompt": base + N + i, "arrival": 0.0} for i in range(len(w["warm"]))]
+            k = w["waves"][0]
+            w["warm_waves"] = [x for x in (warm[:k], warm[k:]) if x]
+            w["prime_req"] = [{"prompt": base + N + len(w["warm"]), "arrival": 0.0,
+                               "max_tokens": 1}] if w["prime"] else []
+            w["base"] = base
+        pathlib.Path(prompts_file).write_text(json.dumps(every))
+        n_warm = sum(len(w["warm"]) for w in wls)
         for setup in args.setups:
             for v in args.variant_list:
                 key = server_key(out, setup["name"], v)
                 info = out["servers"][key] = {"setup": setup["name"], "variant": v}
+
+                def record_all(status, error, done=()):
+                    for w in wls:
+                        for r in args.rate_list:
+                            if (w["name"], rate_label(r)) not in done:
+                                out["points"].append({"setup": setup["name"], "variant": v,
+                                                      "workload": w["name"],
+                                                      "rate": rate_label(r), "status": status,
+                                                      "error": error})
                 if over_budget():
                     info["error"] = "skipped: time budget spent"
-                    for r in args.rate_list:
-                        out["points"].append({"setup": setup["name"], "variant": v,
-                                              "rate": rate_label(r), "status": "skipped",
-                                              "error": info["error"]})
+                    record_all("skipped", info["error"])
                     save()
                     continue
                 engine = server = None
@@ -701,9 +753,9 @@ def bench_server(args, model=None, draft=None) -> dict:
                     engine = ServingEngine(model, max_batch=B, max_len=max_len,
                                            speculation=specs[v],
                                            rounds_per_chunk=args.rounds_per_chunk,
-                                           max_queue=max(1024, N + len(warm_reqs)),
+                                           max_queue=max(1024, N + n_warm),
                                            prefill_chunk=args.prefill_chunk,
-                                           warmup_prefill=hi + Q, **paged)
+                                           warmup_prefill=longest, **paged)
                     if engine.paged:
                         info.update(page_size=engine.page_size, kv_blocks=engine.n_blocks,
                                     blocks_per_sequence=engine.max_blocks,
@@ -712,62 +764,37 @@ def bench_server(args, model=None, draft=None) -> dict:
                     server = BackgroundServer(engine, SERVED_NAME, limits=limits)
                     info["start_seconds"] = time.perf_counter() - t
                     t = time.perf_counter()
-                    for wave in warm_waves:
-                        if not wave:
-                            continue
-                        recs = run_client(server.url, prompts_file, wave, new,
-                                          args.point_timeout_s, work)
-                        bad = [r for r in recs if r["status"] != "ok"]
-                        if bad:
-                            raise RuntimeError(f"warm-up request failed: {bad[0]['error']}")
-                        m = _wait_idle(server.url)
+                    for w in wls:
+                        for wave in w["warm_waves"]:
+                            recs = run_client(server.url, prompts_file, wave, new,
+                                              args.point_timeout_s, work)
+                            bad = [r for r in recs if r["status"] != "ok"]
+                            if bad:
+                                raise RuntimeError(f"warm-up request failed: {bad[0]['error']}")
+                            m = _wait_idle(server.url)
                     info["warmup_seconds"] = time.perf_counter() - t
                     info["gamma"] = served_gamma(m)
                     print(f"{key}: server ready (start {info['start_seconds']:.1f} s, warm-up "
                           f"{info['warmup_seconds']:.1f} s, gamma {info['gamma']})", flush=True)
-                    for r in args.rate_list:
-                        point = {"setup": setup["name"], "variant": v, "rate": rate_label(r)}
-                        if over_budget():
-                            point.update(status="skipped", error="time budget spent")
-                            out["points"].append(point)
-                            continue
-                        if shared and args.doc_cache == "warm":  # the document, once, unmeasured
-                            recs = run_client(server.url, prompts_file, prime_req, new,
-                                              args.point_timeout_s, work)
-                            if recs[0]["status"] != "ok":
-                                raise RuntimeError(f"the priming request failed: "
-                                                   f"{recs[0]['error']}")
-                        m0 = _wait_idle(server.url)
-                        kv0 = kv_metrics(m0, engine.metrics())
-                        with _BlockPeak(engine) as peak:
-                            recs = run_client(server.url, prompts_file, plan[r], new,
-                                              args.point_timeout_s, work)
-                            m1 = _wait_idle(server.url)
-                        kv1 = kv_metrics(m1, engine.metrics())
-                        for rec in recs:
-                            rec["prompt_tokens"] = len(prompts[rec["prompt"]])
-                        point.update(summarize(recs))
-                        point["status"] = "ok" if point["completed"] == N else "incomplete"
-                        point["server"] = server_delta(m0, m1)
-                        point["kv"] = kv_delta(kv0, kv1, peak.peak)
-                        got = [recs[i]["token_ids"] for i in range(K)]
-                        point["outputs"] = got
-                        point["rows_checked"] = sum(g is not None for g in got)
-                        point["rows_equal_generate"] = sum(g == c for g, c in
-                                                           zip(got, check_tokens))
-                        out["points"].append(point)
-                        print(_point_line(point), flush=True)
-                        save()
+                    for w in wls:
+                        for r in args.rate_list:
+                            point = {"setup": setup["name"], "variant": v,
+                                     "workload": w["name"], "rate": rate_label(r)}
+                            if over_budget():
+                                point.update(status="skipped", error="time budget spent")
+                                out["points"].append(point)
+                                continue
+                            out["points"].append(_measure(
+                                point, server.url, engine, prompts_file, work, w, r, args,
+                                every, K))
+                            print(_point_line(out["points"][-1]), flush=True)
+                            save()
                 except Exception as e:  # noqa: BLE001 - a server that fails is recorded
                     info["error"] = f"{type(e).__name__}: {str(e)[:500]}"
                     print(f"{key}: {info['error']}", file=sys.stderr, flush=True)
-                    done = {p["rate"] for p in out["points"]
-                            if p["variant"] == v and p.get("setup") == setup["name"]}
-                    for r in args.rate_list:
-                        if rate_label(r) not in done:
-                            out["points"].append({"setup": setup["name"], "variant": v,
-                                                  "rate": rate_label(r), "status": "error",
-                                                  "error": info["error"]})
+                    record_all("error", info["error"], {
+                        (p["workload"], p["rate"]) for p in out["points"]
+                        if p["variant"] == v and p.get("setup") == setup["name"]})
                 finally:
                     if server is not None:
                         server.close()
@@ -780,6 +807,33 @@ def bench_server(args, model=None, draft=None) -> dict:
     return out
 
 
+def _measure(point, url, engine, prompts_file, work, w, rate, args, every, K) -> dict:
+    """One point: ``w``'s requests at ``rate`` (after the document's priming request for
+    shared-doc with ``--doc-cache warm``), with the server's counters before and after."""
+    N, new = args.requests, args.new
+    if w["prime_req"] and args.doc_cache == "warm":  # the document, once, unmeasured
+        recs = run_client(url, prompts_file, w["prime_req"], new, args.point_timeout_s, work)
+        if recs[0]["status"] != "ok":
+            raise RuntimeError(f"the priming request failed: {recs[0]['error']}")
+    m0 = _wait_idle(url)
+    kv0 = kv_metrics(m0, engine.metrics())
+    with _BlockPeak(engine) as peak:
+        recs = run_client(url, prompts_file, w["plan"][rate], new, args.point_timeout_s, work)
+        m1 = _wait_idle(url)
+    kv1 = kv_metrics(m1, engine.metrics())
+    for rec in recs:
+        rec["prompt_tokens"] = len(every[rec["prompt"]])
+    point.update(summarize(recs))
+    point["status"] = "ok" if point["completed"] == N else "incomplete"
+    point["server"] = server_delta(m0, m1)
+    point["kv"] = kv_delta(kv0, kv1, peak.peak)
+    got = [recs[i]["token_ids"] for i in range(K)]
+    point["outputs"] = got
+    point["rows_checked"] = sum(g is not None for g in got)
+    point["rows_equal_generate"] = sum(g == c for g, c in zip(got, w["check"]))
+    return point
+
+
 def server_key(out: dict, setup: str, variant: str) -> str:
     """The key of a server in ``out["servers"]``: the variant alone when no ``--servers`` was
     given, else ``SETUP/VARIANT``."""
@@ -787,21 +841,22 @@ def server_key(out: dict, setup: str, variant: str) -> str:
 
 
 def _finish(out: dict) -> None:
-    """Speedups vs the first setup's ``off`` at the same rate, and the verdict against the
-    reference."""
+    """Speedups vs the first setup's ``off`` on the same workload at the same rate, and the
+    verdict against the reference."""
     first = out["setups"][0]["name"] if out.get("setups") else "dense"
-    ok = {(p.get("setup", first), p["variant"], p["rate"]): p for p in out["points"]
-          if p.get("status") == "ok"}
+    w0 = (out.get("workloads") or ["independent"])[0]
+    ok = {(p.get("setup", first), p["variant"], p.get("workload", w0), p["rate"]): p
+          for p in out["points"] if p.get("status") == "ok"}
     out["speedups"] = []
-    for (st, v, r), p in ok.items():
-        base = ok.get((first, "off", r))
+    for (st, v, w, r), p in ok.items():
+        base = ok.get((first, "off", w, r))
         if (st, v) == (first, "off") or base is None:
             continue
 
         def ratio(a, b):
             return a / b if a and b else None
         out["speedups"].append({
-            "setup": st, "variant": v, "rate": r,
+            "setup": st, "variant": v, "workload": w, "rate": r,
             "output_tok_s": ratio(p["output_tok_s"], base["output_tok_s"]),
             "request_throughput": ratio(p["request_throughput"], base["request_throughput"]),
             "ttft_p50": ratio(base["ttft_s"]["p50"], p["ttft_s"]["p50"]),
@@ -810,12 +865,14 @@ def _finish(out: dict) -> None:
             "e2e_p50": ratio(base["e2e_s"]["p50"], p["e2e_s"]["p50"]),
             "decode_tok_s": ratio(p["server"]["decode_tok_s"], base["server"]["decode_tok_s"])})
     ref = out.get("reference")
-    offs = [p for (st, v, _), p in ok.items() if (st, v) == (first, "off")]
+    offs = [p for (st, v, w, _), p in ok.items()
+            if (st, v) == (first, "off") and ref and w == ref.get("workload", w0)]
     if ref and offs:  # the highest load: the point with the most requests per second offered
         top = max(offs, key=lambda p: math.inf if p["rate"] == "inf" else float(p["rate"]))
         dec = top["server"]["decode_tok_s"]
         ratio = dec / ref["decode_tok_s"] if dec else None
-        out["verdict"] = {"setup": first, "rate": top["rate"], "server_decode_tok_s": dec,
+        out["verdict"] = {"setup": first, "workload": top.get("workload", w0),
+                          "rate": top["rate"], "server_decode_tok_s": dec,
                           "reference_decode_tok_s": ref["decode_tok_s"],
                           "decode_ratio": ratio,
                           "within": None if ratio is None else bool(ratio >= 1 - WITHIN),
@@ -841,6 +898,8 @@ def _point_line(p: dict) -> str:
     head = f"{p['variant']} @ {p['rate']} req/s"
     if p.get("setup") is not None:
         head = f"{p['setup']}/{head}"
+    if p.get("workload") is not None:
+        head = f"{p['workload']}: {head}"
     if p.get("status") not in ("ok", "incomplete"):
         return f"{head}: {p.get('status')}: {p.get('error')}"
     s = p["server"]
@@ -878,21 +937,30 @@ def _setup_words(out: dict) -> str:
 def markdown(out: dict) -> str:
     env = out["env"]
     lo, hi = out["prompt"]
-    shared = out.get("workload") == "shared-doc"
-    if shared:
-        what = (f"one shared document of {hi} tokens followed by a distinct "
-                f"{out['question_tokens']}-token question per request (token ids; document and questions from "
-                f"{out['source']}, seed {out['seed']}); "
+    workloads = out.get("workloads") or ["independent"]
+    shared = "shared-doc" in workloads
+    whats = []
+    for w in workloads:
+        if w == "shared-doc":
+            whats.append(
+                f"shared-doc: one document of {out['doc_tokens']} tokens followed by a distinct "
+                f"{out['question_tokens']}-token question per request (token ids; document and "
+                f"questions from {out['source']}, seeds {out['seed'] + 2000} / "
+                f"{out['seed'] + 2001}); "
                 + ("before each point one unmeasured request with the document and another "
                    "question (`--doc-cache warm`)" if out.get("doc_cache") == "warm" else
                    "no priming: the document is new to each server at its first point only "
                    "(`--doc-cache cold`)"))
-    else:
-        lengths = f"{lo}" if lo == hi else f"{lo}-{hi} (uniform per request)"
-        what = f"token-id prompts of {lengths} tokens ({out['source']}, seed {out['seed']})"
+        else:
+            lengths = f"{lo}" if lo == hi else f"{lo}-{hi} (uniform per request)"
+            whats.append(("independent: " if len(workloads) > 1 else "") +
+                         f"token-id prompts of {lengths} tokens ({out['source']}, seed "
+                         f"{out['seed']})")
+    what = "; ".join(whats)
     eos = (f"honoured (stop ids {out['stop_tokens']})" if out["stop_tokens"] else
            "none in this model")
     multi = bool(out.get("setups_given"))
+    multi_w = len(workloads) > 1
     lines = [f"# `jaxspec bench server`: the OpenAI-compatible server under load "
              f"({env['device']})", "",
              f"- device: {env['device']} x{env['devices']} ({env['backend']}), jax {env['jax']}, "
@@ -907,7 +975,8 @@ def markdown(out: dict) -> str:
     lines += [f"- load: {out['requests']} streamed `/v1/completions` requests per point, "
               f"{what}, max_tokens {out['new_tokens']}, greedy, EOS {eos}; "
               f"arrivals all at once (inf) or Poisson; the same prompts and arrivals for every "
-              f"server; each server warmed up with requests of these shapes first.",
+              f"server; each server warmed up with requests of these shapes first (other "
+              f"text).",
               "- TTFT: sent -> first token event; ITL: gaps between token events split over their "
               "tokens; e2e: sent -> `[DONE]`; throughput: completed / (first send -> last "
               "completion). Server columns from its `/metrics` over the point: decode tok/s = "
@@ -916,12 +985,13 @@ def markdown(out: dict) -> str:
     ref, ver = out.get("reference"), out.get("verdict")
     if ref:
         lines.append(f"Reference: `jaxspec.generate`, plain decoding at batch {ref['batch']} on "
-                     f"prompts of these lengths, {out['new_tokens']} new tokens per row (fixed "
-                     f"length): **{ref['decode_tok_s']:.1f} tok/s** decoding "
+                     f"the {ref.get('workload', 'independent')} prompts, {out['new_tokens']} new "
+                     f"tokens per row (fixed length): **{ref['decode_tok_s']:.1f} tok/s** decoding "
                      f"(`stats['decode_seconds']`), {ref['e2e_tok_s']:.1f} tok/s end to end.")
     if ver:
         word = {True: "within", False: "NOT within", None: "-"}[ver["within"]]
-        where = f"`{ver['setup']}`, " if multi else ""
+        where = (f"`{ver['setup']}`, " if multi else "") + \
+            (f"{ver['workload']}, " if multi_w else "")
         lines.append(f"Server, {where}speculation off, rate {ver['rate']}: "
                      f"{_f(ver['server_decode_tok_s'], '.1f')} tok/s decoding = "
                      f"{_f(ver['decode_ratio'])}x the reference ({word} {WITHIN:.0%}); "
@@ -931,10 +1001,12 @@ def markdown(out: dict) -> str:
     for key, info in out["servers"].items():
         if info.get("error"):
             lines.append(f"- {key}: {info['error']}")
-    col, sep = ("| setup ", "|---") if multi else ("", "")
+    col = ("| setup " if multi else "") + ("| workload " if multi_w else "")
+    sep = "|---" * (multi + multi_w)
 
     def cells(p):
-        return (f"| {p.get('setup')} " if multi else "") + f"| {p['variant']} "
+        return ((f"| {p.get('setup')} " if multi else "") +
+                (f"| {p.get('workload')} " if multi_w else "") + f"| {p['variant']} ")
     lines += ["", f"{col}| variant | gamma | rate req/s | done/sent | req/s | out tok/s | "
               "TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | e2e p50 / p99 s | "
               "server decode tok/s | accept | tok/step | finish | = generate |",
@@ -987,8 +1059,8 @@ def markdown(out: dict) -> str:
     if out["speedups"]:
         first = out["setups"][0]["name"] if out.get("setups") else "dense"
         base = f"`{first}` with `off`" if multi else "`off`"
-        lines += ["", f"Speedups vs {base} at the same rate (throughputs: point / {base}; "
-                  f"latencies: {base} / point):", "",
+        lines += ["", f"Speedups vs {base} on the same workload at the same rate (throughputs: "
+                  f"point / {base}; latencies: {base} / point):", "",
                   f"{col}| variant | rate req/s | out tok/s | req/s | server decode tok/s | "
                   "TTFT p50 | TTFT p99 | ITL p50 | e2e p50 |",
                   f"{sep}|---|---|---|---|---|---|---|---|---|"]
@@ -1030,18 +1102,20 @@ def add_arguments(sub) -> None:
                         "options '-blocksM' (pool size) '-budgetT' (prefill tokens between "
                         "decode chunks); e.g. dense,paged,paged32-budget8192 (default: dense "
                         "only, reported as before); speedups are vs the first setup's off")
-    s.add_argument("--workload", default="independent", choices=WORKLOADS,
-                   help="independent: each request its own prompt of --prompt tokens; "
-                        "shared-doc: every request the same document of --prompt tokens "
-                        "followed by its own --question tokens")
+    s.add_argument("--workload", default="independent",
+                   help="comma-separated, run in this order on each server: independent (each "
+                        "request its own prompt of --prompt tokens), shared-doc (every request "
+                        "the same document of --doc tokens followed by its own --question "
+                        "tokens)")
+    s.add_argument("--doc", type=int, default=None,
+                   help="shared-doc: the document's tokens (default: --prompt, a single length)")
     s.add_argument("--question", type=int, default=32,
                    help="shared-doc: tokens of each request's own question after the document")
     s.add_argument("--doc-cache", default="warm", choices=("warm", "cold"),
                    help="shared-doc: warm = one unmeasured request with the document before "
                         "each point (a paged server then has it cached); cold = none")
     s.add_argument("--prompt", default="4096",
-                   help="prompt tokens: a length, or a range LO-HI drawn per request; "
-                        "shared-doc: the document's length")
+                   help="prompt tokens: a length, or a range LO-HI drawn per request")
     s.add_argument("--new", type=int, default=256, help="max_tokens of each request")
     s.add_argument("--max-batch", type=int, default=64,
                    help="server slots (the reference decodes a batch of this many)")
@@ -1053,6 +1127,9 @@ def add_arguments(sub) -> None:
     s.add_argument("--source", default="shakespeare",
                    help="text source of the prompts (jaxspec.textdata) or 'random' tokens")
     s.add_argument("--seed", type=int, default=0, help="prompts, their lengths and arrivals")
+    s.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure jaxspec.generate's plain decoding at batch --max-batch on the "
+                        "first workload's prompts (--no-reference: skip it, no verdict)")
     s.add_argument("--check", type=int, default=8, dest="check_outputs",
                    help="compare the greedy outputs of the first N requests with "
                         "jaxspec.generate's (0: none)")

@@ -179,6 +179,8 @@ def test_arrivals_and_lengths():
     (["--servers", "dense,dense"], "--servers"), (["--servers", "paged0"], "--servers"),
     (["--workload", "shared-doc", "--prompt", "8-40"], "--prompt"),
     (["--workload", "shared-doc", "--question", "0"], "--question"),
+    (["--workload", "shared-doc,bogus"], "--workload"), (["--workload", ""], "--workload"),
+    (["--workload", "shared-doc", "--doc", "0"], "--doc"),
 ])
 def test_bad_arguments_named(extra, flag):
     # refused by name before the (missing) model is loaded
@@ -186,16 +188,17 @@ def test_bad_arguments_named(extra, flag):
         bench_server.bench_server(_args(["--model", "no-such-checkpoint"] + extra))
 
 
-SHARED_ARGV = ["--servers", "dense,paged8", "--workload", "shared-doc", "--variants", "off",
-               "--rates", "inf", "--requests", "5", "--max-batch", "4", "--prompt", "44",
-               "--question", "6", "--new", "10", "--source", "random", "--seed", "3",
-               "--check", "5", "--warmup", "0"]
+SHARED_ARGV = ["--servers", "dense,paged8", "--workload", "shared-doc,independent",
+               "--variants", "off", "--rates", "inf", "--requests", "5", "--max-batch", "4",
+               "--doc", "44", "--question", "6", "--prompt", "8-40", "--new", "10",
+               "--source", "random", "--seed", "3", "--check", "5", "--warmup", "0"]
 
 
 @pytest.fixture(scope="module")
 def shared_doc_run(tmp_path_factory):
-    """One run of two server setups (dense, paged with pages of 8) on the shared-document
-    workload: 5 requests, each the same 44-token document and its own 6-token question."""
+    """One run of two server setups (dense, paged with pages of 8), each on two workloads: 5
+    requests of the same 44-token document and their own 6-token questions, then 5 independent
+    prompts of 8-40 tokens."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
@@ -205,63 +208,88 @@ def shared_doc_run(tmp_path_factory):
     return model, out, json.loads((d / "server.json").read_text()), (d / "server.md").read_text()
 
 
-def test_shared_doc_setups_report_and_outputs(shared_doc_run):
+def test_setups_and_workloads_report_and_outputs(shared_doc_run):
     model, out, saved, md = shared_doc_run
     assert saved["points"] == json.loads(json.dumps(out["points"]))
-    assert out["workload"] == "shared-doc" and out["question_tokens"] == 6
+    assert out["workloads"] == ["shared-doc", "independent"]
+    assert (out["doc_tokens"], out["question_tokens"], out["max_len"]) == (44, 6, 60)
     assert [s["name"] for s in out["setups"]] == ["dense", "paged8"]
     assert out["setups"][1]["page_size"] == 8 and out["setups"][0]["page_size"] is None
-    assert "| setup | variant | gamma |" in md and "K/V and prefix cache" in md
+    assert "| setup | workload | variant | gamma |" in md and "K/V and prefix cache" in md
     assert "Speedups vs `dense` with `off`" in md
 
-    # the prompts, built here from the seeds: one random document (seed 3), the questions
-    # (seed 4); 5 measured + 1 that primes the document (not measured)
+    # the prompts, built here from the seeds. shared-doc: one random document (seed 3 + 2000)
+    # and the questions (seed 3 + 2001): 5 measured + 1 that primes the document (not
+    # measured); independent: 5 rows of random tokens (seed 3) cut to lengths drawn from
+    # [8, 40] (seed 3)
     V = model.config.vocab_size
-    doc = np.random.default_rng(3).integers(0, V, size=(1, 44))[0].tolist()
-    questions = np.random.default_rng(4).integers(0, V, size=(6, 6)).tolist()
-    prompts = [doc + q for q in questions[:5]]
-    ref = jaxspec.generate(model, prompts, max_new_tokens=10).tokens
-    assert all(len(t) == 10 for t in ref)
+    doc = np.random.default_rng(2003).integers(0, V, size=(1, 44))[0].tolist()
+    questions = np.random.default_rng(2004).integers(0, V, size=(6, 6)).tolist()
+    rows = np.random.default_rng(3).integers(0, V, size=(5, 40)).tolist()
+    cut = np.random.default_rng(3).integers(8, 41, size=5).tolist()
+    prompts = {"shared-doc": [doc + q for q in questions[:5]],
+               "independent": [r[:n] for r, n in zip(rows, cut)]}
+    assert len(set(cut)) > 1
+    ref = {w: jaxspec.generate(model, p, max_new_tokens=10).tokens for w, p in prompts.items()}
+    assert out["check"]["outputs"] == ref
 
-    assert [(p["setup"], p["variant"], p["rate"]) for p in out["points"]] == \
-        [("dense", "off", "inf"), ("paged8", "off", "inf")]
+    assert [(p["setup"], p["workload"], p["variant"], p["rate"]) for p in out["points"]] == \
+        [(s, w, "off", "inf") for s in ("dense", "paged8") for w in ("shared-doc", "independent")]
     assert set(out["servers"]) == {"dense/off", "paged8/off"}
     assert out["servers"]["paged8/off"]["page_size"] == 8
     for p in out["points"]:
+        w = p["workload"]
         assert p["status"] == "ok" and p["completed"] == p["requests"] == 5, p
-        assert p["outputs"] == ref, p["setup"]  # greedy: exactly generate's, each setup
+        assert p["outputs"] == ref[w], (p["setup"], w)  # greedy: generate's, every setup
         assert p["rows_equal_generate"] == p["rows_checked"] == 5
         assert p["output_tokens"] == 50
         assert p["request_throughput"] == pytest.approx(5 / p["duration_s"])
         assert p["output_tok_s"] == pytest.approx(50 / p["duration_s"])
         _pct_ok(p["ttft_s"], 5)
         _pct_ok(p["e2e_s"], 5)
-        assert [r["prompt_tokens"] for r in p["per_request"]] == [50] * 5
-    dense, paged = out["points"]
-    assert dense["kv"] is None
-    kv = paged["kv"]  # 5 sequences of 49 cached slots (all but the last prompt token) looked up;
-    # the document's 5 full blocks of 8 found (cached by the priming request)
+        assert [r["prompt_tokens"] for r in p["per_request"]] == [len(x) for x in prompts[w]]
+        assert (p["kv"] is None) == (p["setup"] == "dense")
+    pts = {(p["setup"], p["workload"]): p for p in out["points"]}
+    kv = pts["paged8", "shared-doc"]["kv"]
+    # 5 sequences of 49 cached slots (all but the last prompt token) looked up; the document's
+    # 5 full blocks of 8 found (cached by the priming request)
     assert kv["prefix_query_tokens"] == 5 * 49 and kv["prefix_hit_tokens"] == 5 * 40
     assert kv["prefix_hit_rate"] == pytest.approx(40 / 49)
     assert kv["preemptions"] == 0 and kv["kv_blocks_used_after"] == 0
     assert kv["kv_blocks_total"] == out["servers"]["paged8/off"]["kv_blocks"]
     assert 5 <= kv["kv_blocks_peak"] <= kv["kv_blocks_total"]
     assert kv["kv_blocks_cached_after"] >= 5
-    (sp,) = out["speedups"]  # paged8 vs dense, both off
-    assert (sp["setup"], sp["variant"]) == ("paged8", "off")
-    assert sp["ttft_p99"] == pytest.approx(dense["ttft_s"]["p99"] / paged["ttft_s"]["p99"])
-    assert out["verdict"]["setup"] == "dense"
+    kv = pts["paged8", "independent"]["kv"]  # random prompts: nothing shared
+    assert kv["prefix_query_tokens"] == sum(len(x) - 1 for x in prompts["independent"])
+    assert kv["prefix_hit_tokens"] == 0
+    assert 0 < kv["kv_blocks_peak"] <= kv["kv_blocks_total"]
+    # speedups: paged8 vs dense (both off) on each workload
+    assert [(s["setup"], s["workload"]) for s in out["speedups"]] == \
+        [("paged8", "shared-doc"), ("paged8", "independent")]
+    for s in out["speedups"]:
+        d, x = pts["dense", s["workload"]], pts["paged8", s["workload"]]
+        assert s["ttft_p99"] == pytest.approx(d["ttft_s"]["p99"] / x["ttft_s"]["p99"])
+        assert s["output_tok_s"] == pytest.approx(x["output_tok_s"] / d["output_tok_s"])
+    v = out["verdict"]
+    assert (v["setup"], v["workload"]) == ("dense", "shared-doc")
+    assert out["reference"]["workload"] == "shared-doc"
+    assert v["server_decode_tok_s"] == pts["dense", "shared-doc"]["server"]["decode_tok_s"]
 
 
 def test_shared_doc_cached_tokens_in_responses(shared_doc_run):
     _, out, _, md = shared_doc_run
-    dense, paged = out["points"]
+    pts = {(p["setup"], p["workload"]): p for p in out["points"]}
+    paged = pts["paged8", "shared-doc"]
     if paged["cached_tokens_reported"] == 0:
         pytest.xfail("the server's usage has no prompt_tokens_details.cached_tokens")
     # usage.prompt_tokens_details.cached_tokens of every response: none on the dense server,
-    # the document's full blocks on the paged one (equal to the server's own count)
-    assert dense["cached_tokens_reported"] == paged["cached_tokens_reported"] == 5
-    assert dense["cached_tokens"] == 0
+    # the document's full blocks on the paged one (equal to the server's own count), none for
+    # independent random prompts
+    for p in out["points"]:
+        assert p["cached_tokens_reported"] == 5
+    assert pts["dense", "shared-doc"]["cached_tokens"] == 0
+    assert pts["dense", "independent"]["cached_tokens"] == 0
+    assert pts["paged8", "independent"]["cached_tokens"] == 0
     assert [r["cached_tokens"] for r in paged["per_request"]] == [40] * 5
     assert paged["cached_tokens"] == paged["kv"]["prefix_hit_tokens"] == 200
     assert "| 200 (5/5) |" in md

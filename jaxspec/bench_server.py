@@ -11,6 +11,18 @@ same ``--requests`` streamed ``/v1/completions`` requests: token-id prompts cut 
 ``max_tokens=--new``, greedy. Arrivals: all at once (rate ``inf``) or a Poisson process of that
 rate; every variant sees the same prompts and arrival times.
 
+``--servers`` compares server setups, each with every variant: ``dense`` (one K/V row of
+``max_len`` slots per slot, the default) and ``paged[N][-blocksM][-budgetT]`` (paged K/V in pages
+of N slots, default 16, with automatic prefix caching; M blocks in the pool, T prefill tokens
+between decode chunks; default: the server's). Speedups are then relative to the first setup
+with speculation off. ``--workload`` (comma-separated, run in turn on each server): ``independent``
+(the prompts above) or ``shared-doc``: every request is the same ``--doc``-token document followed
+by its own ``--question`` tokens (both cut from the text source); with ``--doc-cache warm`` one
+unmeasured request with the document and another question precedes each point, so a paged
+server holds the document in its prefix cache. Per point the report sums the responses'
+``usage.prompt_tokens_details.cached_tokens`` and, for a paged server, gives the prefix-cache hits
+over the point, its hit rate, preemptions and the most K/V blocks in use while the point ran.
+
 The client runs in a separate Python process (httpx, asyncio; no JAX there), so the server's
 process shares its interpreter with nobody but itself, as under ``jaxspec serve``. It stamps every
 server-sent event as it arrives:
@@ -26,8 +38,9 @@ tokens per target step and decode-only throughput (generated tokens / seconds in
 Each variant is compared with ``off`` at the same rate. One reference is measured in the same run:
 `jaxspec.generate`'s plain decode throughput (new tokens / ``stats["decode_seconds"]``, fixed
 length) at batch = the server's slots on prompts of the benchmark's lengths; the report says whether
-the server's decode throughput with speculation off stays within 10% of it. The greedy outputs of
-the first ``--check`` requests are compared with `jaxspec.generate`'s for the same prompts.
+the server's decode throughput with speculation off stays within 10% of it (``--no-reference``:
+not measured). The greedy outputs of the first ``--check`` requests of every point are compared
+with `jaxspec.generate`'s for the same prompts.
 
 The server stops a completion at the model's EOS (it has no ``ignore_eos``): the report counts
 finish reasons. Every loop is bounded: ``--point-timeout-s`` per point (requests still running then

@@ -129,8 +129,8 @@ def prefill_paged_row(config: ModelConfig, params, cache, row: int, tokens: list
     """Prefills ``tokens`` into row ``row`` of a paged cache (`jaxspec.paged.PagedKVCache`) from
     logical slot ``start`` on (the slots before it already hold the row's first ``start``
     tokens, e.g. blocks shared from the prefix cache), through the row's block table, in chunks
-    of ``chunk`` tokens (the last one padded: its padding writes past the tokens, into the row's
-    own blocks or nowhere). Other rows are untouched; ``cache.lengths[row]`` becomes
+    of ``chunk`` tokens (the last one padded to a power of two of at least 16: its padding writes
+    past the tokens, into the row's own blocks or nowhere). Other rows are untouched; ``cache.lengths[row]`` becomes
     ``start + len(tokens)``."""
     n = len(tokens)
     if n == 0:
@@ -141,6 +141,7 @@ def prefill_paged_row(config: ModelConfig, params, cache, row: int, tokens: list
     buf = np.zeros((1, round_up(n, C)), np.int32)
     buf[0, :n] = tokens
     for off in range(0, n, C):
-        view = _prefill_chunk(params, view, None, jnp.asarray(buf[:, off:off + C]),
+        size = bucket(min(C, n - off), C)[0]  # a short rest: a power-of-two chunk, not C
+        view = _prefill_chunk(params, view, None, jnp.asarray(buf[:, off:off + size]),
                               jnp.int32(start + off), config=config, impl=impl)
     return cache.replace(k=view.k, v=view.v, lengths=cache.lengths.at[row].set(start + n))

@@ -352,6 +352,20 @@ def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
            [({}, m["tokens_per_target_step"])])
     metric("queue_full_rejections_total", "counter", "Requests refused with 503.",
            [({}, m.get("rejected_queue_full", 0))])
+    if "kv_blocks_total" in m:  # a paged K/V pool
+        for k, help_ in (("total", "Blocks in the paged K/V pool."),
+                         ("used", "Blocks referenced by sequences."),
+                         ("free", "Blocks that can be allocated (empty or cached and idle)."),
+                         ("cached", "Blocks holding a cached prompt prefix.")):
+            metric(f"kv_blocks_{k}", "gauge", help_, [({}, m[f"kv_blocks_{k}"])])
+        metric("prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / "
+               "prompt tokens looked up (since start).", [({}, m["prefix_cache_hit_rate"])])
+        metric("prefix_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.",
+               [({}, m.get("prefix_hit_tokens", 0))])
+        metric("prefix_query_tokens_total", "counter", "Prompt tokens looked up in the prefix "
+               "cache.", [({}, m.get("prefix_query_tokens", 0))])
+        metric("preemptions_total", "counter", "Running sequences preempted for blocks (their "
+               "caches recomputed later).", [({}, m.get("preemptions", 0))])
     if shutdown is not None:
         metric("draining", "gauge", "1 while the server shuts down (refusing new requests).",
                [({}, float(shutdown.draining))])
@@ -912,6 +926,11 @@ def _prompt_tokens(seqs) -> int:
     return sum(len(s.prompt_ids) for s in seqs if s.index == 0)
 
 
+def _cached_tokens(seqs) -> int:
+    """Prompt tokens found in the prefix cache (paged servers), once per prompt as above."""
+    return sum(s.cached_tokens for s in seqs if s.index == 0)
+
+
 def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
@@ -966,6 +985,7 @@ async def _collect(engine, shutdown, entry, request, base, chat, return_ids, JSO
         usage["completion_tokens"] += ev["usage"]["completion_tokens"]
     usage["prompt_tokens"] = _prompt_tokens(seqs)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    usage["prompt_tokens_details"] = {"cached_tokens": _cached_tokens(seqs)}
     obj = {**base, "object": "chat.completion" if chat else "text_completion",
            "choices": choices, "usage": usage}
     return JSONResponse(obj)
@@ -1026,6 +1046,7 @@ async def _stream(engine, shutdown, entry, base, chat, include_usage, return_ids
         if include_usage and not failed:
             usage["prompt_tokens"] = _prompt_tokens(seqs)
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            usage["prompt_tokens_details"] = {"cached_tokens": _cached_tokens(seqs)}
             yield _sse({**base, "object": obj_name, "choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
     finally:  # also on client disconnect (the generator is cancelled/closed)

@@ -413,8 +413,12 @@ class ServingEngine:
             kinds = [rd, rd.plain()] if rd.speculative and self.speculation.adaptive else [rd]
             for r in kinds:
                 self._run_chunk(r, bool(greedy), bool(filtering), rounds=1, compile_only=True)
-        if self.paged:  # one prefill shape (chunks of prefill_chunk); row 0 maps no block yet
-            self.state = self.decoder.prefill_paged_row(self.state, 0, [0], 0)
+        n = 16  # paged prefill shapes (power-of-two chunks up to prefill_chunk) in row 0, which
+        while self.paged:  # maps no block yet (its writes go nowhere)
+            self.state = self.decoder.prefill_paged_row(self.state, 0, [0] * n, 0)
+            if n >= min(max(self.warmup_prefill, 16), self.prefill_chunk):
+                break
+            n *= 2
         n = 16  # prefill shapes (power-of-two buckets) up to warmup_prefill tokens, in free row 0
         while not self.paged and n <= min(self.warmup_prefill, self.max_len - 1):
             self.state = self.decoder.prefill_row(self.state, 0, [0] * n)
@@ -860,7 +864,9 @@ class ServingEngine:
         ran = [b for b in range(self.B) if owners[b] is not None]
         # only the rows this chunk decoded: another row may have started (or been prefilled)
         # on the host since it was dispatched, and its length here is stale
-        self.lengths[ran] = np.asarray(lengths, np.int64)[ran]
+        # (and still own their slots: a slot that changed hands since holds another sequence)
+        mine = [b for b in ran if self.slots[b] is owners[b]]
+        self.lengths[mine] = np.asarray(lengths, np.int64)[mine]
         if dt is not None and dt > 0:
             still = [b for b in ran if not done[b]]
             self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)

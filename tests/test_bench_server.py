@@ -280,8 +280,6 @@ def test_shared_doc_cached_tokens_in_responses(shared_doc_run):
     _, out, _, md = shared_doc_run
     pts = {(p["setup"], p["workload"]): p for p in out["points"]}
     paged = pts["paged8", "shared-doc"]
-    if paged["cached_tokens_reported"] == 0:
-        pytest.xfail("the server's usage has no prompt_tokens_details.cached_tokens")
     # usage.prompt_tokens_details.cached_tokens of every response: none on the dense server,
     # the document's full blocks on the paged one (equal to the server's own count), none for
     # independent random prompts

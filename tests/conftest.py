@@ -52,13 +52,15 @@ def _free_compiled_programs():
 # --no-loadscope-reorder); handing out the longest files first keeps one long file from
 # starting last while the other worker sits idle. A stale or missing entry only costs balance.
 _FILE_SECONDS = {
-    "test_tree_speculation.py": 456, "test_hopper.py": 394, "test_adaptive.py": 269,
-    "test_model_parity.py": 208, "test_sharding_layers.py": 171, "test_speculative.py": 171,
-    "test_shared_prefix.py": 168, "test_sharding.py": 166, "test_tpu_kernels.py": 152,
-    "test_sliding_window.py": 150, "test_decode_attention.py": 149, "test_verify.py": 84,
-    "test_bench_server.py": 80, "test_checkpoint.py": 74, "test_robustness.py": 71,
-    "test_benchmark_harness.py": 71, "test_prefix_attention.py": 68,
-    "test_bench_hydragen.py": 62, "test_server.py": 58, "test_random_engine.py": 170,
+    "test_tree_speculation.py": 731, "test_model_parity.py": 319, "test_hopper.py": 227,
+    "test_tpu_kernels.py": 179, "test_sharding_layers.py": 172, "test_sliding_window.py": 166,
+    "test_adaptive.py": 164, "test_random_engine.py": 153, "test_speculative.py": 152,
+    "test_sharding.py": 144, "test_shared_prefix.py": 116, "test_paged.py": 99,
+    "test_server.py": 96, "test_verify.py": 87, "test_robustness.py": 77,
+    "test_prefix_attention.py": 74, "test_bench_server.py": 72, "test_checkpoint.py": 64,
+    "test_server_paged.py": 60, "test_decode_attention.py": 55, "test_server_soak.py": 45,
+    "test_cpu_attention.py": 42, "test_compile_cache.py": 34, "test_server_shutdown.py": 23,
+    "test_paged_kernel.py": 22, "test_random_shapes.py": 20,
 }
 
 

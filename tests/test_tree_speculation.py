@@ -65,7 +65,7 @@ def test_tree_stop_token_inside_accepted_path(target, prompts, reference):
     plain = jaxspec.generate(target, prompts, max_new_tokens=30, stop_tokens=[stop]).tokens
     for draft in ("self", target):
         spec = Speculation(draft=draft, sink=2, window=None if draft is target else 6,
-                           tree=(3, 1, 1, 1, 1, 1, 1, 1), adaptive=False)
+                           tree=(3, 1, 1, 1, 1), adaptive=False)
         res = jaxspec.generate(target, prompts, max_new_tokens=30, stop_tokens=[stop],
                                speculation=spec)
         assert res.tokens == plain
@@ -201,10 +201,12 @@ def _draft_both_ways(target, prompts, case, temperature, tree=(2, 2, 1, 1)):
     return rd, state, run(True), run(False)
 
 
-# Sampled (temperature 1) variants whose structure a greedy variant and another sampled one
-# already cover run in the slow set only (the default run's time budget).
+# The default run checks each drafter structure once, greedy or sampled (sampling covered by
+# self-sparse and full), and the other temperature of each in the slow set (the default run's
+# time budget).
 _LEVEL_SLOW = {("full-lag", 1.0), ("ring-lag", 1.0), ("self-dense", 1.0),
-               ("self-dense-prefix", 1.0)}
+               ("self-dense-prefix", 1.0), ("self-sparse", 0.0), ("self-sparse-prefix", 1.0),
+               ("full", 0.0), ("ring", 1.0)}
 
 
 @pytest.mark.parametrize("name,temperature", [

@@ -63,21 +63,22 @@ def test_blocked_attention_reads_no_slot_past_the_context():
 
 
 def test_cpu_decode_cost_follows_the_context_not_the_cache():
-    """A decode step at max_len 8192 with 100-token contexts costs at most 1.3x a step at max_len
+    """A decode step at max_len 8192 with ~100-token contexts costs at most 1.3x a step at max_len
     128 (a dense pass over every slot costs tens of times more there): a ratio of the best of
     several interleaved runs, not a timed bound."""
     model = tiny_model(seed=0, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
                        ctx=16384)
     rng = np.random.default_rng(0)
-    prompts = rng.integers(0, 64, size=(4, 100)).tolist()
+    prompts = rng.integers(0, 64, size=(4, 70)).tolist()  # contexts of 70-118 tokens
 
     def step(max_len):
-        r = jaxspec.generate(model, prompts, max_new_tokens=24, max_len=max_len, ignore_eos=True)
+        r = jaxspec.generate(model, prompts, max_new_tokens=48, max_len=max_len, ignore_eos=True)
         return r.stats["decode_seconds"] / r.stats["target_steps"]
 
     step(128), step(8192)  # compile both
     small, large = [], []
-    for _ in range(5):
+    for _ in range(7):  # interleaved pairs: a busy machine slows both of a pair alike
         small.append(step(128))
         large.append(step(8192))
-    assert min(large) <= 1.3 * min(small), (min(large), min(small))
+    ratios = [a / b for a, b in zip(large, small)]
+    assert min(ratios) <= 1.3, (ratios, large, small)

@@ -39,6 +39,7 @@ from jaxspec.model import forward, init_params
 
 SEED = int(os.environ.get("JAXSPEC_ENGINE_SWEEP_SEED", "2027"))
 CASES = int(os.environ.get("JAXSPEC_ENGINE_SWEEP_CASES", "6"))
+DEFAULT_RUN_CASES = 3  # the first draws run by default, the rest with -m slow (time budget)
 TIE = 1e-4  # a top-two logit gap below this is a float tie (logits are O(1-10) here)
 
 
@@ -250,7 +251,9 @@ def _check_case(case, impl=None):
                                  f"{name} {kw}, prompt {b} sample {j}")
 
 
-@pytest.mark.parametrize("case", CASES_DRAWN, ids=repr)
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=repr(c), marks=[] if i < DEFAULT_RUN_CASES else [pytest.mark.slow])
+    for i, c in enumerate(CASES_DRAWN)])
 def test_random_engine_case(case):
     _check_case(case)
 

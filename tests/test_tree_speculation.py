@@ -206,7 +206,9 @@ def _draft_both_ways(target, prompts, case, temperature, tree=(2, 2, 1, 1)):
 # time budget).
 _LEVEL_SLOW = {("full-lag", 1.0), ("ring-lag", 1.0), ("self-dense", 1.0),
                ("self-dense-prefix", 1.0), ("self-sparse", 0.0), ("self-sparse-prefix", 1.0),
-               ("full", 0.0), ("ring", 1.0)}
+               ("full", 0.0), ("ring", 1.0),
+               # the decode kernel through the model: self-dense-prefix-kernel in the default run
+               ("self-sparse-kernel", 0.0), ("ring-lag-kernel", 0.0)}
 
 
 @pytest.mark.parametrize("name,temperature", [

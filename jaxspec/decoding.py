@@ -234,10 +234,8 @@ class Round:
         return st
 
 
-@functools.partial(jax.jit, static_argnames=("rd",), donate_argnames=("state",))
-def run_rounds(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round) -> DecodeState:
-    """At most ``max_rounds`` rounds of ``rd`` (fewer when every row is done), in one jitted
-    `lax.while_loop`. ``max_rounds`` is a traced int: any count runs the same program."""
+def _rounds_loop(params, dparams, sp, state: DecodeState, max_rounds, rd: Round) -> DecodeState:
+    """The `lax.while_loop` of at most ``max_rounds`` rounds (stops when every row is done)."""
     def cond(c):
         i, st = c
         return (i < max_rounds) & jnp.any(~st.done)
@@ -248,6 +246,13 @@ def run_rounds(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round
 
     _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     return st
+
+
+@functools.partial(jax.jit, static_argnames=("rd",), donate_argnames=("state",))
+def run_rounds(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round) -> DecodeState:
+    """At most ``max_rounds`` rounds of ``rd`` (fewer when every row is done), in one jitted
+    `lax.while_loop`. ``max_rounds`` is a traced int: any count runs the same program."""
+    return _rounds_loop(params, dparams, sp, state, max_rounds, rd)
 
 
 @struct.dataclass
@@ -271,16 +276,7 @@ def run_chunk(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round)
     B = state.last.shape[0]
     state = state.replace(budget=state.budget - state.n_out, n_out=jnp.zeros_like(state.n_out),
                           steps=jnp.zeros_like(state.steps), stats=RoundStats.zeros(B))
-
-    def cond(c):
-        i, st = c
-        return (i < max_rounds) & jnp.any(~st.done)
-
-    def body(c):
-        i, st = c
-        return i + 1, rd(params, dparams, sp, st)
-
-    _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    st = _rounds_loop(params, dparams, sp, state, max_rounds, rd)
     outs = ChunkOutputs(out=st.out, from_draft=st.from_draft, n_out=st.n_out, done=st.done,
                         lengths=st.cache.lengths, steps=st.steps, stats=st.stats)
     return st, outs

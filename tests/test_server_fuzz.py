@@ -91,8 +91,9 @@ FIELD = {
 
 
 @st.composite
-def near_valid(draw, chat: bool):
-    """A valid request with a few fields replaced by anything, and maybe unknown keys."""
+def near_valid(draw, chat: bool, mutate: bool = True):
+    """A valid request with a few fields replaced by anything, and maybe unknown keys (or, with
+    ``mutate=False``, a valid request: the fuzzer must also reach real completions)."""
     body = {"model": "tiny", "max_tokens": draw(st.integers(1, 24)),
             "temperature": draw(st.sampled_from([0, 0.7, 1.0]))}
     if draw(st.integers(0, 2)) == 0:
@@ -103,6 +104,8 @@ def near_valid(draw, chat: bool):
         body["messages"] = [{"role": "user", "content": draw(words)}]
     else:
         body["prompt"] = draw(words)
+    if not mutate:
+        return json.dumps(body).encode()
     for name in draw(st.lists(st.sampled_from(sorted(FIELD)), max_size=4, unique=True)):
         if draw(st.integers(0, 5)) == 0:
             body.pop(name, None)
@@ -145,6 +148,7 @@ def corrupted(draw):
 
 
 bodies = st.one_of(
+    near_valid(False, mutate=False), near_valid(True, mutate=False),
     near_valid(False), near_valid(True), near_valid(False), near_valid(True),
     json_values.map(lambda v: json.dumps(v).encode()),
     st.binary(max_size=200),

@@ -93,6 +93,21 @@ def positions_of(cache) -> jax.Array:
     return cache.lengths if prefix is None else cache.lengths + prefix.offset
 
 
+def cache_dtype(dtype, impl: str = "auto"):
+    """The dtype a K/V cache of a model computing in ``dtype`` is stored in: the model's own,
+    except on XLA's CPU backend with XLA attention (``impl`` "auto" or "xla"), where a 16-bit
+    cache is stored in float32. That backend converts a whole 16-bit operand to float32 and back
+    around every in-place update or slice of it: per layer and step, two passes over the whole
+    stacked cache (measured on SmolLM2-135M, batch 4, 1,024 slots: 1.7 s per step with a bfloat16
+    cache, 0.13 s in float32). Attention there computes in float32 anyway, and a bfloat16 K or V
+    is exact in float32, so the tokens are the same."""
+    dtype = jnp.dtype(dtype)
+    if (jax.default_backend() == "cpu" and impl in ("auto", "xla")
+            and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4):
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
 def set_bits(x, idx, values):
     """``x.at[idx].set(values, mode="drop")`` done on the raw bits (an unsigned int view of the same
     width) for floating-point ``x``. XLA's GPU float normalization turns a 16-bit float scatter

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling
-from jaxspec.cache import SLOT_ALIGN, KVCache, positions_of, round_up
+from jaxspec.cache import SLOT_ALIGN, KVCache, cache_dtype, positions_of, round_up
 from jaxspec.config import sliding_window_of
 from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
 from jaxspec.decoding import DecodeState, Round, RoundStats, run_chunk, run_rounds
@@ -238,6 +238,9 @@ class Decoder:
         self.speculation = speculation
         self.draft = draft
         self.impl = attn_impl
+        # K/V caches: the model's dtype, float32 for 16-bit models on the CPU (`cache_dtype`)
+        self.cache_dtype = cache_dtype(model.dtype, attn_impl)
+        self.draft_cache_dtype = None if draft is None else cache_dtype(draft.dtype, attn_impl)
         self.prefill_chunk = int(prefill_chunk)
         self.params = decode_params(model)
         self.dparams = decode_params(draft) if draft is not None else jnp.zeros(())
@@ -397,14 +400,14 @@ class Decoder:
             if max_new_tokens == 0:
                 cache = None
             elif share is None:
-                cache = KVCache.create(config, B, S, dtype=model.dtype, sharding=c_shd)
+                cache = KVCache.create(config, B, S, dtype=self.cache_dtype, sharding=c_shd)
                 # everything but each prompt's last token; the loop starts from that token
                 cache = prefill(config, self.params, cache, [t[:-1] for t in token_lists],
                                 impl=self.impl, chunk=self.prefill_chunk)
             else:  # the shared prefix once, then each row's suffix
                 cache = prefill_shared(config, self.params, token_lists, share, S=S,
                                        impl=self.impl, chunk=self.prefill_chunk,
-                                       dtype=model.dtype, sharding=c_shd, mesh=self.mesh)
+                                       dtype=self.cache_dtype, sharding=c_shd, mesh=self.mesh)
             if cache is not None:
                 jax.block_until_ready(cache.k)
         t_prefill = time.perf_counter() - t0
@@ -443,10 +446,11 @@ class Decoder:
         with use_mesh(self.mesh):
             if self.drafter.ring:
                 S = ring_cache_len(self.drafter.sink, self.drafter.window, self.extra_slots)
-                dc = KVCache.create(d.config, B, S, dtype=d.dtype, sharding=shd)
+                dc = KVCache.create(d.config, B, S, dtype=self.draft_cache_dtype, sharding=shd)
                 dc = ring_prefill(self.drafter, self.dparams, dc, rows, impl=self.impl)
             else:
-                dc = KVCache.create(d.config, B, state.cache.max_len, dtype=d.dtype, sharding=shd)
+                dc = KVCache.create(d.config, B, state.cache.max_len, dtype=self.draft_cache_dtype,
+                                    sharding=shd)
                 dc = prefill(d.config, self.dparams, dc, rows, impl=self.impl,
                              chunk=self.prefill_chunk)
         prev = jnp.array(state.last, copy=True)
@@ -637,7 +641,7 @@ class Decoder:
         output buffer of ``width`` tokens per row: the serving engine's slots."""
         c_shd = None if self.mesh is None else cache_sharding(self.config, self.mesh, batch)
         with use_mesh(self.mesh):
-            cache = KVCache.create(self.config, batch, max_len, dtype=self.model.dtype,
+            cache = KVCache.create(self.config, batch, max_len, dtype=self.cache_dtype,
                                    sharding=c_shd)
         state = self._state(cache, np.zeros(batch, np.int32), np.zeros(batch, np.int32), width,
                             np.zeros((batch, 2), np.uint32))
@@ -647,7 +651,8 @@ class Decoder:
                  if self.drafter.ring else max_len)
             shd = None if self.mesh is None else cache_sharding(d.config, self.mesh, batch)
             with use_mesh(self.mesh):
-                dc = KVCache.create(d.config, batch, S, dtype=d.dtype, sharding=shd)
+                dc = KVCache.create(d.config, batch, S, dtype=self.draft_cache_dtype,
+                                    sharding=shd)
             state = state.replace(draft=DraftState(cache=dc, prev=jnp.zeros((batch,), jnp.int32)))
         return state
 
@@ -675,7 +680,7 @@ class Decoder:
         state = self.empty_state(batch, SLOT_ALIGN, width)
         with use_mesh(self.mesh):
             cache = PagedKVCache.create(self.config, batch, num_blocks, block_size, max_blocks,
-                                        dtype=self.model.dtype)
+                                        dtype=self.cache_dtype)
         return state.replace(cache=cache)
 
     def prefill_draft_row(self, state: DecodeState, row: int, tokens: list[int]) -> DecodeState:

@@ -62,12 +62,14 @@ def test_blocked_attention_reads_no_slot_past_the_context():
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(lse)).all()
 
 
-def test_cpu_decode_cost_follows_the_context_not_the_cache():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_decode_cost_follows_the_context_not_the_cache(dtype):
     """A decode step at max_len 8192 with ~100-token contexts costs at most 1.3x a step at max_len
-    128 (a dense pass over every slot costs tens of times more there): a ratio of the best of
-    several interleaved runs, not a timed bound."""
+    128 (a dense pass over every slot costs tens of times more there; so does a 16-bit cache that
+    the backend converts whole around each update): a ratio of the best of several interleaved
+    runs, not a timed bound."""
     model = tiny_model(seed=0, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16,
-                       ctx=16384)
+                       ctx=16384, dtype=jnp.dtype(dtype))
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, 64, size=(4, 70)).tolist()  # contexts of 70-118 tokens
 
@@ -82,3 +84,25 @@ def test_cpu_decode_cost_follows_the_context_not_the_cache():
         large.append(step(8192))
     ratios = [a / b for a, b in zip(large, small)]
     assert min(ratios) <= 1.3, (ratios, large, small)
+
+
+def test_a_bfloat16_models_cpu_cache_is_float32_and_the_tokens_are_the_same(monkeypatch):
+    """On the CPU a 16-bit model's K/V cache is stored in float32 (`jaxspec.cache.cache_dtype`):
+    the same tokens as with a bfloat16 cache, plain and speculative, since every K/V written is a
+    bfloat16 value and attention there computes in float32."""
+    from jaxspec import session
+    from jaxspec.session import Decoder
+    model = tiny_model(seed=4, scale=3.0, dtype=jnp.bfloat16)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 64, size=int(n)).tolist() for n in rng.integers(3, 40, size=3)]
+    spec = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=6, adaptive=False)
+    assert Decoder(model, None).cache_dtype == jnp.float32
+    assert Decoder(model, None, attn_impl="interpret").cache_dtype == jnp.bfloat16
+    got = [jaxspec.generate(model, prompts, max_new_tokens=12, speculation=s).tokens
+           for s in (None, spec)]
+    monkeypatch.setattr(session, "cache_dtype", lambda dtype, impl="auto": jnp.dtype(dtype))
+    model.decoders.clear()  # the Decoders made above hold float32 caches
+    assert Decoder(model, None).cache_dtype == jnp.bfloat16
+    want = [jaxspec.generate(model, prompts, max_new_tokens=12, speculation=s).tokens
+            for s in (None, spec)]
+    assert got == want

@@ -35,6 +35,7 @@ import contextvars
 import dataclasses
 import hashlib
 import hmac
+import html
 import inspect
 import json
 import logging
@@ -826,13 +827,16 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec", *, api_key: s
     @app.get("/", response_class=HTMLResponse)
     async def index():
         page = resources.files("jaxspec").joinpath("static/index.html").read_text("utf-8")
-        return HTMLResponse(page.replace("{{MODEL}}", model_name))
+        return HTMLResponse(page.replace("{{MODEL}}", html.escape(model_name))
+                            .replace("{{MODE}}", html.escape(engine.describe())))
 
     @app.get("/health")
     async def health():
         if not engine.alive:
             raise APIError(503, "the engine is not running", type="unavailable")
-        return {"status": "ok", "model": model_name}
+        m = engine.metrics()
+        return {"status": "ok", "model": model_name, "slots_busy": m["slots_busy"],
+                "slots_total": m["slots_total"], "queue_depth": m["waiting"]}
 
     @app.get("/v1/models")
     async def models():

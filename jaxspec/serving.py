@@ -290,6 +290,25 @@ class ServingEngine:
     def speculative(self) -> bool:
         return self.speculation is not None and self.gamma > 0
 
+    def describe(self) -> str:
+        """One line on how this engine decodes (the page's subtitle, the start-up log)."""
+        if self.speculation is None:
+            how = "plain decoding (no draft)"
+        else:
+            sp = self.speculation
+            if self.tree is not None:
+                kind = "token-tree speculation"
+            else:
+                kind = "speculative decoding"
+            draft = "self-draft" if sp.is_self else "draft model"
+            if sp.window is not None:
+                draft += f" reading {sp.sink} sink + {sp.window} recent keys"
+            g = "gamma auto" if self._auto_gamma and not self.gamma else f"gamma {self.gamma}"
+            how = f"{kind} ({draft}, {g})"
+        kv = (f"paged K/V (pages of {self.page_size}, prefix caching)" if self.paged
+              else "one K/V row per slot")
+        return f"continuous batching over {self.B} slots, {kv}, {how}"
+
     def _round(self, greedy: bool):
         return self.decoder.round(self.gamma if self.speculative else 0, greedy=greedy,
                                   stop_ids=self.stop_ids)

@@ -127,11 +127,25 @@ def test_models_health_metrics_page(server, client):
     assert ids == ["tiny"]
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert r.json()["slots_total"] == 8 and r.json()["queue_depth"] >= 0
     r = httpx.get(server.url + "/")
     assert r.status_code == 200 and "<textarea" in r.text and "tiny" in r.text
+    # the page says how this server decodes
+    mode = server.engine.describe()
+    assert mode in r.text and "speculative decoding (self-draft reading 2 sink + 6" in mode, mode
     m = _metrics(server.url)
     assert m["jaxspec_slots_total"] == 8
     assert "jaxspec_acceptance_rate" in m and "jaxspec_queue_depth" in m
+
+
+def test_engine_describes_how_it_decodes(model):
+    plain = ServingEngine(model, max_batch=2, max_len=64, prefill_chunk=32)
+    assert "plain decoding (no draft)" in plain.describe() and "2 slots" in plain.describe()
+    tree = ServingEngine(model, max_batch=2, max_len=64, prefill_chunk=32, page_size=16,
+                         speculation=jaxspec.Speculation(draft="self", tree=(2, 1), sink=2,
+                                                         window=6))
+    d = tree.describe()
+    assert "token-tree speculation" in d and "paged K/V (pages of 16" in d, d
 
 
 def test_completions_greedy_equal_offline_generate(model, client):

@@ -40,7 +40,7 @@ def test_logits_match_transformers(variant, tmp_path):
 # here on a GQA llama with RoPE scaling, a biased qwen2 with YaRN and qwen3's q/k norms by
 # default, on the other three in the slow set
 @pytest.mark.parametrize("variant", [
-    "qwen2-bias", "llama3-rope", "qwen2-yarn", "qwen3",
+    "llama3-rope", "qwen2-yarn", "qwen3", pytest.param("qwen2-bias", marks=pytest.mark.slow),
     pytest.param("llama-gqa", marks=pytest.mark.slow),
     pytest.param("llama-bias", marks=pytest.mark.slow)])
 def test_incremental_decode_matches_full_forward(variant, tmp_path):

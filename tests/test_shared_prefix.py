@@ -88,7 +88,8 @@ def test_greedy_sharing_is_exact(target, prompts, reference, how):
     dict(draft="self", gamma=3, sink=2, window=6),       # sinks in the prefix, window in the suffix
     dict(draft="self", gamma=2, sink=44, window=3),      # sinks reach into the suffix
     dict(draft="self", tree=(2, 2, 1), sink=2, window=6),
-    dict(draft="model", gamma=3, sink=2, window=8),      # ring-buffer draft over whole prompts
+    # ring-buffer draft over whole prompts (a draft model's path: draft-tree; slow)
+    pytest.param(dict(draft="model", gamma=3, sink=2, window=8), marks=pytest.mark.slow),
     dict(draft="model", tree=(2, 1), window=None),
 ], ids=["self-chain", "self-chain-long-sink", "self-tree", "draft-ring", "draft-tree"])
 def test_speculation_with_sharing_is_exact(target, draft, prompts, reference, spec):

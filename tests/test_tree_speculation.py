@@ -92,7 +92,7 @@ def test_tree_sampling_has_target_distribution(tiny_vocab_models, mode):
     assert _chi2_pvalue(_samples(target, spec, prompt, 6000, 1.0, 0, seed=5), joint) > 1e-3
 
 
-@pytest.mark.parametrize("draft", ["self", "ring"])
+@pytest.mark.parametrize("draft", ["self", pytest.param("ring", marks=pytest.mark.slow)])
 def test_tree_sampling_other_drafts_have_target_distribution(tiny_vocab_models, draft):
     """Sampled trees (3 levels, level-only draft forwards) from the sparse self-draft and a
     ring-buffer draft model keep the target's distribution."""
@@ -202,13 +202,16 @@ def _draft_both_ways(target, prompts, case, temperature, tree=(2, 2, 1, 1)):
 
 
 # The default run checks each drafter structure once, greedy or sampled (sampling covered by
-# self-sparse and full), and the other temperature of each in the slow set (the default run's
-# time budget).
+# self-sparse), and the rest in the slow set (the default run's time budget).
 _LEVEL_SLOW = {("full-lag", 1.0), ("ring-lag", 1.0), ("self-dense", 1.0),
                ("self-dense-prefix", 1.0), ("self-sparse", 0.0), ("self-sparse-prefix", 1.0),
                ("full", 0.0), ("ring", 1.0),
-               # the decode kernel through the model: self-dense-prefix-kernel in the default run
-               ("self-sparse-kernel", 0.0), ("ring-lag-kernel", 0.0)}
+               # the same structures again: prefix (self-sparse-prefix), sampling (self-sparse),
+               # draft models (full-lag, ring-lag) run by default
+               ("self-dense-prefix", 0.0), ("full", 1.0), ("ring", 0.0),
+               # the decode kernels through the model (the kernels' own tests run by default)
+               ("self-sparse-kernel", 0.0), ("ring-lag-kernel", 0.0),
+               ("self-dense-prefix-kernel", 0.0)}
 
 
 @pytest.mark.parametrize("name,temperature", [

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling
-from jaxspec.cache import SLOT_ALIGN, KVCache, cache_dtype, positions_of, round_up
+from jaxspec.cache import SLOT_ALIGN, KVCache, compute_dtype, positions_of, round_up
 from jaxspec.config import sliding_window_of
 from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
 from jaxspec.decoding import DecodeState, Round, RoundStats, run_chunk, run_rounds
@@ -204,6 +204,14 @@ def _avals(tree):
 
 
 # ----------------------------------------------------------------------------- the decoder
+def _as_dtype(params, dtype):
+    """``params`` with every floating-point leaf in ``dtype`` (the same tree when they are)."""
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype \
+            else x
+    return jax.tree.map(cast, params)
+
+
 class Decoder:
     """One model (and optionally a speculation) ready to decode; see the module docstring.
 
@@ -238,12 +246,14 @@ class Decoder:
         self.speculation = speculation
         self.draft = draft
         self.impl = attn_impl
-        # K/V caches: the model's dtype, float32 for 16-bit models on the CPU (`cache_dtype`)
-        self.cache_dtype = cache_dtype(model.dtype, attn_impl)
-        self.draft_cache_dtype = None if draft is None else cache_dtype(draft.dtype, attn_impl)
+        # weights, activations and K/V caches: the model's dtype, float32 for 16-bit models on
+        # the CPU (`compute_dtype`; a float32 copy of the weights, the model is left as it is)
+        self.cache_dtype = compute_dtype(model.dtype, attn_impl)
+        self.draft_cache_dtype = None if draft is None else compute_dtype(draft.dtype, attn_impl)
         self.prefill_chunk = int(prefill_chunk)
-        self.params = decode_params(model)
-        self.dparams = decode_params(draft) if draft is not None else jnp.zeros(())
+        self.params = _as_dtype(decode_params(model), self.cache_dtype)
+        self.dparams = (_as_dtype(decode_params(draft), self.draft_cache_dtype)
+                        if draft is not None else jnp.zeros(()))
         self.drafter = None
         span = None
         if speculation is not None:

@@ -86,23 +86,22 @@ def test_cpu_decode_cost_follows_the_context_not_the_cache(dtype):
     assert min(ratios) <= 1.3, (ratios, large, small)
 
 
-def test_a_bfloat16_models_cpu_cache_is_float32_and_the_tokens_are_the_same(monkeypatch):
-    """On the CPU a 16-bit model's K/V cache is stored in float32 (`jaxspec.cache.cache_dtype`):
-    the same tokens as with a bfloat16 cache, plain and speculative, since every K/V written is a
-    bfloat16 value and attention there computes in float32."""
-    from jaxspec import session
+def test_a_bfloat16_model_decodes_in_float32_on_the_cpu():
+    """On the CPU a 16-bit model decodes in float32 (`jaxspec.cache.compute_dtype`): weights,
+    activations and K/V cache; the tokens are those of the same weights loaded in float32, plain
+    and speculative, and the caller's model keeps its dtype. The kernels' interpret mode keeps
+    the model's dtype (it stands for the GPU)."""
     from jaxspec.session import Decoder
     model = tiny_model(seed=4, scale=3.0, dtype=jnp.bfloat16)
+    f32 = tiny_model(seed=4, scale=3.0, dtype=jnp.bfloat16)
+    f32.params = jax.tree.map(lambda x: x.astype(jnp.float32), f32.params)
     rng = np.random.default_rng()
     prompts = [rng.integers(0, 64, size=int(n)).tolist() for n in rng.integers(3, 40, size=3)]
     spec = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=6, adaptive=False)
-    assert Decoder(model, None).cache_dtype == jnp.float32
+    dec = Decoder(model, None)
+    assert dec.cache_dtype == jnp.float32 and dec.params["embed"].dtype == jnp.float32
     assert Decoder(model, None, attn_impl="interpret").cache_dtype == jnp.bfloat16
-    got = [jaxspec.generate(model, prompts, max_new_tokens=12, speculation=s).tokens
-           for s in (None, spec)]
-    monkeypatch.setattr(session, "cache_dtype", lambda dtype, impl="auto": jnp.dtype(dtype))
-    model.decoders.clear()  # the Decoders made above hold float32 caches
-    assert Decoder(model, None).cache_dtype == jnp.bfloat16
-    want = [jaxspec.generate(model, prompts, max_new_tokens=12, speculation=s).tokens
-            for s in (None, spec)]
-    assert got == want
+    for s in (None, spec):
+        got = jaxspec.generate(model, prompts, max_new_tokens=12, speculation=s).tokens
+        assert got == jaxspec.generate(f32, prompts, max_new_tokens=12, speculation=s).tokens
+    assert model.dtype == jnp.bfloat16

@@ -221,8 +221,19 @@ def check_generate(a) -> None:
     a.mesh = mesh_from_args(a)
 
 
+def merge_model_path(a) -> None:
+    """``jaxspec serve CKPT`` is ``jaxspec serve --model CKPT``; both at once must agree."""
+    path = getattr(a, "model_path", None)
+    if path is None:
+        return
+    if getattr(a, "model", None) not in (None, path):
+        raise ValueError(f"the checkpoint is given twice: {path!r} and --model {a.model!r}")
+    a.model = path
+
+
 def check_serve(a) -> None:
     """Everything of ``jaxspec serve`` that can be checked without loading the model."""
+    merge_model_path(a)
     if getattr(a, "model", None) is not None:
         check_checkpoint(a.model, "--model")
     dtype = getattr(a, "dtype", None)

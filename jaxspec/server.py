@@ -46,7 +46,7 @@ import uuid
 from importlib import resources
 from typing import Any
 
-from jaxspec.args import parse_gamma, parse_tree, window_arg
+from jaxspec.args import merge_model_path, parse_gamma, parse_tree, window_arg
 from jaxspec.serving import (EngineStopped, PromptTooLong, QueueFull, SamplingOptions, Sequence,
                              ServingEngine)
 from jaxspec.speculation import Speculation
@@ -1099,6 +1099,8 @@ def resolve_api_key(flag: str | None, env=None) -> str | None:
 
 
 def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint folder (the same as --model)")
     p.add_argument("--model", default=None,
                    help="checkpoint folder (default: fetch and serve smollm2-135m-instruct)")
     p.add_argument("--checkpoints", default="checkpoints", help="where --model=None fetches to")
@@ -1193,6 +1195,7 @@ def build_engine(a) -> tuple[ServingEngine, str]:
     import pathlib
 
     import jaxspec
+    merge_model_path(a)
     path = a.model
     if path is None:
         from jaxspec.fetch import fetch

@@ -144,9 +144,11 @@ def test_serve_convert_fetch_and_tree_search_arguments(ckpt: Path, tmp_path: Pat
         "--gamma": [*m, "--draft", "self", "--gamma", "auto", "--tree", "2,2"],
         "--sink": [*m, "--draft", "self", "--sink", "-4"],
         "--draft": [*m, "--draft", str(tmp_path / "nowhere")],
+        "--model ": [str(tmp_path / "nowhere")],  # the checkpoint as a positional argument
+        "given twice": [str(ckpt), "--model", str(tmp_path / "other")],
     }
     for option, argv in serve.items():
-        assert option in fails(["serve", *argv], capsys), argv
+        assert option.strip() in fails(["serve", *argv], capsys), argv
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("x")

@@ -39,7 +39,7 @@ from jaxspec.model import forward, init_params
 
 SEED = int(os.environ.get("JAXSPEC_ENGINE_SWEEP_SEED", "2027"))
 CASES = int(os.environ.get("JAXSPEC_ENGINE_SWEEP_CASES", "6"))
-DEFAULT_RUN_CASES = 2  # the first draws run by default, the rest with -m slow (time budget)
+DEFAULT_RUN_CASES = 1  # the first draws run by default, the rest with -m slow (time budget)
 TIE = 1e-4  # a top-two logit gap below this is a float tie (logits are O(1-10) here)
 
 

@@ -83,7 +83,8 @@ def tiny_vocab_models():
     return tiny_model(seed=1, vocab=V, scale=2.0), tiny_model(seed=2, vocab=V, layers=1, scale=2.0)
 
 
-@pytest.mark.parametrize("mode", ["without_replacement", "iid"])
+# the default mode by default; iid (independent children) with -m slow (time budget)
+@pytest.mark.parametrize("mode", ["without_replacement", pytest.param("iid", marks=pytest.mark.slow)])
 def test_tree_sampling_has_target_distribution(tiny_vocab_models, mode):
     target, draft = tiny_vocab_models
     prompt = [1, 3, 0, 5, 2, 4, 1, 1, 0, 3, 2]

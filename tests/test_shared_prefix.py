@@ -176,6 +176,9 @@ def test_kernels_interpret_mode(prompts):
 HAVE8 = len(jax.devices()) >= 8
 
 
+# a shared prefix on a mesh is also checked by test_sharding_layers.py (per-layer weights) by
+# default; this one with -m slow (time budget)
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE8, reason="needs 8 devices: XLA_FLAGS="
                     "--xla_force_host_platform_device_count=8 (set by `make test`)")
 def test_sharded_sharing(target, prompts):

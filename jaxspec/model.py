@@ -146,36 +146,6 @@ class Block(nn.Module):
         return layer_forward(c, p, carry, layer, rope, plan), None
 
 
-def _cpu_16bit(w) -> bool:
-    return jax.default_backend() == "cpu" and jnp.dtype(w.dtype).itemsize == 2 and \
-        jnp.issubdtype(w.dtype, jnp.floating)
-
-
-def _rows_at_least_2(x2):
-    """[M, K] with M >= 2 (a copy of the row when M == 1)."""
-    return jnp.concatenate([x2, x2], axis=0) if x2.shape[0] == 1 else x2
-
-
-def dense(x, w, out_dtype=None):
-    """``x[..., K] @ w[K, N]`` in ``out_dtype`` (default: x's dtype).
-
-    On XLA's CPU backend, 16-bit weights are multiplied with float32 accumulation as one
-    [M >= 2, K] x [K, N] product (a single row is doubled): there a 16-bit ``x @ w`` runs an
-    emulated kernel and a one-row product takes a slow matrix-vector path (measured on
-    SmolLM2-135M's layers, 2 cores: 121 ms per decode step at one row, 42 ms this way). Elsewhere
-    a plain matmul."""
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if not _cpu_16bit(w):
-        y = jnp.matmul(x, w, preferred_element_type=jnp.float32) \
-            if out_dtype == jnp.float32 else x @ w
-        return y.astype(out_dtype)
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    y = jnp.dot(_rows_at_least_2(x2.astype(w.dtype)), w, preferred_element_type=jnp.float32)[:M]
-    return y.astype(out_dtype).reshape(*lead, w.shape[-1])
-
-
 def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPlan):
     """One decoder layer on ``carry = (x[B, T, D], k_cache, v_cache)``. ``p`` holds the layer's
     weights, either as stored (wq, wk, wv, w_gate, w_up, ...) or fused by `fuse_layer_params`
@@ -186,12 +156,12 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
     dt = x.dtype
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
     if "wqkv" in p:
-        qkv = dense(h, p["wqkv"])
+        qkv = h @ p["wqkv"]
         if "bqkv" in p:
             qkv = qkv + p["bqkv"]
         q, k, v = jnp.split(qkv, [H * Dh, (H + K) * Dh], axis=-1)
     else:
-        q, k, v = dense(h, p["wq"]), dense(h, p["wk"]), dense(h, p["wv"])
+        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
         if c.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     cos, sin = rope
@@ -218,19 +188,19 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
         v_cache = write_slots(v_cache, layer, b_idx, slots, v)
 
     attn = attend(q, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
-    o = dense(attn.reshape(B, T, H * Dh).astype(dt), p["wo"])
+    o = attn.reshape(B, T, H * Dh).astype(dt) @ p["wo"]
     x = x + (o + p["bo"] if "bo" in p else o)
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
     if "w_gateup" in p:
-        gateup = dense(h, p["w_gateup"])
+        gateup = h @ p["w_gateup"]
         if "b_gateup" in p:
             gateup = gateup + p["b_gateup"]
         gate, up = jnp.split(gateup, 2, axis=-1)
     else:
-        gate, up = dense(h, p["w_gate"]), dense(h, p["w_up"])
+        gate, up = h @ p["w_gate"], h @ p["w_up"]
         if "b_gate" in p:
             gate, up = gate + p["b_gate"], up + p["b_up"]
-    down = dense(nn.silu(gate) * up, p["w_down"])
+    down = (nn.silu(gate) * up) @ p["w_down"]
     x = x + (down + p["b_down"] if "b_down" in p else down)
     return x, k_cache, v_cache
 
@@ -311,14 +281,9 @@ def lm_logits(c: ModelConfig, x, final_norm, embed, lm_head, logits_at=None):
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
     x = rms_norm(x, final_norm, c.rms_norm_eps)
-    if not c.tie_word_embeddings:
-        return dense(x, lm_head, jnp.float32)
-    if _cpu_16bit(embed):  # as `dense`: at least two rows on the CPU
-        B, T, D = x.shape
-        x2 = _rows_at_least_2(x.reshape(B * T, D).astype(embed.dtype))
-        y = jnp.einsum("md,vd->mv", x2, embed, preferred_element_type=jnp.float32)
-        return y[:B * T].reshape(B, T, -1)
-    return jnp.einsum("btd,vd->btv", x, embed, preferred_element_type=jnp.float32)
+    if c.tie_word_embeddings:
+        return jnp.einsum("btd,vd->btv", x, embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", x, lm_head, preferred_element_type=jnp.float32)
 
 
 def _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logits_at, dtype):

@@ -322,21 +322,28 @@ class Decoder:
             out = compiled(*args, jnp.int32(max_rounds))
         return out, t_compile
 
+    def chunk_program(self, rd: Round, sp, state: DecodeState):
+        """The compiled serving chunk of ``rd`` for these shapes (compiled now unless it was
+        before): ``(program, seconds compiling)``. The program takes ``(params, draft params,
+        sp, state, max_rounds)`` and donates the state."""
+        args = (self.params, self.dparams, sp, state)
+        key = ("chunk", rd, _avals(args))
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled, 0.0
+        with use_mesh(self.mesh):
+            t = time.perf_counter()
+            compiled = run_chunk.lower(*args, jnp.int32(0), rd=rd).compile()
+        self._compiled[key] = compiled
+        return compiled, time.perf_counter() - t
+
     def run_chunk(self, rd: Round, sp, state: DecodeState, max_rounds: int):
         """A serving chunk (`jaxspec.decoding.run_chunk`) of at most ``max_rounds`` rounds of
         ``rd``: returns ``(state, outputs, seconds compiling)``; the outputs are copies, so the
         host can read them while the next chunk runs on the state."""
-        args = (self.params, self.dparams, sp, state)
-        key = ("chunk", rd, _avals(args))
-        compiled = self._compiled.get(key)
-        t_compile = 0.0
+        compiled, t_compile = self.chunk_program(rd, sp, state)
         with use_mesh(self.mesh):
-            if compiled is None:
-                t = time.perf_counter()
-                compiled = run_chunk.lower(*args, jnp.int32(max_rounds), rd=rd).compile()
-                t_compile = time.perf_counter() - t
-                self._compiled[key] = compiled
-            state, outs = compiled(*args, jnp.int32(max_rounds))
+            state, outs = compiled(self.params, self.dparams, sp, state, jnp.int32(max_rounds))
         return state, outs, t_compile
 
     # ------------------------------------------------------------------ a static batch

@@ -522,7 +522,8 @@ class ServingEngine:
         self._pending = fut
         # the device thread's Python work first: this thread would otherwise hold the GIL for a
         # whole switch interval (5 ms) while it streams the last chunk's tokens
-        started.wait()
+        while not started.wait(timeout=0.05) and not fut.done():
+            pass
         return fut
 
     def _chunk_on_device(self, program, sp, state, rounds, t_compile, started):

@@ -332,3 +332,38 @@ def test_decode_step_fault_fails_the_requests_in_that_step(engine, server):
         for p in prompts:
             r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 40, "temperature": 0})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref[p]
+
+
+def test_fault_on_the_device_thread_fails_its_requests(engine, server):
+    """A decode chunk runs on the engine's device thread; when it raises there (a device error),
+    the requests decoding in it fail with that error, the state is rebuilt, and the next
+    requests decode as before (greedy: the same text as before the fault)."""
+    prompts = ["the cat sat on the mat", "tell me a story about the sea"]
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        def complete(p):
+            return c.post("/v1/completions", json={"prompt": p, "max_tokens": 40,
+                                                   "temperature": 0})
+        ref = {p: complete(p).json()["choices"][0]["text"] for p in prompts}
+        before = metrics(server.url)
+        real = engine._chunk_on_device
+        calls = []
+
+        def failing(*args):
+            calls.append(1)
+            if len(calls) == 3:  # the third chunk: the request has decoded a little already
+                raise FloatingPointError("device fault in the chunk")
+            return real(*args)
+        engine._chunk_on_device = failing
+        try:
+            bad = complete(prompts[0])
+        finally:
+            del engine._chunk_on_device
+        assert len(calls) >= 3
+        assert bad.status_code == 500 and is_openai_error(500, bad.content)
+        assert "device fault in the chunk" in bad.json()["error"]["message"]
+        after = _wait_idle(server.url)
+        assert after['jaxspec_sequences_finished_total{reason="error"}'] - \
+            before['jaxspec_sequences_finished_total{reason="error"}'] == 1
+        for p in prompts:  # the rebuilt state serves as before
+            r = complete(p)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref[p]

@@ -207,9 +207,13 @@ class ServingEngine:
         self.config = cfg = dec.config
         self.tokenizer = model.tokenizer
         self.B = int(max_batch)
-        if dec.mesh is not None and self.B % dec.mesh.shape["data"]:
-            raise ValueError(f"max_batch ({self.B}) must be a multiple of the mesh's data axis "
-                             f"({dec.mesh.shape['data']})")
+        if dec.mesh is not None and dec.mesh.shape["data"] > 1:
+            # a request is prefilled into its slot alone, and one row cannot be split over the
+            # data axis: every admission would fail
+            raise ValueError(f"the serving engine shards a model over the mesh's model axis only; "
+                             f"this mesh has a data axis of {dec.mesh.shape['data']} (use "
+                             f"jaxspec.make_mesh(1, tp), or jaxspec.generate for data "
+                             f"parallelism)")
         self.rounds = int(rounds_per_chunk)
         self.chunk_seconds = float(chunk_seconds)
         self.max_queue = int(max_queue)

@@ -233,3 +233,24 @@ def test_per_layer_shared_prefix_on_mesh(monkeypatch):
     res = jaxspec.generate(model, prompts, max_new_tokens=NEW, shared_prefix="auto")
     assert res.tokens == ref
     _check_per_layer(model.params, mesh, model.config.num_layers)
+
+
+@need8
+def test_serving_engine_on_a_model_axis_mesh():
+    """The serving engine on a model sharded over a model axis of 2 (its decode chunks run on
+    the engine's device thread, inside the mesh): the single-device greedy tokens, plain and
+    self-speculative. A mesh with a data axis > 1 is refused when the engine is built (a request
+    is prefilled into its slot alone, and one row cannot be split over the data axis)."""
+    from jaxspec.serving import SamplingOptions, ServingEngine
+    ref = jaxspec.generate(_gqa(), PROMPTS, max_new_tokens=NEW).tokens
+    model = shd.shard_model(_gqa(), jaxspec.make_mesh(1, 2))
+    for spec in (None, Speculation(gamma=2, sink=2, window=6, adaptive=False)):
+        engine = ServingEngine(model, max_batch=4, max_len=64, speculation=spec).start()
+        try:
+            got = [engine.generate(p, SamplingOptions(max_tokens=NEW, temperature=0),
+                                   timeout=300).tokens for p in PROMPTS]
+        finally:
+            engine.stop()
+        assert got == ref, spec
+    with pytest.raises(ValueError, match="data axis of 2"):
+        ServingEngine(shd.shard_model(_gqa(), jaxspec.make_mesh(2, 2)), max_batch=4, max_len=64)

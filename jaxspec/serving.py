@@ -54,7 +54,7 @@ from jaxspec.blocks import BlockManager
 from jaxspec.decoding import set_block_tables, set_rows, stop_rows
 from jaxspec.model import Model
 from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
-from jaxspec.mesh import put_batch, use_mesh
+from jaxspec.mesh import put_batch
 from jaxspec.session import Decoder, stop_token_ids
 
 log = logging.getLogger("jaxspec.serving")
@@ -531,15 +531,13 @@ class ServingEngine:
         return fut
 
     def _chunk_on_device(self, program, sp, state, rounds, t_compile, started):
-        dec = self.decoder
         try:
             max_rounds = jnp.int32(rounds)
             jax.block_until_ready(state)  # what was dispatched before (prefills, row updates)
         finally:
             started.set()
         t = time.perf_counter()
-        with use_mesh(dec.mesh):
-            state, outs = program(dec.params, dec.dparams, sp, state, max_rounds)
+        state, outs = self.decoder.call_chunk(program, sp, state, max_rounds)
         jax.block_until_ready(outs)
         return state, outs, t_compile, time.perf_counter() - t
 

@@ -342,9 +342,13 @@ class Decoder:
         ``rd``: returns ``(state, outputs, seconds compiling)``; the outputs are copies, so the
         host can read them while the next chunk runs on the state."""
         compiled, t_compile = self.chunk_program(rd, sp, state)
-        with use_mesh(self.mesh):
-            state, outs = compiled(self.params, self.dparams, sp, state, jnp.int32(max_rounds))
+        state, outs = self.call_chunk(compiled, sp, state, jnp.int32(max_rounds))
         return state, outs, t_compile
+
+    def call_chunk(self, program, sp, state: DecodeState, max_rounds):
+        """Runs a `chunk_program` on ``state`` (donated): ``(state, outputs)``."""
+        with use_mesh(self.mesh):
+            return program(self.params, self.dparams, sp, state, max_rounds)
 
     # ------------------------------------------------------------------ a static batch
     def prepare(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,

@@ -16,8 +16,8 @@ A warm-up wave of the same mix compiles every program first; then the soak wave 
 - every completed seeded sampled request equals the same request sent again alone;
 - every completed choice's text is its token ids decoded and cut at its first stop string;
 - nothing leaks: no busy slot, no waiting sequence, no request in flight, no `Sequence` object
-  alive, the same JAX arrays (count and bytes), resident memory within 5% of what it was after
-  the warm-up wave;
+  alive, the same JAX arrays (count and bytes), and resident memory growing over the soak wave's
+  second half by at most its share of 5% of what it was after the warm-up wave;
 - the counters add up: sequences submitted = stop + length + cancelled + error; errors = the
   injected faults' victims; every HTTP request is counted once, with the status its client saw;
   ``/metrics`` says what the engine counts.
@@ -65,7 +65,8 @@ STEP_FAULT = "injected decode fault"
 MAX_TOKENS = 40  # a prompt (at most 44 words: 46 tokens with the chat template) + 40 < 96
 # every chunk speculates (adaptive=False: on the CPU the cost model would choose plain steps)
 SPECULATION = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=8, adaptive=False)
-MEMORY_GROWTH = 0.05  # resident memory after the soak / after the warm-up wave, at most +5%
+MEMORY_GROWTH = 0.05  # resident memory grown per soak wave (pro rata over its second half), <= 5%
+# of resident memory after the warm-up wave
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -523,9 +524,18 @@ def soak(model, engine, *, warm: int, requests: int, clients: int, seconds: floa
             http_before = dict(app.state.http_stats.requests)
             dropped_before = logs.dropped
 
+            # the soak wave in two halves: memory that a leak holds grows with the requests
+            # served, so the second half is measured on its own (what the first half grows
+            # once, such as allocator arenas of threads shared with earlier tests, is not a leak)
             t0 = time.perf_counter()
+            half = len(plans) // 2
             with Faults(engine, fault_rng, p_step=p_step, max_step=max_step) as faults:
-                outs = asyncio.run(run_wave(server.url, server.port, plans, clients, seconds))
+                outs = asyncio.run(run_wave(server.url, server.port, plans[:half], clients,
+                                            seconds))
+                wait_idle(engine, app)
+                mid_fp = footprint(None)  # (no probe: the wave's counters stay its own)
+                outs += asyncio.run(run_wave(server.url, server.port, plans[half:], clients,
+                                             seconds))
             soak_s = time.perf_counter() - t0
             after = wait_idle(engine, app)
             idle_s = time.perf_counter() - t0 - soak_s
@@ -539,8 +549,11 @@ def soak(model, engine, *, warm: int, requests: int, clients: int, seconds: floa
         figures.update({"requests": len(plans), "soak_seconds": round(soak_s, 1),
                         "idle_after_seconds": round(idle_s, 2),
                         "rss_after_warmup_mib": round(warm_fp["rss_bytes"] / 2**20, 1),
+                        "rss_after_half_mib": round(mid_fp["rss_bytes"] / 2**20, 1),
                         "rss_after_soak_mib": round(soak_fp["rss_bytes"] / 2**20, 1),
                         "rss_growth": round(soak_fp["rss_bytes"] / warm_fp["rss_bytes"] - 1, 4),
+                        "rss_growth_second_half": round(
+                            (soak_fp["rss_bytes"] - mid_fp["rss_bytes"]) / warm_fp["rss_bytes"], 4),
                         "live_arrays": (warm_fp["live_arrays"], soak_fp["live_arrays"]),
                         "live_array_bytes": (warm_fp["live_array_bytes"],
                                              soak_fp["live_array_bytes"]),
@@ -550,8 +563,9 @@ def soak(model, engine, *, warm: int, requests: int, clients: int, seconds: floa
         assert soak_fp["sequences_alive"] == 0, (soak_fp, holders(exclude=(probe,)))
         assert soak_fp["live_arrays"] == warm_fp["live_arrays"], (warm_fp, soak_fp)
         assert soak_fp["live_array_bytes"] == warm_fp["live_array_bytes"], (warm_fp, soak_fp)
-        assert soak_fp["rss_bytes"] <= (1 + MEMORY_GROWTH) * warm_fp["rss_bytes"], \
-            (warm_fp, soak_fp)
+        assert (soak_fp["rss_bytes"] - mid_fp["rss_bytes"]
+                <= MEMORY_GROWTH * (len(plans) - half) / len(plans) * warm_fp["rss_bytes"]), \
+            (warm_fp, mid_fp, soak_fp)
         # the answers
         t0 = time.perf_counter()
         figures.update(check_answers(model, server, plans, outs, tok, eos, independent))

@@ -245,7 +245,8 @@ def test_serving_engine_on_a_model_axis_mesh():
     ref = jaxspec.generate(_gqa(), PROMPTS, max_new_tokens=NEW).tokens
     model = shd.shard_model(_gqa(), jaxspec.make_mesh(1, 2))
     for spec in (None, Speculation(gamma=2, sink=2, window=6, adaptive=False)):
-        engine = ServingEngine(model, max_batch=4, max_len=64, speculation=spec).start()
+        engine = ServingEngine(model, max_batch=4, max_len=64, speculation=spec).start(
+            variants=[(True, False)])  # greedy requests only
         try:
             got = [engine.generate(p, SamplingOptions(max_tokens=NEW, temperature=0),
                                    timeout=300).tokens for p in PROMPTS]

@@ -110,3 +110,19 @@ def test_unwritable_directory_leaves_the_cache_off(tmp_path: Path, monkeypatch: 
         assert not jax.config.jax_compilation_cache_dir
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_decode_loop_compiler_options_are_accepted_and_cpu_gets_none():
+    """The GPU decode loops' XLA options are options this XLA knows (an unknown name fails the
+    compile), and the CPU loops get none."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec import session
+    assert session.loop_compiler_options() == ({} if jax.default_backend() != "gpu"
+                                               else session.GPU_LOOP_OPTIONS)
+    x = jnp.arange(4.0)
+    f = jax.jit(lambda a: a * 2).lower(x).compile(compiler_options=session.GPU_LOOP_OPTIONS)
+    assert f(x).tolist() == [0.0, 2.0, 4.0, 6.0]
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+        jax.jit(lambda a: a * 3).lower(x).compile(compiler_options={"xla_gpu_no_such_option": 1})

@@ -120,6 +120,16 @@ def parse_gamma(s: str):
 
 def window_arg(s: str):
     """``--window``: an int >= 0, or 'none' (a draft model with a full cache instead of a ring)."""
+    return int_or_none_arg(s)
+
+
+def share_tokens_arg(s: str):
+    """``--share-min-tokens``: an int >= 0, or 'none' (never share)."""
+    return int_or_none_arg(s)
+
+
+def int_or_none_arg(s: str):
+    """An int >= 0, or 'none' (None)."""
     if s.lower() == "none":
         return None
     try:

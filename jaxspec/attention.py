@@ -55,7 +55,7 @@ from pallas_kernels.merge import merge_partials
 
 from jaxspec.cache import PrefixLevel, SharedPrefix
 from jaxspec.mesh import active_mesh, per_shard_attention
-from jaxspec.paged import gather_view
+from jaxspec.paged import gather_view, shift_tables
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
 
@@ -88,6 +88,9 @@ class AttentionPlan:
     # [B, MB] int32 or None: the cache is a block pool (`jaxspec.paged`) and row b's logical slot
     # s lives in block block_table[b, s // BS]
     block_table: Any = None
+    # with a block table: a `jaxspec.paged.SharedContext` (the first slots of some rows, copied
+    # dense) that a dense attention reads once for all those rows; None: none
+    shared: Any = None
 
     @property
     def sparse(self) -> bool:
@@ -335,6 +338,10 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
     if plan.block_table is not None:  # a block pool: this layer's blocks of each row, in order
         if plan.prefix is not None:
             raise ValueError("paged caches do not combine with shared-prefix levels")
+        if plan.shared is not None:
+            if not plan.sparse and plan.sliding_window is None:
+                return _attend_shared(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)
+            plan = plan.replace(shared=None)  # a sparse view reads few keys: no split
         if _use_kernel(impl) and plan.sliding_window is None:  # the paged kernel reads the pool
             sink, window = resolve_sparse(plan.sink, plan.window, None)
             return paged_decode_attention(
@@ -581,8 +588,45 @@ def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, p
 
 
 
+def _attend_shared(q_BTHD, k_pages, v_pages, layer, plan: AttentionPlan, *, sm_scale=None):
+    """Dense attention over a block pool whose rows ``plan.shared.rows`` begin with the shared
+    context (`jaxspec.paged.SharedContext`): its copy read once for all of them (the shared-prefix
+    kernel, one group) and each row's own slots after it through its shifted table, merged by
+    log-sum-exp. A row holding fewer context slots than the shared ones (an idle one) reads its
+    own blocks only."""
+    sh = plan.shared
+    NB, BS = k_pages.shape[1], k_pages.shape[3]
+    T = q_BTHD.shape[1]
+    num_new = plan.new_tokens(T)
+    n_sh = sh.length[0]
+    member = sh.rows & (plan.lengths >= n_sh)
+    skip = jnp.where(member, n_sh, 0).astype(jnp.int32)  # [B] slots read from the copy
+    table = shift_tables(plan.block_table, skip // BS, NB)
+    lengths = plan.lengths - skip
+    interpret = True if plan.impl == "interpret" else None
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q_BTHD.shape[-1])
+    if _use_kernel(plan.impl):
+        o_own, lse_own = paged_decode_attention(
+            q_BTHD, k_pages, v_pages, table, lengths, plan.mask, layer=layer, sm_scale=sm_scale,
+            num_new=num_new, interpret=interpret)
+        o_sh, lse_sh = prefix_attention(q_BTHD, sh.k, sh.v, sh.length, sm_scale=sm_scale,
+                                        interpret=interpret, layer=layer, partials=True)
+    else:
+        k = gather_view(k_pages, layer, table)
+        v = gather_view(v_pages, layer, table)
+        o_own, lse_own = attention_xla(q_BTHD, k, v, lengths, plan.mask, sm_scale=sm_scale,
+                                       num_new=num_new)
+        o_sh, lse_sh = prefix_attention_reference(q_BTHD, sh.k, sh.v, sh.length,
+                                                  sm_scale=sm_scale, layer=layer)
+        o_sh, lse_sh = o_sh[None], lse_sh[None]
+    lse_sh = jnp.where(member[None, :, None, None], lse_sh, -jnp.inf)
+    return merge_partials([o_own[None], o_sh], [lse_own[None], lse_sh], q_BTHD.dtype)[0]
+
+
 def plan_for(cache, lengths, **kw) -> AttentionPlan:
     """An `AttentionPlan` over ``cache`` with context ``lengths``: its shared-prefix segments and
-    its block table (a paged cache) come with it."""
+    its block table (a paged cache, with its shared context) come with it."""
     return AttentionPlan(lengths=lengths, prefix=getattr(cache, "prefix", None),
-                         block_table=getattr(cache, "block_table", None), **kw)
+                         block_table=getattr(cache, "block_table", None),
+                         shared=getattr(cache, "shared", None), **kw)

@@ -12,9 +12,10 @@ same ``--requests`` streamed ``/v1/completions`` requests: token-id prompts cut 
 rate; every variant sees the same prompts and arrival times.
 
 ``--servers`` compares server setups, each with every variant: ``dense`` (one K/V row of
-``max_len`` slots per slot, the default) and ``paged[N][-blocksM][-budgetT]`` (paged K/V in pages
-of N slots, default 16, with automatic prefix caching; M blocks in the pool, T prefill tokens
-between decode chunks; default: the server's). Speedups are then relative to the first setup
+``max_len`` slots per slot, the default) and ``paged[N][-blocksM][-budgetT][-noshare]`` (paged K/V
+in pages of N slots, default 16, with automatic prefix caching; M blocks in the pool, T prefill
+tokens between decode chunks; default: the server's; ``-noshare``: without the shared-context
+attention). Speedups are then relative to the first setup
 with speculation off. ``--workload`` (comma-separated, run in turn on each server): ``independent``
 (the prompts above) or ``shared-doc``: every request is the same ``--doc``-token document followed
 by its own ``--question`` tokens (both cut from the text source); with ``--doc-cache warm`` one
@@ -269,7 +270,8 @@ SETUP_PAGE_SIZE = 16  # the page size of a setup named ``paged``
 def parse_servers(text: str) -> list[dict]:
     """``dense,paged,paged8-blocks4096-budget8192`` -> server setups: ``dense`` (one dense K/V
     row per slot) or ``paged[N]`` (paged K/V, pages of N slots, default 16) with optional
-    ``-blocksM`` (blocks in the pool) and ``-budgetT`` (prefill tokens between decode chunks)."""
+    ``-blocksM`` (blocks in the pool), ``-budgetT`` (prefill tokens between decode chunks) and
+    ``-noshare`` (no shared-context attention: ``share_min_tokens=None``)."""
     out, seen = [], set()
     for name in (x.strip() for x in str(text).split(",")):
         if not name:
@@ -278,26 +280,30 @@ def parse_servers(text: str) -> list[dict]:
             raise ValueError(f"--servers: {name!r} is given twice")
         seen.add(name)
         head, *opts = name.split("-")
-        setup = {"name": name, "page_size": None, "kv_blocks": None, "prefill_budget": None}
+        setup = {"name": name, "page_size": None, "kv_blocks": None, "prefill_budget": None,
+                 "share": True}
         if head == "dense":
             if opts:
                 raise ValueError(f"--servers: {name!r}: a dense setup takes no options")
         elif head.startswith("paged") and (head[5:] == "" or head[5:].isdigit()):
             setup["page_size"] = int(head[5:] or SETUP_PAGE_SIZE)
             for o in opts:
+                if o == "noshare":
+                    setup["share"] = False
+                    continue
                 for key, word in (("kv_blocks", "blocks"), ("prefill_budget", "budget")):
                     if o.startswith(word) and o[len(word):].isdigit():
                         setup[key] = int(o[len(word):])
                         break
                 else:
                     raise ValueError(f"--servers: {name!r}: unknown option {o!r} (blocksM, "
-                                     f"budgetT)")
+                                     f"budgetT, noshare)")
             if min(v for v in (setup["page_size"], setup["kv_blocks"], setup["prefill_budget"])
                    if v is not None) < 1:
                 raise ValueError(f"--servers: {name!r}: sizes must be >= 1")
         else:
             raise ValueError(f"--servers: {name!r} is not 'dense' or 'paged[N][-blocksM]"
-                             f"[-budgetT]'")
+                             f"[-budgetT][-noshare]'")
         out.append(setup)
     if not out:
         raise ValueError("--servers: give at least one server setup")
@@ -413,7 +419,8 @@ def served_gamma(metrics: dict):
 
 KV_GAUGES = ("kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached",
              "prefix_cache_hit_rate")
-KV_COUNTERS = ("preemptions", "prefix_hit_tokens", "prefix_query_tokens")
+KV_COUNTERS = ("preemptions", "prefix_hit_tokens", "prefix_query_tokens",
+               "shared_context_copies", "shared_context_row_chunks")
 
 
 def kv_metrics(prom: dict, engine_metrics: dict | None = None) -> dict | None:
@@ -455,6 +462,8 @@ def kv_delta(before: dict | None, after: dict | None, peak: int | None) -> dict 
             "prefix_query_tokens": query,
             "prefix_hit_rate": hit / query if hit is not None and query else None,
             "prefix_cache_hit_rate": after.get("prefix_cache_hit_rate"),
+            "shared_context_copies": d("shared_context_copies"),
+            "shared_context_row_chunks": d("shared_context_row_chunks"),
             "source": after.get("source")}
 
 
@@ -763,6 +772,8 @@ def bench_server(args, model=None, draft=None) -> dict:
                         paged = {"page_size": setup["page_size"],
                                  "kv_blocks": setup["kv_blocks"],
                                  "prefill_budget": setup["prefill_budget"]}
+                        if not setup.get("share", True):
+                            paged["share_min_tokens"] = None
                     engine = ServingEngine(model, max_batch=B, max_len=max_len,
                                            speculation=specs[v],
                                            rounds_per_chunk=args.rounds_per_chunk,
@@ -772,7 +783,8 @@ def bench_server(args, model=None, draft=None) -> dict:
                     if engine.paged:
                         info.update(page_size=engine.page_size, kv_blocks=engine.n_blocks,
                                     blocks_per_sequence=engine.max_blocks,
-                                    prefill_budget=engine.prefill_budget)
+                                    prefill_budget=engine.prefill_budget,
+                                    share_min_tokens=engine.share_min_tokens)
                     engine.start(variants=[(True, False)])  # greedy requests only
                     server = BackgroundServer(engine, SERVED_NAME, limits=limits)
                     info["start_seconds"] = time.perf_counter() - t
@@ -1050,11 +1062,13 @@ def markdown(out: dict) -> str:
                   "point (from `/metrics`, or its engine's counters where `/metrics` lacks them: "
                   "source): prefix hit tokens / looked-up prompt tokens, its hit rate since "
                   "start after the point, the most blocks in use while the point ran (sampled "
-                  "every 20 ms) / blocks in the pool, blocks cached after, preemptions.", "",
+                  "every 20 ms) / blocks in the pool, blocks cached after, preemptions, "
+                  "shared context: sequences that read it once together, summed over decode "
+                  "chunks (its copies out of the pool).", "",
                   f"{col}| variant | rate req/s | cached tokens | prefix hit / looked up | "
                   "hit rate (since start) | KV blocks peak / total | cached after | "
-                  "preemptions | source |",
-                  f"{sep}|---|---|---|---|---|---|---|---|---|"]
+                  "preemptions | shared context | source |",
+                  f"{sep}|---|---|---|---|---|---|---|---|---|---|"]
         for p in kv_points:
             kv = p.get("kv") or {}
             ct = (f"{p['cached_tokens']} ({p['cached_tokens_reported']}/{p['completed']})"
@@ -1066,9 +1080,11 @@ def markdown(out: dict) -> str:
                     f"{cells(p)}| {p['rate']} | {ct} | {hit} | "
                     f"{_f(kv['prefix_cache_hit_rate'])} | {_f(kv['kv_blocks_peak'], 'd')} / "
                     f"{kv['kv_blocks_total']} | {kv['kv_blocks_cached_after']} | "
-                    f"{_f(kv['preemptions'], 'd')} | {kv['source']} |")
+                    f"{_f(kv['preemptions'], 'd')} | "
+                    f"{_f(kv.get('shared_context_row_chunks'), 'd')} "
+                    f"({_f(kv.get('shared_context_copies'), 'd')}) | {kv['source']} |")
             else:
-                lines.append(f"{cells(p)}| {p['rate']} | {ct} | - (dense) | | | | | |")
+                lines.append(f"{cells(p)}| {p['rate']} | {ct} | - (dense) | | | | | | |")
     if out["speedups"]:
         first = out["setups"][0]["name"] if out.get("setups") else "dense"
         base = f"`{first}` with `off`" if multi else "`off`"
@@ -1113,7 +1129,8 @@ def add_arguments(sub) -> None:
                         "row of max_len per slot), 'paged' (paged K/V, pages of "
                         f"{SETUP_PAGE_SIZE} slots, prefix caching), 'pagedN' (pages of N), "
                         "options '-blocksM' (pool size) '-budgetT' (prefill tokens between "
-                        "decode chunks); e.g. dense,paged,paged32-budget8192 (default: dense "
+                        "decode chunks) '-noshare' (requests that share leading blocks do not "
+                        "read them together); e.g. dense,paged,paged32-budget8192 (default: dense "
                         "only, reported as before); speedups are vs the first setup's off")
     s.add_argument("--workload", default="independent",
                    help="comma-separated, run in this order on each server: independent (each "

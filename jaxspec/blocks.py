@@ -61,11 +61,12 @@ class BlockManager:
             out.append(h)
         return out
 
-    def lookup(self, tokens: Sequence[int]) -> list[int]:
+    def lookup(self, tokens: Sequence[int], keys: Sequence[bytes] | None = None) -> list[int]:
         """The cached blocks of the longest cached prefix of ``tokens`` (whole blocks; they are
-        not acquired)."""
+        not acquired). ``keys``: ``keys(tokens)`` computed before (a caller that looks the same
+        tokens up again hashes them once)."""
         found = []
-        for k in self.keys(tokens):
+        for k in self.keys(tokens) if keys is None else keys:
             b = self._block_of.get(k)
             if b is None:
                 break
@@ -106,10 +107,13 @@ class BlockManager:
                 else:
                     self._free.append(b)
 
-    def register(self, tokens: Sequence[int], blocks: Sequence[int]) -> None:
+    def register(self, tokens: Sequence[int], blocks: Sequence[int],
+                 keys: Sequence[bytes] | None = None) -> None:
         """Keys the full blocks of ``tokens`` (held in ``blocks``, in order) as cached; a key
-        already cached elsewhere keeps its block."""
-        for k, b in zip(self.keys(tokens), blocks):
+        already cached elsewhere keeps its block. ``keys``: as `lookup` (at most the full blocks
+        of ``tokens`` are used)."""
+        keys = self.keys(tokens) if keys is None else keys[:len(tokens) // self.block_size]
+        for k, b in zip(keys, blocks):
             if k in self._block_of or b in self._key_of:
                 continue
             self._block_of[k] = b

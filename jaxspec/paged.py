@@ -9,6 +9,13 @@ lives in block ``block_table[b, s // BS]`` at offset ``s % BS``; entries past a 
 new K/V through the table (`write_pages`) and attends through it (`gather_view` for the plain-jnp
 path: the row's blocks gathered in order into a dense view; kernels read the pool directly).
 The model sees only an `AttentionPlan` whose ``block_table`` is set.
+
+Shared context (Hydragen over the pool): when several rows' tables start with the same blocks (a
+document or system prompt that the prefix cache gave them all), `SharedContext` holds a dense copy
+of those blocks' K/V and which rows start with them. Attention then reads the shared part once for
+all those rows (`pallas_kernels.prefix_attention`) and each row's own blocks after it through its
+table, merged by log-sum-exp (`jaxspec.attention`), instead of every row reading the shared blocks
+again. The rows' tables and lengths are unchanged: the copy is an extra view of the same tokens.
 """
 
 from __future__ import annotations
@@ -22,10 +29,24 @@ from jaxspec.config import ModelConfig
 
 
 @struct.dataclass
+class SharedContext:
+    """The first ``length`` context slots common to the rows ``rows`` (their tables' first
+    ``length / BS`` blocks are the same blocks), copied dense: ``k``/``v``
+    ``[L, 1, S, K, D]`` (slots past ``length`` hold anything)."""
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array  # [1] int32, a multiple of the block size
+    rows: jax.Array  # [B] bool
+
+
+@struct.dataclass
 class PagedKVCache(KVCache):
-    """Block pool ``k``/``v`` ``[L, NB, K, BS, D]``, ``lengths[B]``, ``block_table[B, MB]``."""
+    """Block pool ``k``/``v`` ``[L, NB, K, BS, D]``, ``lengths[B]``, ``block_table[B, MB]``;
+    ``shared``: a `SharedContext` of some rows, or None."""
 
     block_table: jax.Array = None
+    shared: SharedContext | None = None
 
     @property
     def batch(self) -> int:
@@ -107,3 +128,29 @@ def compact_pages(pages, block_table, accepted_nodes, base, *, dst_offset: int =
     vals = pages[:, jnp.clip(s_blk, 0, NB - 1), :, s_off]  # [B, P, L, K, D]
     vals = jax.lax.optimization_barrier(vals)
     return set_bits(pages, (slice(None), d_blk, slice(None), d_off), vals)
+
+
+def shift_tables(block_table, blocks, num_blocks: int):
+    """Each row's table without its first ``blocks[b]`` entries (later entries move to the front,
+    the freed end holds ``num_blocks``, no block): the row's slots from ``blocks[b] * BS`` on."""
+    MB = block_table.shape[1]
+    j = jnp.arange(MB, dtype=jnp.int32)[None] + blocks[:, None]
+    return jnp.where(j < MB, jnp.take_along_axis(block_table, jnp.minimum(j, MB - 1), axis=1),
+                     num_blocks)
+
+
+@jax.jit
+def shared_context(k_pages, v_pages, table_row, length, rows) -> SharedContext:
+    """A `SharedContext` of the blocks ``table_row[MB]`` (in order; ``length`` of their slots are
+    the shared context) of both pools, for the rows ``rows[B]``: a copy of every table entry's
+    block (entries past the shared ones copy whatever they name; unmapped ones, block 0)."""
+    L, NB, K, BS, D = k_pages.shape
+    idx = jnp.clip(table_row, 0, NB - 1)
+
+    def dense(pages):  # [L, MB, K, BS, D] -> [L, 1, MB * BS, K, D]
+        g = pages[:, idx]
+        return jnp.transpose(g, (0, 1, 3, 2, 4)).reshape(L, 1, idx.shape[0] * BS, K, D)
+
+    return SharedContext(k=dense(k_pages), v=dense(v_pages),
+                         length=jnp.reshape(length, (1,)).astype(jnp.int32),
+                         rows=jnp.asarray(rows, bool))

@@ -130,18 +130,35 @@ def prefill_paged_row(config: ModelConfig, params, cache, row: int, tokens: list
     logical slot ``start`` on (the slots before it already hold the row's first ``start``
     tokens, e.g. blocks shared from the prefix cache), through the row's block table, in chunks
     of ``chunk`` tokens (the last one padded to a power of two of at least 16: its padding writes
-    past the tokens, into the row's own blocks or nowhere). Other rows are untouched; ``cache.lengths[row]`` becomes
-    ``start + len(tokens)``."""
+    past the tokens, into the row's own blocks or nowhere). Other rows are untouched;
+    ``cache.lengths[row]`` becomes ``start + len(tokens)``. One compiled call per chunk and
+    nothing eager: a server calls this between decode chunks, on the thread that feeds them."""
     n = len(tokens)
     if n == 0:
-        return cache.replace(lengths=cache.lengths.at[row].set(start))
-    table = cache.block_table[row:row + 1]
-    view = cache.replace(lengths=jnp.zeros((1,), jnp.int32), block_table=table)
+        return _set_length(cache, np.int32(row), np.int32(start))
     C = int(chunk)
     buf = np.zeros((1, round_up(n, C)), np.int32)
     buf[0, :n] = tokens
     for off in range(0, n, C):
         size = bucket(min(C, n - off), C)[0]  # a short rest: a power-of-two chunk, not C
-        view = _prefill_chunk(params, view, None, jnp.asarray(buf[:, off:off + size]),
-                              jnp.int32(start + off), config=config, impl=impl)
-    return cache.replace(k=view.k, v=view.v, lengths=cache.lengths.at[row].set(start + n))
+        cache = _prefill_paged_chunk(params, cache, np.int32(row), buf[:, off:off + size],
+                                     np.int32(start + off), np.int32(start + min(n, off + C)),
+                                     config=config, impl=impl)
+    return cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
+def _prefill_paged_chunk(params, cache, row, tokens_1C, start, end, *, config: ModelConfig,
+                         impl: str):
+    """One chunk of `prefill_paged_row` (``cache`` donated): row ``row``'s table as a one-row
+    view, ``tokens`` from slot ``start`` on; the row's length becomes ``end``."""
+    table = jax.lax.dynamic_slice_in_dim(cache.block_table, row, 1, axis=0)
+    # (a shared context is not the prefill's: it passes through untouched)
+    view = cache.replace(lengths=jnp.zeros((1,), jnp.int32), block_table=table, shared=None)
+    view = _prefill_chunk(params, view, None, tokens_1C, start, config=config, impl=impl)
+    return cache.replace(k=view.k, v=view.v, lengths=cache.lengths.at[row].set(end))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _set_length(cache, row, value):
+    return cache.replace(lengths=cache.lengths.at[row].set(value))

@@ -46,9 +46,9 @@ import uuid
 from importlib import resources
 from typing import Any
 
-from jaxspec.args import merge_model_path, parse_gamma, parse_tree, window_arg
-from jaxspec.serving import (EngineStopped, PromptTooLong, QueueFull, SamplingOptions, Sequence,
-                             ServingEngine)
+from jaxspec.args import merge_model_path, parse_gamma, parse_tree, share_tokens_arg, window_arg
+from jaxspec.serving import (SHARE_MIN_TOKENS, EngineStopped, PromptTooLong, QueueFull,
+                             SamplingOptions, Sequence, ServingEngine)
 from jaxspec.speculation import Speculation
 
 log = logging.getLogger("jaxspec.server")
@@ -367,6 +367,16 @@ def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
                "cache.", [({}, m.get("prefix_query_tokens", 0))])
         metric("preemptions_total", "counter", "Running sequences preempted for blocks (their "
                "caches recomputed later).", [({}, m.get("preemptions", 0))])
+        metric("shared_context_rows", "gauge", "Running sequences whose shared leading blocks "
+               "are attended to once for all of them.", [({}, m.get("shared_context_rows", 0))])
+        metric("shared_context_tokens", "gauge", "Tokens of that shared context.",
+               [({}, m.get("shared_context_tokens", 0))])
+        metric("shared_context_copies_total", "counter", "Shared contexts copied out of the "
+               "pool (each time the shared blocks change).",
+               [({}, m.get("shared_context_copies", 0))])
+        metric("shared_context_row_chunks_total", "counter", "Sequences that read the shared "
+               "context, summed over decode chunks.",
+               [({}, m.get("shared_context_row_chunks", 0))])
     if shutdown is not None:
         metric("draining", "gauge", "1 while the server shuts down (refusing new requests).",
                [({}, float(shutdown.draining))])
@@ -1133,6 +1143,11 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="paged: prompt tokens prefilled between two decode chunks "
                         "(default: 4 x --prefill-chunk)")
+    p.add_argument("--share-min-tokens", type=share_tokens_arg, default=SHARE_MIN_TOKENS,
+                   help="paged: running requests that begin with the same cached blocks (one "
+                        "document, a long system prompt) attend to them once, together, when "
+                        "that saves at least this many key reads per step ((requests - 1) x "
+                        "shared tokens; default: %(default)s); 'none': never")
     p.add_argument("--shared-rng", action="store_true",
                    help="one PRNG key for the whole batch (no per-request seeds; no vmap)")
     p.add_argument("--host", default="127.0.0.1",
@@ -1217,7 +1232,8 @@ def build_engine(a) -> tuple[ServingEngine, str]:
                            warmup_prefill=a.warmup_prefill,
                            page_size=getattr(a, "page_size", None),
                            kv_blocks=getattr(a, "kv_blocks", None),
-                           prefill_budget=getattr(a, "prefill_budget", None))
+                           prefill_budget=getattr(a, "prefill_budget", None),
+                           share_min_tokens=getattr(a, "share_min_tokens", SHARE_MIN_TOKENS))
     name = a.served_model_name or pathlib.Path(path).name
     return engine, name
 

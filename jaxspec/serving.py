@@ -54,12 +54,17 @@ from jaxspec.blocks import BlockManager
 from jaxspec.decoding import set_block_tables, set_rows, stop_rows
 from jaxspec.model import Model
 from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
-from jaxspec.mesh import put_batch
+from jaxspec.mesh import put_batch, use_mesh
+from jaxspec.paged import shared_context
 from jaxspec.session import Decoder, stop_token_ids
 
 log = logging.getLogger("jaxspec.serving")
 
 CHUNK_SECONDS = 0.08  # a decode chunk (the streaming granularity) takes about this long
+# paged: a shared context is attended to once when it saves at least this many key reads per step
+# ((sharing rows - 1) x shared tokens): below it, the extra kernel and merge per layer cost about
+# what they save
+SHARE_MIN_TOKENS = 32768
 
 
 class QueueFull(RuntimeError):
@@ -129,6 +134,7 @@ class Sequence:
         self.blocks: list[int] = []  # its blocks of a paged pool (in table order)
         self.cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.fill: list[int] = []  # the tokens its row's cache must hold before decoding
+        self.fill_keys: list[bytes] = []  # the prefix keys of its full blocks (`BlockManager.keys`)
         self.filled = 0  # of which are in the cache
         self.preemptions = 0
         self.counted = False  # its prompt is in the metrics (paged admission may be retried)
@@ -183,6 +189,11 @@ class ServingEngine:
         later, from its prompt and the tokens it has generated: nothing is lost). None: one dense
         cache row of ``max_len`` slots per slot.
     kv_blocks: blocks in the pool (default: what a dense cache of the same slots would hold).
+    share_min_tokens: paged: when running sequences begin with the same cached blocks (one
+        document asked many questions, a long system prompt), a dense copy of those blocks is
+        attended to once for all of them (shared-prefix attention, `jaxspec.paged.SharedContext`)
+        instead of by each one, if that saves at least this many key reads per step ((sharing
+        rows - 1) x shared tokens); None: never.
     ignore_eos: sequences do not stop at the model's EOS (benchmarks of fixed length).
     """
 
@@ -192,7 +203,8 @@ class ServingEngine:
                  stop_tokens=None, warmup_prefill: int = 0,
                  chunk_seconds: float = CHUNK_SECONDS, per_row: bool = True,
                  page_size: int | None = None, kv_blocks: int | None = None,
-                 prefill_budget: int | None = None, ignore_eos: bool = False):
+                 prefill_budget: int | None = None,
+                 share_min_tokens: int | None = SHARE_MIN_TOKENS, ignore_eos: bool = False):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         compile_cache.enable()  # as generate: compiled chunks outlive the process
@@ -257,6 +269,15 @@ class ServingEngine:
                                  f"{self.page_size})")
             self.n_blocks = n_blocks
             self.prefill_budget = int(prefill_budget or 4 * self.prefill_chunk)
+        if share_min_tokens is not None and int(share_min_tokens) < 0:
+            raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
+        self.share_min_tokens = None if share_min_tokens is None or not self.paged \
+            else int(share_min_tokens)
+        self._shared = None  # (shared blocks, sharing rows) of the shared context
+        # the shared context itself (`jaxspec.paged.SharedContext`): kept out of the state, which
+        # prefills and row updates see; a decode chunk gets it attached and hands it back
+        self._shared_ctx = None
+        self._shared_dirty = True  # block tables or running rows changed since it was chosen
         self._pending = None  # the chunk running on the device thread (see `state`)
         self._device: concurrent.futures.ThreadPoolExecutor | None = None
         self.state = self._fresh_state()
@@ -287,7 +308,8 @@ class ServingEngine:
             "slot_rounds", "draft_proposed", "draft_accepted", "target_row_steps",
             "speculative_chunks", "plain_chunks", "rejected_queue_full", "finished_stop",
             "finished_length", "finished_cancelled", "finished_error", "preemptions",
-            "prefix_hit_tokens", "prefix_query_tokens")})
+            "prefix_hit_tokens", "prefix_query_tokens", "shared_context_rows",
+            "shared_context_tokens", "shared_context_copies", "shared_context_row_chunks")})
         self.started_at = time.time()
         self.warm = False  # set once the programs are compiled (`warmup`)
 
@@ -299,7 +321,7 @@ class ServingEngine:
         that failed raises here), so every device call on the state runs in order."""
         if self._pending is not None:
             fut, self._pending = self._pending, None
-            self._state = fut.result()[0]
+            self._state, _, _, _, self._shared_ctx = fut.result()
         return self._state
 
     @state.setter
@@ -310,6 +332,8 @@ class ServingEngine:
                 fut.result()
             except Exception:  # noqa: BLE001 - its failure was or will be reported by _process
                 pass
+            # its shared context goes with it (a state replaced unread is a new pool, or none)
+            self._shared_ctx, self._shared, self._shared_dirty = None, None, True
         self._state = value
 
     @property
@@ -461,11 +485,17 @@ class ServingEngine:
             self._choose_gamma()
         if variants is None:
             variants = ((True, False), (False, False), (False, True))
-        for greedy, filtering in variants:
-            rd = self._round(bool(greedy))
-            kinds = [rd, rd.plain()] if rd.speculative and self.speculation.adaptive else [rd]
-            for r in kinds:
-                self._run_chunk(r, bool(greedy), bool(filtering), rounds=0, compile_only=True)
+        # with a shared context the chunks are other programs: compiled here too, on an empty one
+        for shared in (False, True) if self.share_min_tokens is not None else (False,):
+            if shared:
+                self._set_shared(((), ()))
+            for greedy, filtering in variants:
+                rd = self._round(bool(greedy))
+                kinds = [rd, rd.plain()] if rd.speculative and self.speculation.adaptive else [rd]
+                for r in kinds:
+                    self._run_chunk(r, bool(greedy), bool(filtering), rounds=0, compile_only=True)
+            if shared:
+                self._set_shared(None)
         n = 16  # paged prefill shapes (power-of-two chunks up to prefill_chunk) in row 0, which
         while self.paged:  # maps no block yet (its writes go nowhere)
             self.state = self.decoder.prefill_paged_row(self.state, 0, [0] * n, 0)
@@ -512,9 +542,10 @@ class ServingEngine:
         if self.decoder.mesh is not None:
             sp = put_batch(sp, self.decoder.mesh, self.B)
         if compile_only:
-            self.state, _, _ = self.decoder.run_chunk(rd, sp, self.state, 0)
+            state, _, _ = self.decoder.run_chunk(rd, sp, self._with_shared(self.state), 0)
+            self.state = self._without_shared(state)
             return None
-        state = self.state  # waits for the chunk before (the chunks run in order)
+        state = self._with_shared(self.state)  # waits for the chunk before (in order)
         program, t_compile = self.decoder.chunk_program(rd, sp, state)  # compiled here
         if self._device is None:
             self._device = concurrent.futures.ThreadPoolExecutor(
@@ -539,7 +570,25 @@ class ServingEngine:
         t = time.perf_counter()
         state, outs = self.decoder.call_chunk(program, sp, state, max_rounds)
         jax.block_until_ready(outs)
-        return state, outs, t_compile, time.perf_counter() - t
+        shared = getattr(state.cache, "shared", None)
+        if shared is not None:
+            state = state.replace(cache=state.cache.replace(shared=None))
+        return state, outs, t_compile, time.perf_counter() - t, shared
+
+    def _with_shared(self, state):
+        """``state`` with the shared context attached (it goes to the chunk: donated)."""
+        if self._shared_ctx is None:
+            return state
+        sh, self._shared_ctx = self._shared_ctx, None
+        return state.replace(cache=state.cache.replace(shared=sh))
+
+    def _without_shared(self, state):
+        """``state`` without its shared context, which goes back to the engine."""
+        sh = getattr(state.cache, "shared", None)
+        if sh is None:
+            return state
+        self._shared_ctx = sh
+        return state.replace(cache=state.cache.replace(shared=None))
 
     def _choose_chunk(self, greedy: bool):
         """The next chunk's round kind and its number of rounds (from what the host knows: the
@@ -614,6 +663,7 @@ class ServingEngine:
     def _fresh_state(self):
         """The slots' device state with nothing in it (and, paged, an empty block pool whose
         prefix cache starts over: the pool's contents are gone)."""
+        self._shared, self._shared_dirty, self._shared_ctx = None, True, None
         if not self.paged:
             return self.decoder.empty_state(self.B, self.S, self.out_len)
         self.blocks = BlockManager(self.n_blocks, self.page_size)
@@ -660,12 +710,12 @@ class ServingEngine:
             self.m["prefill_tokens"] += len(ids) - 1
         if rows:
             pad = self.B - len(rows)  # one shape for any number of admissions
-            self.state = set_rows(self.state, jnp.asarray(rows + [self.B] * pad, jnp.int32),
-                                  jnp.asarray(last + [0] * pad, jnp.int32),
-                                  jnp.asarray(budget + [0] * pad, jnp.int32),
-                                  jnp.asarray(np.concatenate(
+            self.state = set_rows(self.state, np.asarray(rows + [self.B] * pad, jnp.int32),
+                                  np.asarray(last + [0] * pad, jnp.int32),
+                                  np.asarray(budget + [0] * pad, jnp.int32),
+                                  np.asarray(np.concatenate(
                                       [np.stack(keys), np.zeros((pad, 2), np.uint32)])),
-                                  jnp.asarray([int(self.lengths[b]) for b in rows] + [0] * pad,
+                                  np.asarray([int(self.lengths[b]) for b in rows] + [0] * pad,
                                               jnp.int32))
             for b in rows:
                 if self.slots[b].budget <= 0:
@@ -715,7 +765,8 @@ class ServingEngine:
         first = s.preemptions == 0 and not s.counted
         # the cache holds all but the last token (it is fed to the next step)
         s.fill = (s.prompt_ids + s.tokens)[:-1]
-        hit = bm.lookup(s.fill)
+        s.fill_keys = bm.keys(s.fill)  # hashed once: looked up and registered again later
+        hit = bm.lookup(s.fill, s.fill_keys)
         need = -(-(len(s.fill) + 1) // self.page_size)
         bm.acquire(hit)
         n_new = max(need - len(hit), 0)
@@ -746,7 +797,7 @@ class ServingEngine:
         """Blocks of ``s``'s prefix cached since its admission (by a sequence prefilled before
         it) replace its own unfilled ones: it prefills only what is still missing."""
         bm = self.blocks
-        hit = bm.lookup(s.fill)
+        hit = bm.lookup(s.fill, s.fill_keys)
         first = s.filled // self.page_size  # blocks before it are complete and its own
         if len(hit) * self.page_size <= s.filled:
             return
@@ -772,14 +823,76 @@ class ServingEngine:
 
     def _tables(self, rows: dict):
         """Writes the block tables of ``rows`` ({row: blocks}) to the device state."""
+        self._shared_dirty = True
         NB, MB = self.blocks.num_blocks, self.max_blocks
         idx = sorted(rows)
         tab = np.full((self.B, MB), NB, np.int32)
         for i, r in enumerate(idx):
             tab[i, :len(rows[r])] = rows[r]
         pad = self.B - len(idx)
-        self.state = set_block_tables(self.state, jnp.asarray(idx + [self.B] * pad, jnp.int32),
-                                      jnp.asarray(tab))
+        self.state = set_block_tables(self.state, np.asarray(idx + [self.B] * pad, jnp.int32),
+                                      np.asarray(tab))
+
+    def _share(self, active):
+        """Chooses the shared context of the next chunk (paged, ``share_min_tokens`` set): among
+        the running rows whose tables begin with the same block, the leading blocks common to
+        the set of them that saves the most key reads per step ((rows - 1) x shared slots), if
+        that reaches ``share_min_tokens``; and puts it (or none) in the device state. Shared
+        blocks are full cached prompt blocks: no row writes into them."""
+        if self.share_min_tokens is None or not self._shared_dirty:
+            return
+        self._shared_dirty = False
+        BS = self.page_size
+        rows = [b for b in active if b in self._started and self.slots[b].blocks]
+        best = None
+        heads = collections.Counter(self.slots[b].blocks[0] for b in rows)
+        if heads and heads.most_common(1)[0][1] >= 2:
+            head = heads.most_common(1)[0][0]
+            members = [b for b in rows if self.slots[b].blocks[0] == head]
+            # blocks wholly inside each row's context (the host's lengths lag the device's)
+            cap = [min(len(self.slots[b].blocks), int(self.lengths[b]) // BS) for b in members]
+            ref = np.asarray(self.slots[members[int(np.argmax(cap))]].blocks[:max(cap)])
+            common = []
+            for b, c in zip(members, cap):
+                eq = np.asarray(self.slots[b].blocks[:c]) == ref[:c]
+                common.append(int(np.argmin(eq)) if not eq.all() else c)
+            order = np.argsort(common)[::-1]
+            for i in range(2, len(order) + 1):  # the i rows sharing the most
+                n = common[order[i - 1]]
+                saved = (i - 1) * n * BS
+                if n > 0 and saved >= self.share_min_tokens and (
+                        best is None or saved > best[0]):
+                    best = (saved, tuple(int(x) for x in ref[:n]),
+                            tuple(sorted(members[j] for j in order[:i])))
+        self._set_shared(None if best is None else best[1:])
+
+    def _set_shared(self, group):
+        """Makes ``(blocks, rows)`` (or None) the shared context the next chunks get: a copy of
+        the blocks when they changed, only the row mask when the rows did."""
+        if group == self._shared:
+            return
+        cache = self.state.cache  # (waits for the running chunk, which hands the context back)
+        if group is None:
+            self._shared_ctx = None
+            self.m["shared_context_rows"] = self.m["shared_context_tokens"] = 0
+        else:
+            blocks, rows = group
+            mask = np.zeros(self.B, bool)
+            mask[list(rows)] = True
+            if self._shared is not None and self._shared[0] == blocks and \
+                    self._shared_ctx is not None:
+                self._shared_ctx = self._shared_ctx.replace(rows=jnp.asarray(mask))
+            else:
+                table = np.full(self.max_blocks, self.n_blocks, np.int32)
+                table[:len(blocks)] = blocks
+                self._shared_ctx = None  # (its memory goes before the copy is made)
+                with use_mesh(self.decoder.mesh):
+                    self._shared_ctx = shared_context(
+                        cache.k, cache.v, table, np.int32(len(blocks) * self.page_size), mask)
+                self.m["shared_context_copies"] += bool(blocks)
+            self.m["shared_context_rows"] = len(rows)
+            self.m["shared_context_tokens"] = len(blocks) * self.page_size
+        self._shared = group
 
     def _prefill_step(self):
         """At most ``prefill_budget`` prompt tokens prefilled, oldest admission first; a sequence
@@ -806,14 +919,14 @@ class ServingEngine:
             budget -= n
             # its full blocks are cached at once: sequences admitted with it that share the
             # prefix (a document many requests ask about) find them before their own prefill
-            self.blocks.register(s.fill[:s.filled], s.blocks)
+            self.blocks.register(s.fill[:s.filled], s.blocks, s.fill_keys)
         starts = [s for s in self.slots if s is not None and s.filled >= len(s.fill)
                   and self.done[s.slot] and not s.finished_flag and s.fill is not None
                   and s.slot not in self._started]
         rows, last, budgets, keys = [], [], [], []
         for s in starts:
             b = s.slot
-            self.blocks.register(s.fill, s.blocks)
+            self.blocks.register(s.fill, s.blocks, s.fill_keys)
             self.state = self.decoder.prefill_draft_row(self.state, b, s.fill)
             seed = s.options.seed if s.options.seed is not None else \
                 int.from_bytes(os.urandom(4), "little")
@@ -828,14 +941,15 @@ class ServingEngine:
             self.done[b] = budgets[-1] <= 0
             self.lengths[b] = len(s.fill)
             self._started.add(b)
+            self._shared_dirty = True
         if rows:
             pad = self.B - len(rows)
-            self.state = set_rows(self.state, jnp.asarray(rows + [self.B] * pad, jnp.int32),
-                                  jnp.asarray(last + [0] * pad, jnp.int32),
-                                  jnp.asarray(budgets + [0] * pad, jnp.int32),
-                                  jnp.asarray(np.concatenate(
+            self.state = set_rows(self.state, np.asarray(rows + [self.B] * pad, jnp.int32),
+                                  np.asarray(last + [0] * pad, jnp.int32),
+                                  np.asarray(budgets + [0] * pad, jnp.int32),
+                                  np.asarray(np.concatenate(
                                       [np.stack(keys), np.zeros((pad, 2), np.uint32)])),
-                                  jnp.asarray([int(self.lengths[b]) for b in rows] + [0] * pad,
+                                  np.asarray([int(self.lengths[b]) for b in rows] + [0] * pad,
                                               jnp.int32))
             for b in rows:
                 if self.slots[b].budget - len(self.slots[b].tokens) <= 0:
@@ -894,6 +1008,7 @@ class ServingEngine:
         self.blocks.release(s.blocks)
         s.blocks = []
         s.fill = []
+        s.fill_keys = []
         s.filled = 0
         s.preemptions += 1
         self.m["preemptions"] += 1
@@ -906,7 +1021,7 @@ class ServingEngine:
         device never waits for detokenization and streaming)."""
         if self._stop_rows:
             rows = sorted(self._stop_rows)
-            self.state = stop_rows(self.state, jnp.asarray(rows + [self.B] * (self.B - len(rows)),
+            self.state = stop_rows(self.state, np.asarray(rows + [self.B] * (self.B - len(rows)),
                                                            jnp.int32))
             self._stop_rows.clear()
         active = [b for b in range(self.B) if self.slots[b] is not None and not self.done[b]]
@@ -921,6 +1036,9 @@ class ServingEngine:
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
                     self._drain()
                     return
+                self._share(active)
+                if self._shared is not None:
+                    self.m["shared_context_row_chunks"] += len(self._shared[1])
             chunk = self._run_chunk(rd, greedy, filtering, rounds)
             # the rows this chunk decodes: a slot whose sequence is still being prefilled (paged)
             # is idle on the device, and its "done" must not end the sequence
@@ -935,7 +1053,7 @@ class ServingEngine:
 
     def _process(self, chunk, owners, rd, ctx, rounds=0):
         """The tokens of a finished chunk: to their sequences (if they still own their slots)."""
-        _, outs, _, dt = chunk.result()
+        _, outs, _, dt, _ = chunk.result()
         host = jax.device_get(outs)
         out, flags, n_out, done, lengths = (np.asarray(x) for x in (
             host.out, host.from_draft, host.n_out, host.done, host.lengths))

@@ -294,9 +294,11 @@ def test_shared_doc_cached_tokens_in_responses(shared_doc_run):
 
 
 def test_server_setups_and_kv_numbers():
-    dense, paged, p8 = bench_server.parse_servers("dense, paged, paged8-blocks300-budget64")
+    dense, paged, p8, ns = bench_server.parse_servers(
+        "dense, paged, paged8-blocks300-budget64, paged-noshare")
     assert dense == {"name": "dense", "page_size": None, "kv_blocks": None,
-                     "prefill_budget": None}
+                     "prefill_budget": None, "share": True}
+    assert paged["share"] and not ns["share"] and ns["page_size"] == bench_server.SETUP_PAGE_SIZE
     assert (paged["page_size"], paged["kv_blocks"], paged["prefill_budget"]) == \
         (bench_server.SETUP_PAGE_SIZE, None, None)
     assert (p8["name"], p8["page_size"], p8["kv_blocks"], p8["prefill_budget"]) == \

@@ -107,3 +107,49 @@ def test_write_and_view_through_the_table():
             blk = int(table[b, j])
             if blk < NB:
                 np.testing.assert_array_equal(view[b, :, j * BS:(j + 1) * BS], out[1, blk])
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_shared_context_attention_equals_reading_every_row(impl):
+    """Attention over a pool whose rows begin with the same blocks, with those blocks' copy read
+    once for the sharing rows (`SharedContext`) and each row's own blocks after them, equals the
+    attention that reads every row's blocks (float32): plain steps, a causal chain and a tree
+    mask per row, both layers; a non-sharing row, a row whose context is shorter than the shared
+    part (read alone) and an inactive row are in the batch."""
+    from jaxspec.attention import AttentionPlan, attend
+    from jaxspec.paged import shared_context
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    L, NB, K, BS, D, B, H, MB = 2, 48, 2, 4, 16, 6, 4, 9
+    kp = jnp.asarray(rng.normal(size=(L, NB, K, BS, D)), jnp.float32)
+    vp = jnp.asarray(rng.normal(size=(L, NB, K, BS, D)), jnp.float32)
+    order = [int(x) for x in rng.permutation(NB)]
+    shared = [order.pop() for _ in range(3)]
+    lengths = np.array([14, 21, 9, 26, 5, 17], np.int32)
+    members = np.array([True, True, False, True, True, True])  # row 4: 5 < 12 shared slots
+    tables = np.full((B, MB), NB, np.int32)
+    for b in range(B):
+        own = list(shared) if members[b] else []
+        while len(own) * BS < lengths[b] + 6:
+            own.append(order.pop())
+        tables[b, :len(own)] = own
+    tab = jnp.asarray(tables)
+    sh = shared_context(kp, vp, tab[0], jnp.int32(len(shared) * BS), jnp.asarray(members))
+    active = jnp.asarray([True, True, True, True, True, False])
+    tree = jnp.asarray(rng.random((B, 3, 3)) < 0.5) | jnp.eye(3, dtype=bool)[None]
+    run = jax.jit(lambda q, layer, plan: attend(q, kp, vp, layer, plan))
+    # the kernels in interpret mode are slow on the CPU: one case of theirs (a tree, layer 1)
+    cases = ((1, None), (3, None), (3, tree)) if impl == "xla" else ((3, tree),)
+    for T, mask in cases:
+        q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+        plan = AttentionPlan(lengths=jnp.asarray(lengths), mask=mask, block_table=tab, impl=impl,
+                             active=active)
+        for layer in range(L) if impl == "xla" else (1,):
+            want = run(q, layer, plan)
+            got = run(q, layer, plan.replace(shared=sh))
+            np.testing.assert_allclose(np.asarray(got)[:5], np.asarray(want)[:5], rtol=2e-5,
+                                       atol=2e-5, err_msg=f"T={T} mask={mask is not None}")
+            assert np.isfinite(np.asarray(got)).all()
+        # a sparse (StreamingLLM) view reads its few keys per row: the shared copy is not used
+        sparse = plan.replace(sink=2, window=4, impl="xla")
+        np.testing.assert_array_equal(np.asarray(run(q, 0, sparse.replace(shared=sh))),
+                                      np.asarray(run(q, 0, sparse)))

@@ -140,3 +140,38 @@ def test_block_manager_against_a_model():
     assert bm.free == nb
     with pytest.raises(RuntimeError):
         bm.release([0])
+
+
+@pytest.mark.parametrize("spec", [None, "self"])
+def test_shared_context_rows_equal_generate(model, spec):
+    """Requests about one document, running together on the paged engine with the shared
+    context on (`share_min_tokens=0`): their common cached blocks are attended to once for all
+    of them, and every greedy completion still equals `jaxspec.generate` (float32); a request
+    about something else runs beside them. The shared context was built once (its blocks stay
+    the same while its rows finish one by one) and the chunks ran with it."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    doc = rng.integers(5, 60, size=35).tolist()  # four full blocks of 8 and a bit
+    prompts = [doc + rng.integers(5, 60, size=int(n)).tolist() for n in (2, 5, 9)]
+    prompts.append(rng.integers(5, 60, size=13).tolist())
+    news = [12, 20, 28, 16]  # they finish at different times
+    ref = [r[:n] for r, n in zip(jaxspec.generate(model, prompts, max_new_tokens=max(news)).tokens,
+                                 news)]  # (no EOS: each a prefix of the longer greedy text)
+    speculation = None if spec is None else jaxspec.Speculation(
+        draft="self", gamma=3, sink=2, window=6, adaptive=False)
+    e = ServingEngine(model, max_batch=4, max_len=96, rounds_per_chunk=2, prefill_chunk=16,
+                      page_size=8, speculation=speculation, prefill_budget=64,
+                      share_min_tokens=0).start(variants=[(True, False)])
+    try:
+        e.pause_admission()
+        seqs = [Sequence(p, SamplingOptions(max_tokens=n, temperature=0))
+                for p, n in zip(prompts, news)]
+        e.submit(seqs)
+        e.resume_admission()
+        _wait(seqs)
+        for s, r in zip(seqs, ref):
+            assert s.tokens == r, s.prompt_ids[:5]
+        m = e.metrics()
+        assert m["shared_context_copies"] == 1 and m["shared_context_row_chunks"] >= 4, m
+        assert m["shared_context_rows"] == 0 and m["kv_blocks_used"] == 0, m
+    finally:
+        e.stop()

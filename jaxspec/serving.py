@@ -193,7 +193,7 @@ class ServingEngine:
         document asked many questions, a long system prompt), a dense copy of those blocks is
         attended to once for all of them (shared-prefix attention, `jaxspec.paged.SharedContext`)
         instead of by each one, if that saves at least this many key reads per step ((sharing
-        rows - 1) x shared tokens); None: never.
+        rows - 1) x shared tokens); None: never (nor on a mesh).
     ignore_eos: sequences do not stop at the model's EOS (benchmarks of fixed length).
     """
 
@@ -271,8 +271,9 @@ class ServingEngine:
             self.prefill_budget = int(prefill_budget or 4 * self.prefill_chunk)
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
+        # (not on a mesh: the shared-prefix kernel reads a copy that is not laid out per shard)
         self.share_min_tokens = None if share_min_tokens is None or not self.paged \
-            else int(share_min_tokens)
+            or dec.mesh is not None else int(share_min_tokens)
         self._shared = None  # (shared blocks, sharing rows) of the shared context
         # the shared context itself (`jaxspec.paged.SharedContext`): kept out of the state, which
         # prefills and row updates see; a decode chunk gets it attached and hands it back

@@ -97,7 +97,11 @@ class BlockManager:
         return out
 
     def release(self, blocks: Sequence[int]) -> None:
-        for b in blocks:
+        """Drops one reference to each of ``blocks`` (a sequence's blocks, in table order). They
+        are released last to first, so a prefix's later blocks are evicted before its earlier
+        ones: evicting an earlier block first would leave the later ones cached but unreachable
+        (a lookup stops at the first missing block) and re-prefilled by the next request."""
+        for b in reversed(list(blocks)):
             self.ref[b] -= 1
             if self.ref[b] < 0:
                 raise RuntimeError(f"block {b} released more often than acquired")

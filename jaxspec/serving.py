@@ -651,6 +651,7 @@ class ServingEngine:
                 self._step()
             else:
                 self._drain()
+                self._share([])  # nothing runs: no shared context is held
         except Exception as e:  # noqa: BLE001 - fail the active requests, keep serving
             log.exception("decode chunk failed")
             self._inflight.clear()
@@ -840,7 +841,7 @@ class ServingEngine:
         the set of them that saves the most key reads per step ((rows - 1) x shared slots), if
         that reaches ``share_min_tokens``; and puts it (or none) in the device state. Shared
         blocks are full cached prompt blocks: no row writes into them."""
-        if self.share_min_tokens is None or not self._shared_dirty:
+        if self.share_min_tokens is None or not self._shared_dirty or not self.paged:
             return
         self._shared_dirty = False
         BS = self.page_size
@@ -1047,6 +1048,9 @@ class ServingEngine:
             self._inflight.append((chunk, owners, rd, ctx, rounds))
         while self._inflight and (len(self._inflight) > 1 or not active):
             self._process(*self._inflight.popleft())
+        if not active or self._shared is not None:  # rows may have finished: let go of it
+            self._share([b for b in range(self.B) if self.slots[b] is not None
+                         and not self.done[b]])
 
     def _drain(self):
         while self._inflight:
@@ -1192,6 +1196,7 @@ class ServingEngine:
             self.done[b] = True
             self._started.discard(b)
         s.slot = None
+        self._shared_dirty = True
         if self.paged and s.blocks:
             self.blocks.release(s.blocks)
             s.blocks = []

@@ -123,11 +123,6 @@ def window_arg(s: str):
     return int_or_none_arg(s)
 
 
-def share_tokens_arg(s: str):
-    """``--share-min-tokens``: an int >= 0, or 'none' (never share)."""
-    return int_or_none_arg(s)
-
-
 def int_or_none_arg(s: str):
     """An int >= 0, or 'none' (None)."""
     if s.lower() == "none":

@@ -46,7 +46,7 @@ import uuid
 from importlib import resources
 from typing import Any
 
-from jaxspec.args import merge_model_path, parse_gamma, parse_tree, share_tokens_arg, window_arg
+from jaxspec.args import int_or_none_arg, merge_model_path, parse_gamma, parse_tree, window_arg
 from jaxspec.serving import (SHARE_MIN_TOKENS, EngineStopped, PromptTooLong, QueueFull,
                              SamplingOptions, Sequence, ServingEngine)
 from jaxspec.speculation import Speculation
@@ -1143,7 +1143,7 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="paged: prompt tokens prefilled between two decode chunks "
                         "(default: 4 x --prefill-chunk)")
-    p.add_argument("--share-min-tokens", type=share_tokens_arg, default=SHARE_MIN_TOKENS,
+    p.add_argument("--share-min-tokens", type=int_or_none_arg, default=SHARE_MIN_TOKENS,
                    help="paged: running requests that begin with the same cached blocks (one "
                         "document, a long system prompt) attend to them once, together, when "
                         "that saves at least this many key reads per step ((requests - 1) x "

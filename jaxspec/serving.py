@@ -274,7 +274,8 @@ class ServingEngine:
         # (not on a mesh: the shared-prefix kernel reads a copy that is not laid out per shard)
         self.share_min_tokens = None if share_min_tokens is None or not self.paged \
             or dec.mesh is not None else int(share_min_tokens)
-        self._shared = None  # (shared blocks, sharing rows) of the shared context
+        self._shared = None  # (shared blocks, sharing rows) of `_shared_ctx`
+        self._shared_want = None  # the same, as `_share` last chose it for the next chunks
         # the shared context itself (`jaxspec.paged.SharedContext`): kept out of the state, which
         # prefills and row updates see; a decode chunk gets it attached and hands it back
         self._shared_ctx = None
@@ -334,7 +335,8 @@ class ServingEngine:
             except Exception:  # noqa: BLE001 - its failure was or will be reported by _process
                 pass
             # its shared context goes with it (a state replaced unread is a new pool, or none)
-            self._shared_ctx, self._shared, self._shared_dirty = None, None, True
+            self._shared_ctx = self._shared = self._shared_want = None
+            self._shared_dirty = True
         self._state = value
 
     @property
@@ -488,15 +490,14 @@ class ServingEngine:
             variants = ((True, False), (False, False), (False, True))
         # with a shared context the chunks are other programs: compiled here too, on an empty one
         for shared in (False, True) if self.share_min_tokens is not None else (False,):
-            if shared:
-                self._set_shared(((), ()))
+            self._shared_want = ((), ()) if shared else None
             for greedy, filtering in variants:
                 rd = self._round(bool(greedy))
                 kinds = [rd, rd.plain()] if rd.speculative and self.speculation.adaptive else [rd]
                 for r in kinds:
                     self._run_chunk(r, bool(greedy), bool(filtering), rounds=0, compile_only=True)
-            if shared:
-                self._set_shared(None)
+        self._shared_want = None
+        self._apply_shared()
         n = 16  # paged prefill shapes (power-of-two chunks up to prefill_chunk) in row 0, which
         while self.paged:  # maps no block yet (its writes go nowhere)
             self.state = self.decoder.prefill_paged_row(self.state, 0, [0] * n, 0)
@@ -577,7 +578,9 @@ class ServingEngine:
         return state, outs, t_compile, time.perf_counter() - t, shared
 
     def _with_shared(self, state):
-        """``state`` with the shared context attached (it goes to the chunk: donated)."""
+        """``state`` (resolved: no chunk running) with the shared context `_share` chose attached
+        (it goes to the chunk: donated)."""
+        self._apply_shared()
         if self._shared_ctx is None:
             return state
         sh, self._shared_ctx = self._shared_ctx, None
@@ -652,6 +655,7 @@ class ServingEngine:
             else:
                 self._drain()
                 self._share([])  # nothing runs: no shared context is held
+                self._apply_shared()
         except Exception as e:  # noqa: BLE001 - fail the active requests, keep serving
             log.exception("decode chunk failed")
             self._inflight.clear()
@@ -665,7 +669,8 @@ class ServingEngine:
     def _fresh_state(self):
         """The slots' device state with nothing in it (and, paged, an empty block pool whose
         prefix cache starts over: the pool's contents are gone)."""
-        self._shared, self._shared_dirty, self._shared_ctx = None, True, None
+        self._shared = self._shared_want = self._shared_ctx = None
+        self._shared_dirty = True
         if not self.paged:
             return self.decoder.empty_state(self.B, self.S, self.out_len)
         self.blocks = BlockManager(self.n_blocks, self.page_size)
@@ -839,8 +844,8 @@ class ServingEngine:
         """Chooses the shared context of the next chunk (paged, ``share_min_tokens`` set): among
         the running rows whose tables begin with the same block, the leading blocks common to
         the set of them that saves the most key reads per step ((rows - 1) x shared slots), if
-        that reaches ``share_min_tokens``; and puts it (or none) in the device state. Shared
-        blocks are full cached prompt blocks: no row writes into them."""
+        that reaches ``share_min_tokens``. Host work only: the next chunk gets it
+        (`_apply_shared`). Shared blocks are full cached prompt blocks: no row writes into them."""
         if self.share_min_tokens is None or not self._shared_dirty or not self.paged:
             return
         self._shared_dirty = False
@@ -866,14 +871,16 @@ class ServingEngine:
                         best is None or saved > best[0]):
                     best = (saved, tuple(int(x) for x in ref[:n]),
                             tuple(sorted(members[j] for j in order[:i])))
-        self._set_shared(None if best is None else best[1:])
+        self._shared_want = None if best is None else best[1:]
 
-    def _set_shared(self, group):
-        """Makes ``(blocks, rows)`` (or None) the shared context the next chunks get: a copy of
-        the blocks when they changed, only the row mask when the rows did."""
+    def _apply_shared(self):
+        """Makes the shared context the one `_share` chose: a copy of the blocks when they
+        changed, only the row mask when the rows did, none when none was chosen. Called where no
+        chunk runs (the running chunk holds the context until the state is read back)."""
+        group = self._shared_want
         if group == self._shared:
             return
-        cache = self.state.cache  # (waits for the running chunk, which hands the context back)
+        cache = self.state.cache  # (a chunk still held hands the context back first)
         if group is None:
             self._shared_ctx = None
             self.m["shared_context_rows"] = self.m["shared_context_tokens"] = 0
@@ -1039,8 +1046,8 @@ class ServingEngine:
                     self._drain()
                     return
                 self._share(active)
-                if self._shared is not None:
-                    self.m["shared_context_row_chunks"] += len(self._shared[1])
+                if self._shared_want is not None:
+                    self.m["shared_context_row_chunks"] += len(self._shared_want[1])
             chunk = self._run_chunk(rd, greedy, filtering, rounds)
             # the rows this chunk decodes: a slot whose sequence is still being prefilled (paged)
             # is idle on the device, and its "done" must not end the sequence
@@ -1048,9 +1055,9 @@ class ServingEngine:
             self._inflight.append((chunk, owners, rd, ctx, rounds))
         while self._inflight and (len(self._inflight) > 1 or not active):
             self._process(*self._inflight.popleft())
-        if not active or self._shared is not None:  # rows may have finished: let go of it
-            self._share([b for b in range(self.B) if self.slots[b] is not None
-                         and not self.done[b]])
+        if not active:  # nothing runs now: let go of a context whose rows are gone
+            self._share([])
+            self._apply_shared()
 
     def _drain(self):
         while self._inflight:

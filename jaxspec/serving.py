@@ -656,6 +656,7 @@ class ServingEngine:
                 self._drain()
                 self._share([])  # nothing runs: no shared context is held
                 self._apply_shared()
+                self.state  # noqa: B018 - the last chunk's state taken: its outputs let go
         except Exception as e:  # noqa: BLE001 - fail the active requests, keep serving
             log.exception("decode chunk failed")
             self._inflight.clear()

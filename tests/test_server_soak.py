@@ -770,3 +770,29 @@ def test_a_cancelled_sequence_is_released(model, engine):
     time.sleep(0.2)  # the engine loop is back waiting
     gc.collect()
     assert ref() is None, "the engine still refers to the finished sequence"
+
+
+def test_an_idle_engine_holds_its_state_and_nothing_else(model, engine):
+    """Once idle, the engine holds the same device arrays whether its last chunk finished or
+    failed (which starts a fresh state): the last chunk's outputs are not kept alive."""
+    def serve_one(fault: bool) -> dict:
+        def fail(_seqs):
+            raise FloatingPointError(STEP_FAULT)
+        engine.step_fault_hook = fail if fault else None
+        try:
+            with drop_injected_logs():
+                s = Sequence(engine.encode_prompt("the cat sat on the mat"),
+                             SamplingOptions(max_tokens=6, temperature=0.0))
+                engine.submit([s])
+                assert s.finished.wait(60)
+                assert (s.error is not None) == fault and (fault or s.finish_reason == "length"), \
+                    (s.finish_reason, s.error)
+                wait_idle(engine)
+        finally:
+            engine.step_fault_hook = None
+        del s
+        return footprint(park_engine_loop(engine))
+
+    served, failed, served_again = serve_one(False), serve_one(True), serve_one(False)
+    for k in ("live_arrays", "live_array_bytes"):
+        assert served[k] == failed[k] == served_again[k], (served, failed, served_again)

@@ -427,5 +427,6 @@ def load(path: str | os.PathLike, *, dtype=None, mesh=None) -> Model:
                               f"{type(e).__name__}: {str(e)[:300]}") from None
     if target_dtype != stored_dtype:
         params = jax.tree_util.tree_map(lambda x: x.astype(target_dtype), params)
-    tokenizer = _load_hf_tokenizer(path)
+    from jaxspec.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(path) or _load_hf_tokenizer(path)
     return Model(config=config, params=params, tokenizer=tokenizer, path=path, mesh=mesh)

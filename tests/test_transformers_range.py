@@ -59,6 +59,7 @@ CHILD = """
     import transformers
     from jaxspec import gguf_io
     from jaxspec.checkpoint import _load_hf_tokenizer, convert
+    from jaxspec.tokenizer import load_tokenizer
     texts = json.loads(open(sys.argv[1]).read())
     out = {"version": transformers.__version__, "ids": {}, "decoded": {}}
     for name in ("qwen2", "llama-bpe", "spm"):
@@ -69,6 +70,12 @@ CHILD = """
     tok = _load_hf_tokenizer(f"{sys.argv[2]}/ckpt-old")
     out["ckpt_old"] = [tok(t)["input_ids"] for t in texts]
     out["chat_old"] = tok.apply_chat_template([{"role": "user", "content": texts[0]}], tokenize=False)
+    fast = load_tokenizer(f"{sys.argv[2]}/ckpt-old")  # tokenizers + jinja2, no transformers
+    out["fast_old"] = [fast(t)["input_ids"] for t in texts]
+    out["fast_decoded_old"] = [fast.decode(i, skip_special_tokens=True) for i in out["fast_old"]]
+    out["decoded_old"] = [tok.decode(i, skip_special_tokens=True) for i in out["fast_old"]]
+    out["fast_chat_old"] = fast.apply_chat_template([{"role": "user", "content": texts[0]}],
+                                                    tokenize=False)
     tok = _load_hf_tokenizer(f"{sys.argv[2]}/ckpt-new")  # converted under the newest transformers
     out["ckpt_new"] = [tok(t)["input_ids"] for t in texts]
     tok = _load_hf_tokenizer(f"{sys.argv[2]}/raw-new")  # saved by the newest, class name as it writes it
@@ -82,6 +89,7 @@ def test_conversion_with_oldest_and_newest_transformers(tmp_path: Path, oldest_t
     import transformers
 
     from jaxspec.checkpoint import _load_hf_tokenizer, convert
+    from jaxspec.tokenizer import load_tokenizer
     from test_gguf_io import byte_level_vocab, tiny_model, write_tiny_gguf
 
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
@@ -113,5 +121,13 @@ def test_conversion_with_oldest_and_newest_transformers(tmp_path: Path, oldest_t
     assert newest is not None
     assert old["ckpt_old"] == old["ckpt_new"] == old["raw_new"] == [newest(t)["input_ids"] for t in sample]
     want_chat = jinja2.Template(vocab["chat_template"]).render(messages=[{"role": "user", "content": sample[0]}])
+    # jaxspec's own tokenizer over either checkpoint: what either transformers gives
+    for ckpt in ("ckpt-old", "ckpt-new"):
+        fast = load_tokenizer(tmp_path / ckpt)
+        assert fast is not None and [fast(t)["input_ids"] for t in sample] == old["ckpt_old"]
+        assert fast.apply_chat_template([{"role": "user", "content": sample[0]}],
+                                        tokenize=False) == want_chat
+    assert old["fast_old"] == old["ckpt_old"] and old["fast_decoded_old"] == old["decoded_old"]
+    assert old["fast_chat_old"] == want_chat
     assert old["chat_old"] == newest.apply_chat_template([{"role": "user", "content": sample[0]}],
                                                          tokenize=False) == want_chat

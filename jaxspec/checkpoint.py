@@ -412,7 +412,9 @@ def load(path: str | os.PathLike, *, dtype=None, mesh=None) -> Model:
     if not params_dir.exists():
         raise CheckpointError(f"{path} is incomplete: {PARAMS_DIR}/ is missing")
     target_dtype = jnp.dtype(dtype) if dtype is not None else stored_dtype
-    abstract = param_shapes(config, stored_dtype)
+    from jaxspec import compile_cache
+    abstract = compile_cache.cached("param_shapes", (config, str(stored_dtype)),
+                                    lambda: param_shapes(config, stored_dtype))
     shardings = None
     if mesh is not None:
         shardings = param_shardings(config, abstract, mesh)

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from jaxspec.compile_cache import cache_dir
+
 #: Where the model list lives (overridable with $JAXSPEC_MODELS, e.g. for a non-editable install).
 MODELS_FILE = Path(__file__).resolve().parent.parent / "checkpoints" / "models.json"
 #: The file a complete converted checkpoint always has (written last by `jaxspec.checkpoint.convert`).
@@ -143,11 +145,6 @@ def model_spec(name: str) -> ModelSpec:
     if name not in models:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(models) or '(none)'}")
     return models[name]
-
-
-def cache_dir() -> Path:
-    """Cache root: $JAXSPEC_CACHE, else ~/.cache/jaxspec."""
-    return Path(os.environ.get("JAXSPEC_CACHE") or Path.home() / ".cache" / "jaxspec")
 
 
 def sha256_file(path: str | os.PathLike[str], *, progress: bool = False) -> str:

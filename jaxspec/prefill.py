@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import compile_cache
 from jaxspec.attention import AttentionPlan
 from jaxspec.cache import SLOT_ALIGN, KVCache, round_up
 from jaxspec.config import ModelConfig
@@ -81,8 +82,9 @@ def prefill(config: ModelConfig, params, cache: KVCache, rows: list[list[int]], 
     cache, prefix = _split_prefix(cache)
     for j in range(n_chunks):
         start = j * C
-        cache = _prefill_chunk(params, cache, prefix, jnp.asarray(buf[:, start:start + C]),
-                               jnp.int32(start), config=config, impl=impl)
+        cache = compile_cache.call(_prefill_chunk, params, cache, prefix,
+                                   jnp.asarray(buf[:, start:start + C]), jnp.int32(start),
+                                   config=config, impl=impl)
         if progress is not None:
             progress(j + 1, n_chunks)
     return whole.replace(k=cache.k, v=cache.v, lengths=jnp.asarray(lens))

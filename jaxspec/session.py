@@ -21,6 +21,7 @@ The serving engine uses the same pieces on a batch of slots (`empty_state`, `pre
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import time
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import sampling
+from jaxspec import compile_cache, sampling
 from jaxspec.cache import SLOT_ALIGN, KVCache, compute_dtype, positions_of, round_up
 from jaxspec.config import sliding_window_of
 from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
@@ -218,11 +219,20 @@ def _avals(tree):
 
 # ----------------------------------------------------------------------------- the decoder
 def _as_dtype(params, dtype):
-    """``params`` with every floating-point leaf in ``dtype`` (the same tree when they are)."""
-    def cast(x):
-        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype \
-            else x
-    return jax.tree.map(cast, params)
+    """``params`` with every floating-point leaf in ``dtype`` (the same tree when they are), cast
+    by one compiled program (casting leaf by leaf compiled one program per shape: 0.55 s of a
+    CPU start-up for a 30-layer model)."""
+    dtype = jnp.dtype(dtype)
+    if all(not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype
+           for x in jax.tree.leaves(params)):
+        return params
+    return _cast_floats(params, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_floats(params, dtype):
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 class Decoder:
@@ -329,8 +339,9 @@ class Decoder:
         with use_mesh(self.mesh):
             if compiled is None:
                 t = time.perf_counter()
-                compiled = run_rounds.lower(*args, jnp.int32(max_rounds), rd=rd).compile(
-                    compiler_options=loop_compiler_options())
+                compiled = compile_cache.executable(
+                    run_rounds, (*args, jnp.int32(max_rounds)), {"rd": rd},
+                    loop_compiler_options())
                 t_compile = time.perf_counter() - t
                 self._compiled[key] = compiled
             out = compiled(*args, jnp.int32(max_rounds))

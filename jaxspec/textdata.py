@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxspec.compile_cache import cache_dir
+
 
 @dataclasses.dataclass(frozen=True)
 class TextSource:
@@ -116,11 +118,6 @@ def strip_gutenberg(text: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Downloading and reading the sdists.
 # ----------------------------------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """Cache root: $JAXSPEC_CACHE, else ~/.cache/jaxspec."""
-    return Path(os.environ.get("JAXSPEC_CACHE") or Path.home() / ".cache" / "jaxspec")
 
 
 def _sha256(path: Path) -> str:

@@ -126,3 +126,60 @@ def test_decode_loop_compiler_options_are_accepted_and_cpu_gets_none():
     assert f(x).tolist() == [0.0, 2.0, 4.0, 6.0]
     with pytest.raises(Exception, match="xla_gpu_no_such_option"):
         jax.jit(lambda a: a * 3).lower(x).compile(compiler_options={"xla_gpu_no_such_option": 1})
+
+
+# generate on a tiny checkpoint in a fresh process; counts how often the model is traced
+GENERATE = """
+    import json, sys
+    import jaxspec
+    from jaxspec import compile_cache, model as model_module
+    traced = []
+    forward = model_module.Transformer.__call__
+    def counting(self, *a, **kw):
+        traced.append(1)
+        return forward(self, *a, **kw)
+    model_module.Transformer.__call__ = counting
+    m = jaxspec.load(sys.argv[1])
+    traced.clear()  # (loading may trace the model for its parameter shapes)
+    res = jaxspec.generate(m, [[3, 5, 7, 9, 11], [2, 4]], max_new_tokens=6)
+    folder = compile_cache.exec_dir()
+    print(json.dumps({"tokens": res.tokens, "traced": len(traced),
+                      "files": sorted(p.name for p in folder.glob("*.bin")) if folder else None}))
+"""
+
+
+def run_generate(tmp: Path, ckpt: Path, **env: str) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT",
+                                                                      "JAXSPEC_COMPILE", "XLA_FLAGS"))}
+    clean.update(JAXSPEC_CACHE=str(tmp / "jaxspec-cache"), JAX_PLATFORMS="cpu",
+                 PYTHONPATH=os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")]), **env)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(GENERATE), str(ckpt)], env=clean,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_generate_process_runs_the_kept_executables(tmp_path: Path) -> None:
+    import jaxspec
+    from tiny import tiny_model
+    ckpt = jaxspec.save(tiny_model(seed=int.from_bytes(os.urandom(2), "little")), tmp_path / "ckpt")
+    off = run_generate(tmp_path / "off", ckpt, JAXSPEC_COMPILE_CACHE="0")
+    assert off["files"] is None and off["traced"] > 0
+    first = run_generate(tmp_path, ckpt)
+    assert first["tokens"] == off["tokens"] and first["traced"] > 0
+    assert len(first["files"]) >= 2  # the prefill chunk and the decode loop
+    second = run_generate(tmp_path, ckpt)
+    assert second["tokens"] == off["tokens"]
+    assert second["traced"] == 0, "the model was traced again"
+    assert second["files"] == first["files"]
+    # damaged and lost files: compiled again (also when jax's own cache holds the program), the
+    # same tokens, and kept again
+    folder = tmp_path / "jaxspec-cache" / "executables"
+    names = first["files"]
+    (folder / names[0]).write_bytes(b"not an executable")
+    (folder / names[1]).unlink()
+    third = run_generate(tmp_path, ckpt)
+    assert third["tokens"] == off["tokens"] and third["traced"] > 0
+    assert set(names) <= set(third["files"])
+    fourth = run_generate(tmp_path, ckpt)
+    assert fourth["tokens"] == off["tokens"] and fourth["traced"] == 0

@@ -20,7 +20,7 @@ from pallas_kernels import (decode_attention, decode_attention_reference, hopper
                             prefix_attention, prefix_attention_reference)
 from pallas_kernels.merge import merge_stacked
 
-pytestmark = pytest.mark.skipif(hopper.plgpu is None, reason="jax without Mosaic GPU")
+pytestmark = pytest.mark.skipif(not hopper.has_mosaic_gpu(), reason="jax without Mosaic GPU")
 
 
 def _reference(q, k, v, lengths, layout, scale):

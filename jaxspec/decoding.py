@@ -314,3 +314,69 @@ def set_block_tables(state: DecodeState, rows, tables) -> DecodeState:
     c = state.cache
     return state.replace(cache=c.replace(block_table=c.block_table.at[rows].set(tables,
                                                                                mode="drop")))
+
+
+# ----------------------------------------------------------------------------- row subsets
+def compactable(state: DecodeState) -> bool:
+    """Whether `take_rows` / `put_rows` handle ``state``: dense caches only (the target's and a
+    draft model's), no shared prefix or block table."""
+    def plain(c):
+        return type(c) is KVCache
+    return plain(state.cache) and (state.draft is None or plain(state.draft.cache))
+
+
+def _rows_of(f, state: DecodeState, other: DecodeState | None = None):
+    """``state`` with each per-row array ``x`` replaced by ``f(x, axis)`` (``axis``: its row
+    axis), or by ``f(x, y, axis)`` with ``y`` the same array of ``other``."""
+    def g(get):
+        if other is None:
+            return lambda axis: f(get(state), axis)
+        return lambda axis: f(get(state), get(other), axis)
+
+    def cache(path):
+        c = path(state)
+        return c.replace(k=g(lambda s: path(s).k)(1), v=g(lambda s: path(s).v)(1),
+                         lengths=g(lambda s: path(s).lengths)(0))
+    out = state.replace(
+        cache=cache(lambda s: s.cache), last=g(lambda s: s.last)(0), out=g(lambda s: s.out)(0),
+        from_draft=g(lambda s: s.from_draft)(0), n_out=g(lambda s: s.n_out)(0),
+        budget=g(lambda s: s.budget)(0), done=g(lambda s: s.done)(0), rng=g(lambda s: s.rng)(0))
+    if state.stats is not None:
+        out = out.replace(stats=state.stats.replace(**{
+            k: g(lambda s, k=k: getattr(s.stats, k))(0)
+            for k in ("spec_rounds", "proposed", "accepted", "committed")}))
+    if state.draft is not None:
+        out = out.replace(draft=state.draft.replace(cache=cache(lambda s: s.draft.cache),
+                                                    prev=g(lambda s: s.draft.prev)(0)))
+    return out
+
+
+@jax.jit
+def take_rows(state: DecodeState, rows) -> DecodeState:
+    """The rows ``rows`` of ``state`` (`compactable`) as a state of ``len(rows)`` rows (a copy:
+    ``state`` is kept)."""
+    return _rows_of(lambda x, axis: jnp.take(x, rows, axis=axis), state)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def put_rows(state: DecodeState, rows, sub: DecodeState) -> DecodeState:
+    """``state`` (donated) with its rows ``rows`` replaced by those of ``sub`` (`take_rows`'s
+    inverse); ``sub``'s step count is the state's."""
+    def put(x, y, axis):
+        return x.at[rows].set(y) if axis == 0 else x.at[:, rows].set(y)
+    return _rows_of(put, state, sub).replace(steps=sub.steps)
+
+
+@functools.partial(jax.jit, static_argnames=("batch",))
+def spread_outputs(outs: ChunkOutputs, rows, *, batch: int) -> ChunkOutputs:
+    """A chunk's outputs over ``rows`` of a ``batch``-row state, as if the whole state had run
+    (rows it did not run: nothing committed, done)."""
+    def spread(x, fill):
+        return jnp.full((batch,) + x.shape[1:], fill, x.dtype).at[rows].set(x)
+    s = outs.stats
+    return ChunkOutputs(
+        out=spread(outs.out, 0), from_draft=spread(outs.from_draft, False),
+        n_out=spread(outs.n_out, 0), done=spread(outs.done, True),
+        lengths=spread(outs.lengths, 0), steps=outs.steps,
+        stats=s.replace(spec_rounds=spread(s.spec_rounds, 0), proposed=spread(s.proposed, 0),
+                        accepted=spread(s.accepted, 0), committed=spread(s.committed, 0)))

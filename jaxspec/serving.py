@@ -51,7 +51,8 @@ import numpy as np
 from jaxspec import compile_cache, sampling
 from jaxspec.cache import SLOT_ALIGN, round_up
 from jaxspec.blocks import BlockManager
-from jaxspec.decoding import set_block_tables, set_rows, stop_rows
+from jaxspec.decoding import (compactable, put_rows, set_block_tables, set_rows, spread_outputs,
+                              stop_rows, take_rows)
 from jaxspec.model import Model
 from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
 from jaxspec.mesh import put_batch, use_mesh
@@ -195,6 +196,11 @@ class ServingEngine:
         instead of by each one, if that saves at least this many key reads per step ((sharing
         rows - 1) x shared tokens); None: never (nor on a mesh).
     ignore_eos: sequences do not stop at the model's EOS (benchmarks of fixed length).
+    compact_rows: while at most half the slots decode, a chunk runs only their rows (taken out
+        of the slots' state and put back: a smaller batch). It pays where a step's cost grows with
+        its rows, as on a CPU (SmolLM2-135M on 2 cores: ~70 ms per step for one row, ~140 ms for
+        four); each smaller batch compiles in the background the first time and is used once
+        ready. Default: on a CPU, with dense slots (not paged) and no mesh.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -204,7 +210,8 @@ class ServingEngine:
                  chunk_seconds: float = CHUNK_SECONDS, per_row: bool = True,
                  page_size: int | None = None, kv_blocks: int | None = None,
                  prefill_budget: int | None = None,
-                 share_min_tokens: int | None = SHARE_MIN_TOKENS, ignore_eos: bool = False):
+                 share_min_tokens: int | None = SHARE_MIN_TOKENS, ignore_eos: bool = False,
+                 compact_rows: bool | None = None):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         compile_cache.enable()  # as generate: compiled chunks outlive the process
@@ -283,6 +290,12 @@ class ServingEngine:
         self._pending = None  # the chunk running on the device thread (see `state`)
         self._device: concurrent.futures.ThreadPoolExecutor | None = None
         self.state = self._fresh_state()
+        if compact_rows is None:
+            compact_rows = jax.devices()[0].platform == "cpu"
+        self.compact_rows = bool(compact_rows) and not self.paged and dec.mesh is None \
+            and compactable(self.state)
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None  # smaller batches
+        self._compiling: set = set()  # (round, rows) whose program compiles in the background
         # host mirrors of the per-slot state
         self.done = np.ones(self.B, bool)  # no running sequence, or the device said done
         self.lengths = np.zeros(self.B, np.int64)  # cache lengths after the last chunk seen
@@ -311,7 +324,8 @@ class ServingEngine:
             "speculative_chunks", "plain_chunks", "rejected_queue_full", "finished_stop",
             "finished_length", "finished_cancelled", "finished_error", "preemptions",
             "prefix_hit_tokens", "prefix_query_tokens", "shared_context_rows",
-            "shared_context_tokens", "shared_context_copies", "shared_context_row_chunks")})
+            "shared_context_tokens", "shared_context_copies", "shared_context_row_chunks",
+            "compact_chunks")})
         self.started_at = time.time()
         self.warm = False  # set once the programs are compiled (`warmup`)
 
@@ -478,6 +492,9 @@ class ServingEngine:
         if self._device is not None:
             self._device.shutdown(wait=True)
             self._device = None
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+            self._compiler = None
 
     def warmup(self, variants=None):
         """Compiles the chunk variants with every slot idle: ``variants`` is a list of
@@ -526,13 +543,46 @@ class ServingEngine:
         self.tokens_per_round = g + 1
 
     # ------------------------------------------------------------------ engine thread
-    def _sampling(self, greedy: bool, filtering: bool):
-        return sampling.SamplingParams(temperature=jnp.asarray(self.temperature),
-                                       top_k=jnp.asarray(self.top_k),
-                                       top_p=jnp.asarray(self.top_p), filtering=filtering,
+    def _sampling(self, greedy: bool, filtering: bool, rows=None):
+        pick = slice(None) if rows is None else rows
+        return sampling.SamplingParams(temperature=jnp.asarray(self.temperature[pick]),
+                                       top_k=jnp.asarray(self.top_k[pick]),
+                                       top_p=jnp.asarray(self.top_p[pick]), filtering=filtering,
                                        stochastic=not greedy)
 
-    def _run_chunk(self, rd, greedy, filtering, rounds, compile_only=False):
+    def _compact(self, rd, greedy, filtering, active, state):
+        """``(rows, sampling, state of those rows, program)`` for a chunk over the ``active`` rows
+        alone (padded with idle rows to a power of two), or None: compaction is off, more than
+        half the slots run, or that batch's program is not compiled yet (it then compiles in the
+        background)."""
+        if not self.compact_rows or not active:
+            return None
+        n = 1 << (len(active) - 1).bit_length()
+        if 2 * n > self.B:
+            return None
+        idle = [b for b in range(self.B) if b not in set(active)]
+        rows = np.asarray(list(active) + idle[:n - len(active)], np.int32)
+        sp = self._sampling(greedy, filtering, rows)
+        sub = take_rows(state, jnp.asarray(rows))
+        program, _ = self.decoder.chunk_program(rd, sp, sub, compile=False)
+        if program is not None:
+            return rows, sp, sub, program
+        key = (rd, n, greedy, filtering)
+        if key not in self._compiling:
+            self._compiling.add(key)
+            if self._compiler is None:
+                self._compiler = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="jaxspec-compile")
+            self._compiler.submit(self._compile_quietly, rd, sp, sub)
+        return None
+
+    def _compile_quietly(self, rd, sp, state):
+        try:
+            self.decoder.chunk_program(rd, sp, state)
+        except Exception:  # noqa: BLE001 - the full batch keeps serving
+            log.exception("compiling a chunk of %d rows failed", state.last.shape[0])
+
+    def _run_chunk(self, rd, greedy, filtering, rounds, compile_only=False, active=()):
         """Dispatches a decode chunk. It runs on a device thread of its own: a decode loop with a
         data-dependent trip count holds the calling thread until the loop is done (XLA reads the
         loop's condition on the host), so the engine thread detokenizes and streams the last
@@ -548,13 +598,20 @@ class ServingEngine:
             self.state = self._without_shared(state)
             return None
         state = self._with_shared(self.state)  # waits for the chunk before (in order)
-        program, t_compile = self.decoder.chunk_program(rd, sp, state)  # compiled here
+        compact = self._compact(rd, greedy, filtering, active, state)
+        if compact is None:
+            program, t_compile = self.decoder.chunk_program(rd, sp, state)  # compiled here
+        else:
+            rows, sp, sub, program = compact
+            t_compile = 0.0
+            self.m["compact_chunks"] += 1
         if self._device is None:
             self._device = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="jaxspec-device")
         started = threading.Event()
         fut = self._device.submit(self._chunk_on_device, program, sp, state, rounds, t_compile,
-                                  started)
+                                  started, None if compact is None else (rows, sub))
+        del compact
         del state  # donated to the chunk
         self._pending = fut
         # the device thread's Python work first: this thread would otherwise hold the GIL for a
@@ -563,14 +620,22 @@ class ServingEngine:
             pass
         return fut
 
-    def _chunk_on_device(self, program, sp, state, rounds, t_compile, started):
+    def _chunk_on_device(self, program, sp, state, rounds, t_compile, started, compact=None):
         try:
             max_rounds = jnp.int32(rounds)
             jax.block_until_ready(state)  # what was dispatched before (prefills, row updates)
         finally:
             started.set()
         t = time.perf_counter()
-        state, outs = self.decoder.call_chunk(program, sp, state, max_rounds)
+        if compact is None:
+            state, outs = self.decoder.call_chunk(program, sp, state, max_rounds)
+        else:  # the chunk's rows alone, then back into the slots' state
+            rows, sub = compact
+            del compact
+            sub, outs = self.decoder.call_chunk(program, sp, sub, max_rounds)
+            rows = jnp.asarray(rows)
+            state = put_rows(state, rows, sub)
+            outs = spread_outputs(outs, rows, batch=self.B)
         jax.block_until_ready(outs)
         shared = getattr(state.cache, "shared", None)
         if shared is not None:
@@ -1049,7 +1114,7 @@ class ServingEngine:
                 self._share(active)
                 if self._shared_want is not None:
                     self.m["shared_context_row_chunks"] += len(self._shared_want[1])
-            chunk = self._run_chunk(rd, greedy, filtering, rounds)
+            chunk = self._run_chunk(rd, greedy, filtering, rounds, active=active)
             # the rows this chunk decodes: a slot whose sequence is still being prefilled (paged)
             # is idle on the device, and its "done" must not end the sequence
             owners = [self.slots[b] if b in active else None for b in range(self.B)]

@@ -347,14 +347,14 @@ class Decoder:
             out = compiled(*args, jnp.int32(max_rounds))
         return out, t_compile
 
-    def chunk_program(self, rd: Round, sp, state: DecodeState):
+    def chunk_program(self, rd: Round, sp, state: DecodeState, *, compile: bool = True):
         """The compiled serving chunk of ``rd`` for these shapes (compiled now unless it was
-        before): ``(program, seconds compiling)``. The program takes ``(params, draft params,
-        sp, state, max_rounds)`` and donates the state."""
+        before; with ``compile=False`` None then): ``(program, seconds compiling)``. The program
+        takes ``(params, draft params, sp, state, max_rounds)`` and donates the state."""
         args = (self.params, self.dparams, sp, state)
         key = ("chunk", rd, _avals(args))
         compiled = self._compiled.get(key)
-        if compiled is not None:
+        if compiled is not None or not compile:
             return compiled, 0.0
         with use_mesh(self.mesh):
             t = time.perf_counter()

@@ -15,7 +15,10 @@ WORDS = (list("abcdefghijklmnopqrstuvwxyz") + [str(i) for i in range(10)] +
          "green is was and".split())
 
 # one engine configuration for the server test files (small: compiles in seconds)
-ENGINE_KW = dict(max_batch=4, max_len=96, rounds_per_chunk=4, max_queue=64, prefill_chunk=64)
+# (compact_rows: tests/test_serving_compact.py; off here, so that no test waits on background
+# compiles of smaller batches)
+ENGINE_KW = dict(max_batch=4, max_len=96, rounds_per_chunk=4, max_queue=64, prefill_chunk=64,
+                 compact_rows=False)
 
 
 def tiny_tokenizer(eos: bool = True):

@@ -91,7 +91,8 @@ def server(model):
     # and these tests check what speculation shows (draft spans, acceptance counters)
     spec = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=6, adaptive=False)
     engine = ServingEngine(model, max_batch=8, max_len=MAX_LEN, speculation=spec,
-                           rounds_per_chunk=4, max_queue=128, prefill_chunk=128).start()
+                           rounds_per_chunk=4, max_queue=128, prefill_chunk=128,
+                           compact_rows=False).start()  # (tests/test_serving_compact.py)
     s = Server(engine)
     yield s
     s.close()

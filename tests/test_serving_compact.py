@@ -1,0 +1,121 @@
+"""Compact chunks (`ServingEngine(compact_rows=True)`): while at most half the slots decode, a
+chunk runs only their rows, taken out of the slots' state and put back. The answers are those of
+the full batch: greedy ones equal `jaxspec.generate` of each prompt alone (float32), seeded sampled
+ones equal the same request on an engine that never compacts; with plain decoding, the
+self-draft and a draft model."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.decoding import ChunkOutputs, compactable, put_rows, spread_outputs, take_rows
+from jaxspec.session import Decoder
+from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
+
+from tiny import tiny_model
+
+KW = dict(max_batch=4, max_len=64, rounds_per_chunk=3, prefill_chunk=16)
+
+
+def speculations(model):
+    return {"plain": None,
+            "self": jaxspec.Speculation(draft="self", gamma=2, sink=2, window=6, adaptive=False),
+            "model": jaxspec.Speculation(draft=tiny_model(seed=7, scale=3.0), gamma=2,
+                                         adaptive=False)}
+
+
+def serve(engine, prompts, options):
+    seqs = [Sequence(list(p), o) for p, o in zip(prompts, options)]
+    engine.submit(seqs)
+    for s in seqs:
+        assert s.finished.wait(120) and s.error is None, s.error
+    return [list(s.tokens) for s in seqs]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("plain", marks=pytest.mark.slow), "self",
+                                  pytest.param("model", marks=pytest.mark.slow)])
+def test_compact_chunks_answer_as_the_full_batch(kind):
+    model = tiny_model(seed=3, scale=3.0)
+    spec = speculations(model)[kind]
+    rng = np.random.default_rng()
+    compact = ServingEngine(model, speculation=spec, compact_rows=True, **KW).start(
+        variants=[(True, False), (False, False)])
+    full = ServingEngine(model, speculation=spec, compact_rows=False, **KW).start(
+        variants=[(False, False)])
+    try:
+        assert compact.compact_rows and not full.compact_rows
+        # one and two requests at a time, until compact chunks have run for both sizes
+        deadline = time.time() + 240
+        rounds = 0
+        while compact.metrics()["compact_chunks"] < 6 or rounds < 4:
+            assert time.time() < deadline, compact.metrics()
+            k = 1 + rounds % 2
+            prompts = [rng.integers(2, 60, size=int(rng.integers(3, 20))).tolist()
+                       for _ in range(k)]
+            n_new = int(rng.integers(4, 20))
+            greedy = [SamplingOptions(max_tokens=n_new, temperature=0.0) for _ in prompts]
+            got = serve(compact, prompts, greedy)
+            want = jaxspec.generate(model, prompts, max_new_tokens=n_new, speculation=spec,
+                                    ignore_eos=False).tokens
+            assert got == [list(w) for w in want], (kind, prompts)
+            seeded = [SamplingOptions(max_tokens=n_new, temperature=1.0,
+                                      seed=int(rng.integers(1 << 30))) for _ in prompts]
+            assert serve(compact, prompts, seeded) == serve(full, prompts, seeded), (kind, prompts)
+            rounds += 1
+        assert compact.metrics()["compact_chunks"] > 0 and full.metrics()["compact_chunks"] == 0
+    finally:
+        compact.stop()
+        full.stop()
+
+
+def test_off_where_it_cannot_apply():
+    model = tiny_model(seed=1)
+    assert not ServingEngine(model, page_size=16, compact_rows=True, **KW).compact_rows
+    assert ServingEngine(model, **KW).compact_rows  # the CPU default
+
+
+@pytest.mark.parametrize("kind", ["plain", "model"])
+def test_take_and_put_rows_move_exactly_those_rows(kind):
+    """Every per-row array of a state (the caches, a draft model's cache and last token, the
+    counters) of random contents: `take_rows` gives those rows, `put_rows` writes changed rows
+    back and leaves the others; `spread_outputs` puts a chunk's outputs where its rows are."""
+    model = tiny_model(seed=2)
+    spec = None if kind == "plain" else speculations(model)["model"]
+    dec = Decoder(model, spec)
+    B = 5
+    rng = np.random.default_rng()
+    state = jax.tree.map(
+        lambda x: jnp.asarray(rng.integers(0, 100, np.shape(x))).astype(jnp.asarray(x).dtype)
+        if np.ndim(x) else x, dec.empty_state(B, 32, 8))
+    assert compactable(state) and (state.draft is not None) == (kind == "model")
+    rows = rng.permutation(B)[:3].astype(np.int32)
+    others = np.setdiff1d(np.arange(B), rows)
+    before = jax.tree.map(np.asarray, state)
+    sub = take_rows(state, jnp.asarray(rows))
+    changed = jax.tree.map(lambda x: (~x if x.dtype == bool else x + 1) if np.ndim(x) else x, sub)
+    after = put_rows(jax.tree.map(jnp.copy, state), jnp.asarray(rows), changed)
+    n = 0
+    for old, got, new, mid in zip(jax.tree.leaves(before), jax.tree.leaves(after),
+                                  jax.tree.leaves(changed), jax.tree.leaves(sub)):
+        old, got, new, mid = map(np.asarray, (old, got, new, mid))
+        if old.ndim == 0:
+            continue
+        axis = 1 if old.ndim == 5 else 0  # [L, B, K, S, D] caches
+        np.testing.assert_array_equal(mid, np.take(old, rows, axis=axis))
+        np.testing.assert_array_equal(np.take(got, rows, axis=axis), new)
+        np.testing.assert_array_equal(np.take(got, others, axis=axis),
+                                      np.take(old, others, axis=axis))
+        n += 1
+    assert n == len([x for x in jax.tree.leaves(before) if np.ndim(x)])
+    outs = jax.tree.map(lambda x: jnp.asarray(rng.integers(1, 9, np.shape(x))).astype(x.dtype),
+                        ChunkOutputs(out=sub.out, from_draft=sub.from_draft, n_out=sub.n_out,
+                                     done=sub.done, lengths=sub.cache.lengths, steps=sub.steps,
+                                     stats=sub.stats))
+    wide = spread_outputs(outs, jnp.asarray(rows), batch=B)
+    np.testing.assert_array_equal(np.asarray(wide.out)[rows], np.asarray(outs.out))
+    np.testing.assert_array_equal(np.asarray(wide.n_out)[others], 0)
+    assert np.asarray(wide.done)[others].all()

@@ -341,6 +341,8 @@ def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
     metric("decode_chunks_total", "counter", "Jitted chunk calls.", [({}, m.get("chunks", 0))])
     metric("decode_seconds_total", "counter", "Seconds spent in chunk calls.",
            [({}, m.get("chunk_seconds", 0.0))])
+    metric("decode_compact_chunks_total", "counter", "Chunks that ran only the busy rows "
+           "(compact_rows).", [({}, m.get("compact_chunks", 0))])
     metric("target_steps_total", "counter", "Per-sequence target steps (rounds a sequence "
            "took part in).", [({}, m.get("target_row_steps", 0))])
     metric("draft_tokens_proposed_total", "counter", "Draft tokens proposed.",
@@ -1148,6 +1150,10 @@ def add_arguments(p: argparse.ArgumentParser):
                         "document, a long system prompt) attend to them once, together, when "
                         "that saves at least this many key reads per step ((requests - 1) x "
                         "shared tokens; default: %(default)s); 'none': never")
+    p.add_argument("--compact-rows", choices=("auto", "on", "off"), default="auto",
+                   help="while at most half the slots decode, chunks run only their rows (a "
+                        "smaller batch, compiled in the background when first needed); auto "
+                        "(default): on a CPU, where a step costs more with more rows")
     p.add_argument("--shared-rng", action="store_true",
                    help="one PRNG key for the whole batch (no per-request seeds; no vmap)")
     p.add_argument("--host", default="127.0.0.1",
@@ -1233,7 +1239,9 @@ def build_engine(a) -> tuple[ServingEngine, str]:
                            page_size=getattr(a, "page_size", None),
                            kv_blocks=getattr(a, "kv_blocks", None),
                            prefill_budget=getattr(a, "prefill_budget", None),
-                           share_min_tokens=getattr(a, "share_min_tokens", SHARE_MIN_TOKENS))
+                           share_min_tokens=getattr(a, "share_min_tokens", SHARE_MIN_TOKENS),
+                           compact_rows={"auto": None, "on": True, "off": False}[
+                               getattr(a, "compact_rows", "auto")])
     name = a.served_model_name or pathlib.Path(path).name
     return engine, name
 

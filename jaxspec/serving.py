@@ -51,8 +51,8 @@ import numpy as np
 from jaxspec import compile_cache, sampling
 from jaxspec.cache import SLOT_ALIGN, round_up
 from jaxspec.blocks import BlockManager
-from jaxspec.decoding import (compactable, put_rows, set_block_tables, set_rows, spread_outputs,
-                              stop_rows, take_rows)
+from jaxspec.decoding import (RoundStats, compactable, put_rows, set_block_tables, set_rows,
+                              spread_outputs, stop_rows, take_rows)
 from jaxspec.model import Model
 from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
 from jaxspec.mesh import put_batch, use_mesh
@@ -288,6 +288,7 @@ class ServingEngine:
         self._shared_ctx = None
         self._shared_dirty = True  # block tables or running rows changed since it was chosen
         self._pending = None  # the chunk running on the device thread (see `state`)
+        self._rows = None  # (rows, their state) after compact chunks (see `_compact`)
         self._device: concurrent.futures.ThreadPoolExecutor | None = None
         self.state = self._fresh_state()
         if compact_rows is None:
@@ -335,10 +336,23 @@ class ServingEngine:
         """The slots' `DecodeState`. While a decode chunk runs on the device thread (see
         `_run_chunk`) reading it waits for that chunk and takes the state it returned (a chunk
         that failed raises here), so every device call on the state runs in order."""
+        self._resolve()
+        if self._rows is not None:  # compact rows back into the slots' state
+            rows, sub = self._rows
+            self._rows = None
+            self._state = put_rows(self._state, jnp.asarray(rows), sub)
+        return self._state
+
+    def _resolve(self):
+        """Takes the running chunk's result (waiting for it): the slots' state, or the state of
+        the rows a compact chunk ran (`_rows`; the slots' state holds stale copies of them)."""
         if self._pending is not None:
             fut, self._pending = self._pending, None
-            self._state, _, _, _, self._shared_ctx = fut.result()
-        return self._state
+            state, _, _, _, self._shared_ctx, rows = fut.result()
+            if rows is None:
+                self._state = state
+            else:
+                self._rows = (rows, state)
 
     @state.setter
     def state(self, value):
@@ -351,6 +365,7 @@ class ServingEngine:
             # its shared context goes with it (a state replaced unread is a new pool, or none)
             self._shared_ctx = self._shared = self._shared_want = None
             self._shared_dirty = True
+        self._rows = None
         self._state = value
 
     @property
@@ -550,22 +565,28 @@ class ServingEngine:
                                        top_p=jnp.asarray(self.top_p[pick]), filtering=filtering,
                                        stochastic=not greedy)
 
-    def _compact(self, rd, greedy, filtering, active, state):
+    def _compact(self, rd, greedy, filtering, active):
         """``(rows, sampling, state of those rows, program)`` for a chunk over the ``active`` rows
         alone (padded with idle rows to a power of two), or None: compaction is off, more than
         half the slots run, or that batch's program is not compiled yet (it then compiles in the
-        background)."""
+        background). The rows' state stays apart from the slots' between chunks over the same
+        rows (`_rows`); anything else that reads the slots' state puts it back first."""
         if not self.compact_rows or not active:
             return None
         n = 1 << (len(active) - 1).bit_length()
         if 2 * n > self.B:
             return None
-        idle = [b for b in range(self.B) if b not in set(active)]
-        rows = np.asarray(list(active) + idle[:n - len(active)], np.int32)
+        self._resolve()  # (waits for the chunk before: in order)
+        if self._rows is not None and set(active) <= set(self._rows[0].tolist()):
+            rows, sub = self._rows  # the same rows (an idle one among them may have been active)
+        else:
+            idle = [b for b in range(self.B) if b not in set(active)]
+            rows = np.asarray(list(active) + idle[:n - len(active)], np.int32)
+            sub = take_rows(self.state, jnp.asarray(rows))
         sp = self._sampling(greedy, filtering, rows)
-        sub = take_rows(state, jnp.asarray(rows))
         program, _ = self.decoder.chunk_program(rd, sp, sub, compile=False)
         if program is not None:
+            self._rows = None  # (the chunk has them now)
             return rows, sp, sub, program
         key = (rd, n, greedy, filtering)
         if key not in self._compiling:
@@ -597,12 +618,13 @@ class ServingEngine:
             state, _, _ = self.decoder.run_chunk(rd, sp, self._with_shared(self.state), 0)
             self.state = self._without_shared(state)
             return None
-        state = self._with_shared(self.state)  # waits for the chunk before (in order)
-        compact = self._compact(rd, greedy, filtering, active, state)
+        compact = self._compact(rd, greedy, filtering, active)
+        rows = None
         if compact is None:
+            state = self._with_shared(self.state)  # waits for the chunk before (in order)
             program, t_compile = self.decoder.chunk_program(rd, sp, state)  # compiled here
         else:
-            rows, sp, sub, program = compact
+            rows, sp, state, program = compact
             t_compile = 0.0
             self.m["compact_chunks"] += 1
         if self._device is None:
@@ -610,7 +632,7 @@ class ServingEngine:
                 max_workers=1, thread_name_prefix="jaxspec-device")
         started = threading.Event()
         fut = self._device.submit(self._chunk_on_device, program, sp, state, rounds, t_compile,
-                                  started, None if compact is None else (rows, sub))
+                                  started, rows)
         del compact
         del state  # donated to the chunk
         self._pending = fut
@@ -620,27 +642,23 @@ class ServingEngine:
             pass
         return fut
 
-    def _chunk_on_device(self, program, sp, state, rounds, t_compile, started, compact=None):
+    def _chunk_on_device(self, program, sp, state, rounds, t_compile, started, rows=None):
+        """Runs a chunk on ``state`` (the slots', or with ``rows`` the state of those rows alone,
+        whose outputs are spread over the slots)."""
         try:
             max_rounds = jnp.int32(rounds)
             jax.block_until_ready(state)  # what was dispatched before (prefills, row updates)
         finally:
             started.set()
         t = time.perf_counter()
-        if compact is None:
-            state, outs = self.decoder.call_chunk(program, sp, state, max_rounds)
-        else:  # the chunk's rows alone, then back into the slots' state
-            rows, sub = compact
-            del compact
-            sub, outs = self.decoder.call_chunk(program, sp, sub, max_rounds)
-            rows = jnp.asarray(rows)
-            state = put_rows(state, rows, sub)
-            outs = spread_outputs(outs, rows, batch=self.B)
+        state, outs = self.decoder.call_chunk(program, sp, state, max_rounds)
+        if rows is not None:
+            outs = spread_outputs(outs, jnp.asarray(rows), batch=self.B)
         jax.block_until_ready(outs)
         shared = getattr(state.cache, "shared", None)
         if shared is not None:
             state = state.replace(cache=state.cache.replace(shared=None))
-        return state, outs, t_compile, time.perf_counter() - t, shared
+        return state, outs, t_compile, time.perf_counter() - t, shared, rows
 
     def _with_shared(self, state):
         """``state`` (resolved: no chunk running) with the shared context `_share` chose attached
@@ -667,9 +685,10 @@ class ServingEngine:
         ctx = self.lengths[act].astype(np.float64)
         rd = self._round(greedy)
         if rd.speculative:
-            stats = self.state.stats.replace(
-                spec_rounds=self.row_rounds.astype(np.int32),
-                committed=self.row_committed.astype(np.int32))
+            zeros = np.zeros(self.B, np.int32)
+            stats = RoundStats(spec_rounds=self.row_rounds.astype(np.int32), proposed=zeros,
+                               accepted=zeros, committed=self.row_committed.astype(np.int32),
+                               plain_steps=np.int32(0))
             spec_rd = rd
             rd, _ = dec.next_round(rd, (act, ctx, stats), self.rounds)
             levels, nodes = dec._levels(spec_rd)
@@ -1131,7 +1150,7 @@ class ServingEngine:
 
     def _process(self, chunk, owners, rd, ctx, rounds=0):
         """The tokens of a finished chunk: to their sequences (if they still own their slots)."""
-        _, outs, _, dt, _ = chunk.result()
+        _, outs, _, dt, _, _ = chunk.result()
         host = jax.device_get(outs)
         out, flags, n_out, done, lengths = (np.asarray(x) for x in (
             host.out, host.from_draft, host.n_out, host.done, host.lengths))

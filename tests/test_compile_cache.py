@@ -42,15 +42,22 @@ CHILD = """
 """
 
 
-def run(tmp: Path, constant: float, **env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT",
-                                                                      "JAXSPEC_COMPILE"))}
+def child(tmp: Path, code: str, arg: str, *, drop: tuple = (), timeout: int = 300,
+          **env: str) -> dict:
+    """Runs ``code`` in a fresh process with the jaxspec cache under ``tmp`` (and none of this
+    run's cache settings nor the variables in ``drop``); returns its last line's JSON."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT", "JAXSPEC_COMPILE") + drop)}
     clean.update(JAXSPEC_CACHE=str(tmp / "jaxspec-cache"), JAX_PLATFORMS="cpu",
                  PYTHONPATH=os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")]), **env)
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), repr(constant)], env=clean,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code), arg], env=clean,
+                       capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(tmp: Path, constant: float, **env: str) -> dict:
+    return child(tmp, CHILD, repr(constant), **env)
 
 
 def cache_entries(folder: Path) -> list[Path]:
@@ -149,14 +156,7 @@ GENERATE = """
 
 
 def run_generate(tmp: Path, ckpt: Path, **env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT",
-                                                                      "JAXSPEC_COMPILE", "XLA_FLAGS"))}
-    clean.update(JAXSPEC_CACHE=str(tmp / "jaxspec-cache"), JAX_PLATFORMS="cpu",
-                 PYTHONPATH=os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")]), **env)
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(GENERATE), str(ckpt)], env=clean,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return child(tmp, GENERATE, str(ckpt), drop=("XLA_FLAGS",), timeout=600, **env)
 
 
 def test_a_second_generate_process_runs_the_kept_executables(tmp_path: Path) -> None:

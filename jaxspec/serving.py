@@ -588,7 +588,7 @@ class ServingEngine:
         if program is not None:
             self._rows = None  # (the chunk has them now)
             return rows, sp, sub, program
-        key = (rd, n, greedy, filtering)
+        key = (rd, len(rows), greedy, filtering)
         if key not in self._compiling:
             self._compiling.add(key)
             if self._compiler is None:

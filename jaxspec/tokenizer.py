@@ -138,6 +138,12 @@ class Tokenizer:
     def __repr__(self):
         return f"jaxspec.tokenizer.Tokenizer({str(self._folder)!r}, vocab={len(self)})"
 
+    def __getstate__(self):  # (picklable, as transformers' tokenizers are: for worker processes)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_hf", "_template")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.Lock(), _hf=None, _template=None)
+
     def __len__(self):
         return self._backend.get_vocab_size(with_added_tokens=True)
 

@@ -135,6 +135,11 @@ def test_everything_else_goes_to_transformers(tmp_path):
     assert type(ours.hf).__module__.startswith("transformers")
     enc = ours("the fox")
     assert enc.input_ids == enc["input_ids"] and enc.attention_mask == [1] * len(enc.input_ids)
+    import pickle
+    again = pickle.loads(pickle.dumps(ours))
+    assert again("the fox")["input_ids"] == enc["input_ids"]
+    assert again.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        ours.apply_chat_template([{"role": "user", "content": "hi"}])
     # inputs this class does not render itself (content parts) go to transformers as well
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     try:

@@ -132,6 +132,11 @@ def _source_hash() -> str:
     return _code_hash
 
 
+#: jax settings that change what a function traces to (and so belong to an executable's key)
+_TRACE_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+                 "jax_threefry_partitionable", "jax_numpy_dtype_promotion", "jax_numpy_rank_promotion")
+
+
 def _exec_key(fn, args, static: dict, compiler_options) -> str | None:
     """The key of ``fn`` compiled for ``args`` (arrays; their shapes, dtypes, weak types,
     shardings and tree structure) and ``static`` (pickled: every field counts), with this code,
@@ -161,7 +166,7 @@ def _exec_key(fn, args, static: dict, compiler_options) -> str | None:
                  repr(sorted((compiler_options or {}).items())), _source_hash(), jax.__version__,
                  jaxlib.__version__, sys.version, dev.platform, getattr(dev, "device_kind", ""),
                  str(jax.device_count()), os.environ.get("XLA_FLAGS", ""),
-                 str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision)):
+                 *(str(getattr(jax.config, name, None)) for name in _TRACE_CONFIG)):
         h.update(part.encode())
         h.update(b"\0")
     h.update(static_bytes)

@@ -8,9 +8,13 @@ rates (copy bandwidth and matmul rate, measured once per cost model with a short
 window keys of each row; a separate draft model its own weights and cache.
 
 Predictions are corrected online: every timed stretch of plain steps or speculative rounds
-(`observe`) updates a factor per kind (measured / predicted), so the model converges on what this
-device, model and batch actually cost (kernel counts, launch gaps, cache effects), and keeps it
-across calls. The acceptance of drafts (per token, for the gamma choice) is learned the same way;
+(`observe`) is kept per kind, and a kind's time per round is fitted as ``scale x roofline +
+fixed`` to its recent stretches (`_Fit`). The fixed part is what a forward costs whatever it reads
+(hundreds of small kernels, each with its own latency): it is what makes a round of a few rows
+cost far more than its bytes, so a single ratio learned on full batches would price the last
+rows of a batch wrongly. Until a kind has been timed at two different sizes, its fixed part is
+taken from a kind that has (per forward), else it is zero. The model thereby converges on what
+this device, model and batch actually cost, and keeps it across calls. The acceptance of drafts (per token, for the gamma choice) is learned the same way;
 within a call each row's own running acceptance is used (`expected_row_tokens`).
 
 Decisions (lossless whichever way they go: every round commits tokens with exactly the target's
@@ -43,6 +47,9 @@ HYSTERESIS = 1.05  # keep the previous gamma unless another is predicted this mu
 # round has been timed (a draft step runs further from its floor than a plain step: more, smaller
 # kernels per byte; measured 1.3-1.4x on H100s at batch 64).
 PRIOR_ROUND_FACTOR = 1.35
+FIT_DECAY = 0.85  # weight of a timed stretch per newer one of its kind (older costs fade)
+FIT_KEEP = 32  # timed stretches kept per kind
+FIT_SPREAD = 1.3  # roofline ratio between a kind's stretches that lets its fixed cost be fitted
 PRIOR_WEIGHT = 2.0  # rounds of evidence the prior acceptance weighs in a row's estimate
 # Before any draft was ever accepted or rejected, speculation is tried for a short stretch where it
 # would pay at this acceptance (a typical one of a good draft): the prior alone would never try
@@ -156,6 +163,57 @@ class _Forward:
         return max(b / rates.bandwidth, f / rates.matmul) + rates.overhead
 
 
+class _Fit:
+    """Seconds per round of one kind against its roofline: ``scale x roofline + fixed``, fitted by
+    weighted least squares to the kept stretches (newer ones weigh more)."""
+
+    def __init__(self):
+        self.obs: list[tuple[float, float, float]] = []  # (roofline, seconds, rounds) per round
+
+    def add(self, roofline: float, seconds: float, rounds: float):
+        self.obs.append((roofline, seconds, rounds))
+        del self.obs[:-FIT_KEEP]
+
+    def _weighted(self):
+        n = len(self.obs)
+        x = np.array([o[0] for o in self.obs])
+        y = np.array([o[1] for o in self.obs])
+        w = np.array([np.sqrt(o[2]) for o in self.obs]) * FIT_DECAY ** np.arange(n - 1, -1, -1)
+        return x, y, w
+
+    def affine(self) -> tuple[float, float] | None:
+        """(scale, fixed) where the stretches span rooflines enough to tell them apart, else
+        None."""
+        x, y, w = self._weighted()
+        if len(x) < 2 or x.max() < FIT_SPREAD * x.min():
+            return None
+        W = w.sum()
+        mx, my = (w * x).sum() / W, (w * y).sum() / W
+        vx = (w * (x - mx) ** 2).sum()
+        scale = (w * (x - mx) * (y - my)).sum() / vx
+        fixed = my - scale * mx
+        if scale <= 0 or fixed < 0:  # noise or no fixed part: a ratio fits as well
+            return None
+        return float(scale), float(fixed)
+
+    def predict(self, roofline: float, fixed: float = 0.0) -> float:
+        """Seconds of a round whose roofline is ``roofline``; ``fixed``: the fixed part to assume
+        where this kind's own stretches cannot tell it (kept below each stretch's time)."""
+        fit = self.affine()
+        if fit is None:
+            x, y, w = self._weighted()
+            f = np.minimum(fixed, y)
+            scale = float((w * (y - f) / x).sum() / w.sum())
+            return scale * roofline + float((w * f).sum() / w.sum())
+        scale, c = fit
+        return scale * roofline + c
+
+    def scale(self) -> float:
+        """Measured / roofline at the latest stretches' size."""
+        x, y, w = self._weighted()
+        return float((w * y / x).sum() / w.sum())
+
+
 class CostModel:
     """Predicted and measured costs of plain steps and speculative rounds for one target model
     and drafter (see the module docstring). ``rates``: device rates (measured on first use when
@@ -169,7 +227,7 @@ class CostModel:
         self.span = span  # context keys a draft step reads per row (None: all)
         self.dtype = model.dtype
         self._rates = rates
-        self.factor = {}  # kind ("plain", ("round", shape)) -> measured / predicted (EMA)
+        self.fits: dict = {}  # kind ("plain" or ("round", levels, nodes)) -> _Fit
         self.alpha: float | None = None  # learned per-token acceptance
         self.gamma: int | None = None  # last choice of choose_gamma
 
@@ -202,35 +260,57 @@ class CostModel:
         t = sum(self._draft.time(self.rates, n, dk + n * i, w) for i, w in enumerate(levels))
         return t + self._target.time(self.rates, n, ctx.sum(), nodes)
 
-    def _plain_factor(self) -> float:
-        f = self.factor.get("plain")
-        if f is None:  # no plain step timed yet: what rounds measured, less their extra cost
-            rounds = [v for k, v in self.factor.items() if k != "plain"]
-            f = (float(np.mean(rounds)) / PRIOR_ROUND_FACTOR) if rounds else 1.0
-        return f
+    @staticmethod
+    def _forwards(kind) -> int:
+        return 1 if kind == "plain" else len(kind[1]) + 1
+
+    def fixed_per_forward(self) -> float | None:
+        """What a forward costs whatever it reads, from the kinds timed at different sizes (the
+        plain step's first); None before any."""
+        kinds = sorted(self.fits, key=lambda k: k != "plain")
+        for kind in kinds:
+            fit = self.fits[kind].affine()
+            if fit is not None:
+                return fit[1] / self._forwards(kind)
+        return None
 
     def plain_time(self, ctx: np.ndarray) -> float:
-        """Predicted time of a plain step (roofline x what plain steps measured; before any,
-        what speculative rounds measured / `PRIOR_ROUND_FACTOR`)."""
-        return self.plain_roofline(ctx) * self._plain_factor()
+        """Predicted time of a plain step (fitted to the plain steps timed; before any, the
+        rounds' measured / roofline ratio / `PRIOR_ROUND_FACTOR` x the roofline)."""
+        roof = self.plain_roofline(ctx)
+        fit = self.fits.get("plain")
+        pf = self.fixed_per_forward()
+        if fit is not None:
+            return fit.predict(roof, pf or 0.0)
+        rounds = [f.scale() for k, f in self.fits.items()]
+        return roof * (float(np.mean(rounds)) / PRIOR_ROUND_FACTOR if rounds else 1.0)
 
     def round_time(self, ctx: np.ndarray, levels: tuple[int, ...], nodes: int) -> float:
-        """Predicted time of a speculative round (roofline x what such rounds measured; before
-        any, x what plain steps measured x `PRIOR_ROUND_FACTOR`)."""
-        f = self.factor.get(("round", tuple(levels), nodes))
-        if f is None:
-            f = self._plain_factor() * PRIOR_ROUND_FACTOR
-        return self.round_roofline(ctx, levels, nodes) * f
+        """Predicted time of a speculative round (fitted to such rounds timed; before any, from
+        the plain steps' fit: their scale x the roofline + their fixed cost per forward, or
+        without a fixed cost known, x `PRIOR_ROUND_FACTOR`)."""
+        kind = ("round", tuple(levels), nodes)
+        roof = self.round_roofline(ctx, levels, nodes)
+        pf = self.fixed_per_forward()
+        fit = self.fits.get(kind)
+        if fit is not None:
+            return fit.predict(roof, (pf or 0.0) * self._forwards(kind))
+        plain = self.fits.get("plain")
+        if plain is None:
+            return roof * PRIOR_ROUND_FACTOR
+        aff = plain.affine()
+        if aff is not None:
+            return aff[0] * roof + aff[1] * self._forwards(kind)
+        return roof * plain.scale() * PRIOR_ROUND_FACTOR
 
     # ------------------------------------------------------------------ learning
-    def observe(self, kind, seconds: float, predicted: float):
-        """A timed stretch of ``kind`` ("plain" or ``("round", levels, nodes)``) that took
-        ``seconds`` where its roofline predicted ``predicted``."""
-        if predicted <= 0 or seconds <= 0:
+    def observe(self, kind, seconds: float, predicted: float, rounds: int = 1):
+        """A timed stretch of ``rounds`` rounds (plain steps) of ``kind`` ("plain" or
+        ``("round", levels, nodes)``) that took ``seconds`` where their roofline predicted
+        ``predicted``."""
+        if predicted <= 0 or seconds <= 0 or rounds <= 0:
             return
-        r = seconds / predicted
-        old = self.factor.get(kind)
-        self.factor[kind] = r if old is None else 0.5 * old + 0.5 * r
+        self.fits.setdefault(kind, _Fit()).add(predicted / rounds, seconds / rounds, rounds)
 
     def observe_acceptance(self, accepted: float, spec_rounds: float, gamma: int):
         """Drafts accepted in ``spec_rounds`` row-rounds of a chain of ``gamma``."""

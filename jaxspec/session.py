@@ -556,7 +556,7 @@ class Decoder:
             def roof(c):
                 return self.costs.plain_roofline(c) if len(c) else 0.0
         pred = rounds * 0.5 * (roof(ctx_before) + roof(ctx_after))
-        self.costs.observe(kind, seconds, pred)
+        self.costs.observe(kind, seconds, pred, rounds)
 
     # ------------------------------------------------------------------ a batch to the end
     def decode(self, batch: Batch, *, progress=None) -> Batch:

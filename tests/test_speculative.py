@@ -1,6 +1,8 @@
 """Speculative decoding is lossless: greedy == autoregressive token for token; sampling keeps the
 target's distribution exactly (checked against an exact enumeration on a tiny vocabulary)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,24 +262,62 @@ def test_cost_model_choice():
 
 
 def test_cost_model_learns_from_timed_stretches():
-    """Observed times replace the roofline's guess: a stretch of rounds measured twice as slow as
-    its roofline makes every later prediction of that kind twice as slow; before any round was
-    timed, rounds are predicted from what plain steps measured."""
+    """Observed times replace the roofline's guess: stretches measured twice as slow as their
+    roofline make later predictions of that kind twice as slow; before any round was timed, rounds
+    are predicted from what plain steps measured; repeated measurements average, the newer
+    weighing more."""
     from jaxspec.costs import PRIOR_ROUND_FACTOR
     cm = _cost_model(span=8)
     ctx = np.full(16, 1000.0)
     levels, nodes = (1, 1, 1), 4
     r0, p0 = cm.round_roofline(ctx, levels, nodes), cm.plain_roofline(ctx)
     assert cm.plain_time(ctx) == pytest.approx(p0)
-    cm.observe("plain", 3 * p0, p0)
+    cm.observe("plain", 3 * 5 * p0, 5 * p0, rounds=5)
     assert cm.plain_time(ctx) == pytest.approx(3 * p0)
     assert cm.round_time(ctx, levels, nodes) == pytest.approx(3 * PRIOR_ROUND_FACTOR * r0)
     cm.observe(("round", levels, nodes), 2 * r0, r0)
     assert cm.round_time(ctx, levels, nodes) == pytest.approx(2 * r0)
-    cm.observe(("round", levels, nodes), 4 * r0, r0)  # a moving average of what was measured
-    assert cm.round_time(ctx, levels, nodes) == pytest.approx(3 * r0)
+    cm.observe(("round", levels, nodes), 4 * r0, r0)
+    assert 3 * r0 < cm.round_time(ctx, levels, nodes) < 4 * r0
     cm.observe_acceptance(accepted=3 * (0.5 + 0.25), spec_rounds=3, gamma=2)
     assert cm.alpha == pytest.approx(0.5, abs=1e-6)
+
+
+def test_cost_model_fits_the_fixed_cost_of_a_forward():
+    """A device whose forwards cost 0.9 x their roofline plus a fixed part each (kernel
+    latencies; here a tenth of a full batch's plain step): once plain steps were timed at two batch sizes, plain steps and rounds of any
+    size are predicted from that law, so a round over the last few rows of a batch is priced
+    at its real cost, not at the full batch's ratio."""
+    cm = _cost_model(span=8)
+    levels, nodes = (1, 1, 1, 1), 5
+    kind = ("round", levels, nodes)
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    big, small = np.full(64, 4000.0), np.full(int(rng.integers(2, 5)), 1000.0)
+    fixed = 0.1 * cm.plain_roofline(big)
+
+    def true_plain(c):
+        return 0.9 * cm.plain_roofline(c) + fixed
+
+    def true_round(c):
+        return 0.9 * cm.round_roofline(c, levels, nodes) + 5 * fixed
+
+    n = int(rng.integers(3, 40))
+    cm.observe("plain", n * true_plain(big), n * cm.plain_roofline(big), rounds=n)
+    cm.observe(kind, 9 * true_round(big), 9 * cm.round_roofline(big, levels, nodes), rounds=9)
+    # one size only: the full batch's ratio, which underprices the few rows
+    assert cm.round_time(small, levels, nodes) < 0.8 * true_round(small)
+    cm.observe("plain", n * true_plain(small), n * cm.plain_roofline(small), rounds=n)
+    assert cm.fixed_per_forward() == pytest.approx(fixed, rel=1e-6)
+    mid = np.full(17, 3500.0)
+    assert cm.plain_time(mid) == pytest.approx(true_plain(mid), rel=1e-6)
+    # the rounds were timed at one size: their fixed part is the plain steps' per forward
+    assert cm.round_time(small, levels, nodes) == pytest.approx(true_round(small), rel=1e-6)
+    assert cm.round_time(big, levels, nodes) == pytest.approx(true_round(big), rel=1e-6)
+    # whether the last rows should speculate follows: at 3.5 tokens per round a full batch pays,
+    # a few rows do not
+    tokens = 3.5
+    assert cm.speculation_pays(big, np.full(len(big), tokens), levels, nodes)
+    assert not cm.speculation_pays(small, np.full(len(small), tokens), levels, nodes)
 
 
 def test_stragglers_are_decoded_plainly():

@@ -205,7 +205,10 @@ def executable(fn, args: tuple, static: dict | None = None, compiler_options: di
                 from jax.experimental import serialize_executable
 
                 payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-                compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+                # on the one device it was compiled for (by default jax loads an executable
+                # for every device of the backend: a host with several fails to run it)
+                compiled = serialize_executable.deserialize_and_load(
+                    payload, in_tree, out_tree, execution_devices=jax.devices()[:1])
                 os.utime(path)  # (recently used)
                 return compiled
             except Exception as e:  # noqa: BLE001 - a stale or damaged file: compile again

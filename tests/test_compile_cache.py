@@ -184,3 +184,21 @@ def test_a_second_generate_process_runs_the_kept_executables(tmp_path: Path) -> 
     assert set(names) <= set(third["files"])
     fourth = run_generate(tmp_path, ckpt)
     assert fourth["tokens"] == off["tokens"] and fourth["traced"] == 0
+
+
+def test_kept_executables_run_in_a_process_with_several_devices(tmp_path: Path) -> None:
+    """A host with several devices (a multi-GPU machine) running a single-device generate: the
+    executable a first process kept loads in the second for the one device it was compiled for
+    (not for every device of the host), and gives the same tokens."""
+    import jaxspec
+    from tiny import tiny_model
+    model = tiny_model(seed=int.from_bytes(os.urandom(2), "little"))
+    ckpt = jaxspec.save(model, tmp_path / "ckpt")
+    ref = jaxspec.generate(jaxspec.load(ckpt), [[3, 5, 7, 9, 11], [2, 4]], max_new_tokens=6).tokens
+    flags = "--xla_force_host_platform_device_count=2"
+    first = run_generate(tmp_path, ckpt, XLA_FLAGS=flags)
+    assert first["tokens"] == ref and first["traced"] > 0 and first["files"]
+    second = run_generate(tmp_path, ckpt, XLA_FLAGS=flags)
+    assert second["tokens"] == ref
+    assert second["traced"] == 0, "the kept executables were not used"
+

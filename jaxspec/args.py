@@ -257,6 +257,13 @@ def check_serve(a) -> None:
     port = getattr(a, "port", 0)
     if port is not None and not 0 <= port <= 65535:
         raise ValueError(f"--port: must be a port number 0..65535, got {port!r}")
+    if hasattr(a, "tp") or hasattr(a, "dp"):
+        a.mesh = mesh_from_args(argparse.Namespace(tp=getattr(a, "tp", None),
+                                                   dp=getattr(a, "dp", None)))
+        d = 1 if a.mesh is None else int(a.mesh.shape["data"])
+        if a.mesh is not None and getattr(a, "max_batch", None) and a.max_batch % d:
+            raise ValueError(f"--max-batch {a.max_batch}: with --dp {d} the slots are split over "
+                             f"{d} data-parallel groups; give a multiple of {d}")
     level = getattr(a, "log_level", "info")
     if level is not None and level.lower() not in LOG_LEVELS:
         raise ValueError(f"--log-level: must be one of {', '.join(LOG_LEVELS)}, got {level!r}")

@@ -54,7 +54,7 @@ from pallas_kernels.decode_attention import resolve_num_new
 from pallas_kernels.merge import merge_partials
 
 from jaxspec.cache import PrefixLevel, SharedPrefix
-from jaxspec.mesh import active_mesh, per_shard_attention
+from jaxspec.mesh import active_mesh, batch_axis, per_shard_attention, per_shard_paged_attention
 from jaxspec.paged import gather_view, shift_tables
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
@@ -327,6 +327,10 @@ def _backend() -> str:
     return jax.default_backend()
 
 
+def _paged_kernel(q, k_pages, v_pages, table, lengths, mask, layer, **kw):
+    return paged_decode_attention(q, k_pages, v_pages, table, lengths, mask, layer=layer, **kw)[0]
+
+
 def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
     """Attention of the T queries (the last T of ``plan.new_tokens(T)`` new tokens) of one layer
     over the stacked cache ``[L, B, K, S, D]``."""
@@ -344,11 +348,11 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
             plan = plan.replace(shared=None)  # a sparse view reads few keys: no split
         if _use_kernel(impl) and plan.sliding_window is None:  # the paged kernel reads the pool
             sink, window = resolve_sparse(plan.sink, plan.window, None)
-            return paged_decode_attention(
-                q_BTHD, k_LBKSD, v_LBKSD, plan.block_table, plan.lengths, plan.mask, layer=layer,
-                sink=sink, window=window, sm_scale=sm_scale,
-                num_new=plan.new_tokens(q_BTHD.shape[1]),
-                interpret=True if impl == "interpret" else None)[0]
+            fn = functools.partial(_paged_kernel, sink=sink, window=window, sm_scale=sm_scale,
+                                   num_new=plan.new_tokens(q_BTHD.shape[1]),
+                                   interpret=True if impl == "interpret" else None)
+            return per_shard_paged_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, plan.block_table,
+                                             plan.lengths, plan.mask, layer)
         k_view = gather_view(k_LBKSD, layer, plan.block_table)[None]
         v_view = gather_view(v_LBKSD, layer, plan.block_table)[None]
         return attend(q_BTHD, k_view, v_view, jnp.int32(0),
@@ -473,23 +477,24 @@ def attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, 
         rows = jnp.arange(B, dtype=jnp.int32)
         return fn(q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, mask, layer, pre, rows, sharded=False)
     from jax.sharding import PartitionSpec as P
-    kv = P(None, "data", "model", None, None)
+    b = batch_axis(mesh, B)
+    kv = P(None, b, "model", None, None)
     lvl = P(None, None, None, "model", None)
     pre_spec = SharedPrefix(levels=tuple(PrefixLevel(k=lvl, v=lvl, lengths=P(), start=P())
-                                         for _ in pre.levels), offset=P("data"))
+                                         for _ in pre.levels), offset=P(b))
     args = [q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, layer, pre,
             jnp.arange(B, dtype=jnp.int32)]
-    specs = [P("data", None, "model", None), kv, kv, P("data"), P(), pre_spec, P("data")]
+    specs = [P(b, None, "model", None), kv, kv, P(b), P(), pre_spec, P(b)]
     if mask is not None:
         mask = jnp.asarray(mask)
         args.append(mask)
-        specs.append(P("data", None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
+        specs.append(P(b, None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
 
     def body(q, k, v, ln, lay, pr, rows, *m):
         return fn(q, k, v, ln, m[0] if m else None, lay, pr, rows, sharded=True)
 
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
-                         out_specs=P("data", None, "model", None), check_vma=False)(*args)
+                         out_specs=P(b, None, "model", None), check_vma=False)(*args)
 
 
 def _use_kernel(impl: str) -> bool:
@@ -592,32 +597,52 @@ def _attend_shared(q_BTHD, k_pages, v_pages, layer, plan: AttentionPlan, *, sm_s
     """Dense attention over a block pool whose rows ``plan.shared.rows`` begin with the shared
     context (`jaxspec.paged.SharedContext`): its copy read once for all of them (the shared-prefix
     kernel, one group) and each row's own slots after it through its shifted table, merged by
-    log-sum-exp. A row holding fewer context slots than the shared ones (an idle one) reads its
-    own blocks only."""
+    log-sum-exp (per shard under a mesh: rows over data, KV heads over model). A row holding
+    fewer context slots than the shared ones (an idle one) reads its own blocks only."""
     sh = plan.shared
     NB, BS = k_pages.shape[1], k_pages.shape[3]
-    T = q_BTHD.shape[1]
-    num_new = plan.new_tokens(T)
     n_sh = sh.length[0]
     member = sh.rows & (plan.lengths >= n_sh)
     skip = jnp.where(member, n_sh, 0).astype(jnp.int32)  # [B] slots read from the copy
     table = shift_tables(plan.block_table, skip // BS, NB)
     lengths = plan.lengths - skip
-    interpret = True if plan.impl == "interpret" else None
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q_BTHD.shape[-1])
-    if _use_kernel(plan.impl):
+    fn = functools.partial(_shared_segments, impl=plan.impl, sm_scale=sm_scale,
+                           num_new=plan.new_tokens(q_BTHD.shape[1]))
+    mask = None if plan.mask is None else jnp.asarray(plan.mask)
+    layer = jnp.asarray(layer, jnp.int32)
+    args = (q_BTHD, k_pages, v_pages, table, lengths, layer, sh.k, sh.v, sh.length, member, mask)
+    mesh = active_mesh()
+    if mesh is None:
+        return fn(*args)
+    from jax.sharding import PartitionSpec as P
+    b = batch_axis(mesh, q_BTHD.shape[0])
+    pool, copy = P(None, None, "model", None, None), P(None, None, None, "model", None)
+    specs = (P(b, None, "model", None), pool, pool, P(b, None), P(b), P(), copy, copy, P(),
+             P(b), None if mask is None else
+             P(b, None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(b, None, "model", None),
+                         check_vma=False)(*args)
+
+
+def _shared_segments(q_BTHD, k_pages, v_pages, table, lengths, layer, sh_k, sh_v, sh_length,
+                     member, mask, *, impl, sm_scale, num_new):
+    """`_attend_shared`'s two segments (each row's own slots; the shared copy for its member
+    rows) and their merge."""
+    interpret = True if impl == "interpret" else None
+    if _use_kernel(impl):
         o_own, lse_own = paged_decode_attention(
-            q_BTHD, k_pages, v_pages, table, lengths, plan.mask, layer=layer, sm_scale=sm_scale,
+            q_BTHD, k_pages, v_pages, table, lengths, mask, layer=layer, sm_scale=sm_scale,
             num_new=num_new, interpret=interpret)
-        o_sh, lse_sh = prefix_attention(q_BTHD, sh.k, sh.v, sh.length, sm_scale=sm_scale,
+        o_sh, lse_sh = prefix_attention(q_BTHD, sh_k, sh_v, sh_length, sm_scale=sm_scale,
                                         interpret=interpret, layer=layer, partials=True)
     else:
         k = gather_view(k_pages, layer, table)
         v = gather_view(v_pages, layer, table)
-        o_own, lse_own = attention_xla(q_BTHD, k, v, lengths, plan.mask, sm_scale=sm_scale,
+        o_own, lse_own = attention_xla(q_BTHD, k, v, lengths, mask, sm_scale=sm_scale,
                                        num_new=num_new)
-        o_sh, lse_sh = prefix_attention_reference(q_BTHD, sh.k, sh.v, sh.length,
+        o_sh, lse_sh = prefix_attention_reference(q_BTHD, sh_k, sh_v, sh_length,
                                                   sm_scale=sm_scale, layer=layer)
         o_sh, lse_sh = o_sh[None], lse_sh[None]
     lse_sh = jnp.where(member[None, :, None, None], lse_sh, -jnp.inf)

@@ -172,6 +172,13 @@ def cache_sharding(config: ModelConfig, mesh, batch: int | None = None) -> Named
     return NamedSharding(mesh, cache_spec(config, mesh, batch))
 
 
+def pool_sharding(config: ModelConfig, mesh) -> NamedSharding:
+    """Sharding of a paged block pool ``[L, NB, K, BS, D]``: KV heads over model as a dense
+    cache's, blocks replicated over data (any row's table may name any block)."""
+    kv = cache_spec(config, mesh)[2]
+    return NamedSharding(mesh, P(None, None, kv, None, None))
+
+
 def mesh_of(params):
     """The ``("data", "model")`` mesh the params are sharded on, or None."""
     for leaf in jax.tree_util.tree_leaves(params):
@@ -244,24 +251,57 @@ def active_mesh():
     return am
 
 
+def batch_axis(mesh, batch: int):
+    """The mesh axis a batch of ``batch`` rows is split over inside attention's ``shard_map``:
+    ``"data"``, or None (every data shard computes all the rows) when they do not divide over it,
+    as one request prefilled alone into a server's slot."""
+    return "data" if batch % axis_size(mesh, "data") == 0 else None
+
+
 def per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer):
     """``fn(q, k, v, lengths, mask, layer) -> out[B, T, H, D]``, run per shard inside
-    ``jax.shard_map`` when a ``("data", "model")`` mesh is active (batch over data, KV heads and
-    their query heads over model), else called directly."""
+    ``jax.shard_map`` when a ``("data", "model")`` mesh is active (batch over data unless it does
+    not divide (`batch_axis`), KV heads and their query heads over model), else called
+    directly."""
     mesh = active_mesh()
     if mesh is None:
         return fn(q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer)
     layer = jnp.asarray(layer, jnp.int32)
-    kv = P(None, "data", "model", None, None)
+    b = batch_axis(mesh, q_BTHD.shape[0])
+    kv = P(None, b, "model", None, None)
     args = [q_BTHD, k_LBKSD, v_LBKSD, lengths, layer]
-    specs = [P("data", None, "model", None), kv, kv, P("data"), P()]
+    specs = [P(b, None, "model", None), kv, kv, P(b), P()]
     if mask is not None:
         mask = jnp.asarray(mask)
         args.append(mask)
-        specs.append(P("data", None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
+        specs.append(P(b, None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
 
     def body(q, k, v, ln, lay, *m):
         return fn(q, k, v, ln, m[0] if m else None, lay)
 
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
-                         out_specs=P("data", None, "model", None), check_vma=False)(*args)
+                         out_specs=P(b, None, "model", None), check_vma=False)(*args)
+
+
+def per_shard_paged_attention(fn, q_BTHD, k_pages, v_pages, block_table, lengths, mask, layer):
+    """`per_shard_attention` for a paged pool ``[L, NB, K, BS, D]`` read through
+    ``block_table[B, MB]``: rows over data (`batch_axis`), KV heads over model, every block on
+    every data shard (`pool_sharding`)."""
+    mesh = active_mesh()
+    if mesh is None:
+        return fn(q_BTHD, k_pages, v_pages, block_table, lengths, mask, layer)
+    layer = jnp.asarray(layer, jnp.int32)
+    b = batch_axis(mesh, q_BTHD.shape[0])
+    pool = P(None, None, "model", None, None)
+    args = [q_BTHD, k_pages, v_pages, block_table, lengths, layer]
+    specs = [P(b, None, "model", None), pool, pool, P(b, None), P(b), P()]
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        args.append(mask)
+        specs.append(P(b, None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
+
+    def body(q, k, v, table, ln, lay, *m):
+        return fn(q, k, v, table, ln, m[0] if m else None, lay)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                         out_specs=P(b, None, "model", None), check_vma=False)(*args)

@@ -46,7 +46,8 @@ import uuid
 from importlib import resources
 from typing import Any
 
-from jaxspec.args import int_or_none_arg, merge_model_path, parse_gamma, parse_tree, window_arg
+from jaxspec.args import (int_or_none_arg, merge_model_path, mesh_from_args, parse_gamma, parse_tree,
+                          positive_int, window_arg)
 from jaxspec.serving import (SHARE_MIN_TOKENS, EngineStopped, PromptTooLong, QueueFull,
                              SamplingOptions, Sequence, ServingEngine)
 from jaxspec.speculation import Speculation
@@ -1125,6 +1126,11 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="draft window (StreamingLLM; default %(default)s); 'none': a draft model "
                         "with a full cache")
     p.add_argument("--tree", default=None, help="token-tree expansion config, e.g. 1,1,3,1")
+    p.add_argument("--tp", type=positive_int, default=None,
+                   help="tensor-parallel devices (model axis; default: all the --dp leaves)")
+    p.add_argument("--dp", type=positive_int, default=None,
+                   help="data-parallel groups: the slots are split over them (--max-batch must "
+                        "be a multiple)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="slots (concurrent sequences); default 64 on GPU/TPU, 4 on CPU")
     p.add_argument("--max-len", type=int, default=None,
@@ -1221,16 +1227,22 @@ def build_engine(a) -> tuple[ServingEngine, str]:
     if path is None:
         from jaxspec.fetch import fetch
         path = fetch("smollm2-135m-instruct", a.checkpoints)
-    model = jaxspec.load(path, dtype=a.dtype)
+    mesh = getattr(a, "mesh", None)
+    if mesh is None and (getattr(a, "tp", None) or getattr(a, "dp", None)):
+        mesh = mesh_from_args(a)
+    model = jaxspec.load(path, dtype=a.dtype, mesh=mesh)
     spec = None
     if a.draft is not None:
-        draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype)
+        draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype, mesh=mesh)
         spec = jaxspec.Speculation(draft=draft, gamma=a.gamma, sink=a.sink,
                                    window=a.window,
                                    tree=parse_tree(a.tree))
     import jax
     cpu = jax.default_backend() == "cpu"
     max_batch = a.max_batch or (4 if cpu else 64)
+    if mesh is not None:  # whole groups of slots per data shard
+        d = int(mesh.shape["data"])
+        max_batch = max_batch if a.max_batch else -(-max_batch // d) * d
     max_len = a.max_len or (1024 if cpu else 8192)
     engine = ServingEngine(model, max_batch=max_batch, max_len=max_len, speculation=spec,
                            rounds_per_chunk=a.rounds_per_chunk, max_queue=a.max_queue,

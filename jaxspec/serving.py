@@ -174,7 +174,8 @@ class Sequence:
 class ServingEngine:
     """Continuous-batching engine over one model (see module docstring).
 
-    model: a `jaxspec.Model` (with a tokenizer for text prompts; on a mesh when it has one).
+    model: a `jaxspec.Model` (with a tokenizer for text prompts; on a mesh when it has one: the
+        slots are split over the data axis, so ``max_batch`` must be a multiple of it).
     max_batch: slots (batch rows of the decode state).
     max_len: tokens per sequence (prompt + completion); default: the model's context, at most 4096;
         never more than the model's context, nor than a full-cache draft model's.
@@ -194,7 +195,7 @@ class ServingEngine:
         document asked many questions, a long system prompt), a dense copy of those blocks is
         attended to once for all of them (shared-prefix attention, `jaxspec.paged.SharedContext`)
         instead of by each one, if that saves at least this many key reads per step ((sharing
-        rows - 1) x shared tokens); None: never (nor on a mesh).
+        rows - 1) x shared tokens); None: never.
     ignore_eos: sequences do not stop at the model's EOS (benchmarks of fixed length).
     compact_rows: while at most half the slots decode, a chunk runs only their rows (taken out
         of the slots' state and put back: a smaller batch). It pays where a step's cost grows with
@@ -226,13 +227,10 @@ class ServingEngine:
         self.config = cfg = dec.config
         self.tokenizer = model.tokenizer
         self.B = int(max_batch)
-        if dec.mesh is not None and dec.mesh.shape["data"] > 1:
-            # a request is prefilled into its slot alone, and one row cannot be split over the
-            # data axis: every admission would fail
-            raise ValueError(f"the serving engine shards a model over the mesh's model axis only; "
-                             f"this mesh has a data axis of {dec.mesh.shape['data']} (use "
-                             f"jaxspec.make_mesh(1, tp), or jaxspec.generate for data "
-                             f"parallelism)")
+        if dec.mesh is not None and self.B % dec.mesh.shape["data"]:
+            d = dec.mesh.shape["data"]
+            raise ValueError(f"max_batch={self.B}: the mesh's data axis splits the slots over {d} "
+                             f"devices; give a multiple of {d}")
         self.rounds = int(rounds_per_chunk)
         self.chunk_seconds = float(chunk_seconds)
         self.max_queue = int(max_queue)
@@ -278,9 +276,8 @@ class ServingEngine:
             self.prefill_budget = int(prefill_budget or 4 * self.prefill_chunk)
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
-        # (not on a mesh: the shared-prefix kernel reads a copy that is not laid out per shard)
         self.share_min_tokens = None if share_min_tokens is None or not self.paged \
-            or dec.mesh is not None else int(share_min_tokens)
+            else int(share_min_tokens)
         self._shared = None  # (shared blocks, sharing rows) of `_shared_ctx`
         self._shared_want = None  # the same, as `_share` last chose it for the next chunks
         # the shared context itself (`jaxspec.paged.SharedContext`): kept out of the state, which

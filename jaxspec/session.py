@@ -37,7 +37,8 @@ from jaxspec.config import sliding_window_of
 from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
 from jaxspec.decoding import DecodeState, Round, RoundStats, run_chunk, run_rounds
 from jaxspec.drafter import DraftState, ModelDrafter, SelfDrafter, ring_cache_len, ring_prefill
-from jaxspec.mesh import ShardingError, cache_sharding, fetch, pad_batch, put_batch, use_mesh
+from jaxspec.mesh import (ShardingError, cache_sharding, fetch, pad_batch, pool_sharding, put_batch,
+                          use_mesh)
 from jaxspec.model import Model
 from jaxspec.paged import PagedKVCache
 from jaxspec.prefill import (DEFAULT_PREFILL_CHUNK, chunk_of, prefill, prefill_paged_row, prefill_row,
@@ -725,9 +726,10 @@ class Decoder:
         """`empty_state` with a paged target cache: a pool of ``num_blocks`` blocks of
         ``block_size`` slots, rows of ``max_blocks`` table entries (all unmapped)."""
         state = self.empty_state(batch, SLOT_ALIGN, width)
+        shd = None if self.mesh is None else pool_sharding(self.config, self.mesh)
         with use_mesh(self.mesh):
             cache = PagedKVCache.create(self.config, batch, num_blocks, block_size, max_blocks,
-                                        dtype=self.cache_dtype)
+                                        dtype=self.cache_dtype, sharding=shd)
         return state.replace(cache=cache)
 
     def prefill_draft_row(self, state: DecodeState, row: int, tokens: list[int]) -> DecodeState:

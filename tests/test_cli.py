@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 import jaxspec
@@ -146,6 +147,10 @@ def test_serve_convert_fetch_and_tree_search_arguments(ckpt: Path, tmp_path: Pat
         "--draft": [*m, "--draft", str(tmp_path / "nowhere")],
         "--model ": [str(tmp_path / "nowhere")],  # the checkpoint as a positional argument
         "given twice": [str(ckpt), "--model", str(tmp_path / "other")],
+        "--tp": [*m, "--tp", "0"],
+        "--dp": [*m, "--dp", str(len(jax.devices()) + 1)],
+        "--max-batch 3": [*m, "--dp", "2", "--max-batch", "3"] if len(jax.devices()) % 2 == 0
+        else [*m, "--max-batch", "0"],
     }
     for option, argv in serve.items():
         assert option.strip() in fails(["serve", *argv], capsys), argv

@@ -236,22 +236,36 @@ def test_per_layer_shared_prefix_on_mesh(monkeypatch):
 
 
 @need8
-def test_serving_engine_on_a_model_axis_mesh():
-    """The serving engine on a model sharded over a model axis of 2 (its decode chunks run on
-    the engine's device thread, inside the mesh): the single-device greedy tokens, plain and
-    self-speculative. A mesh with a data axis > 1 is refused when the engine is built (a request
-    is prefilled into its slot alone, and one row cannot be split over the data axis)."""
-    from jaxspec.serving import SamplingOptions, ServingEngine
-    ref = jaxspec.generate(_gqa(), PROMPTS, max_new_tokens=NEW).tokens
-    model = shd.shard_model(_gqa(), jaxspec.make_mesh(1, 2))
-    for spec in (None, Speculation(gamma=2, sink=2, window=6, adaptive=False)):
-        engine = ServingEngine(model, max_batch=4, max_len=64, speculation=spec).start(
+def test_serving_engine_on_a_mesh():
+    """The serving engine on a model sharded over a ``data x model`` mesh (its decode chunks run
+    on the engine's device thread, inside the mesh; a request is prefilled alone into its slot,
+    its one row computed on every data shard): the single-device greedy tokens, plain and
+    self-speculative, with dense slots and with a paged pool (the paged kernel per shard, in
+    interpret mode) whose requests about one document attend to its shared context together. A
+    slot count that does not divide over the data axis is refused."""
+    from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
+    doc = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]  # two full blocks of 8, and one
+    prompts = [doc + [7, 7], doc + [2, 8, 1]] + PROMPTS
+    ref = jaxspec.generate(_gqa(), prompts, max_new_tokens=NEW).tokens
+    model = shd.shard_model(_gqa(), jaxspec.make_mesh(2, 2))
+    self_spec = Speculation(gamma=2, sink=2, window=6, adaptive=False)
+    for kw in (dict(), dict(speculation=self_spec),
+               dict(page_size=8, attn_impl="interpret", speculation=self_spec,
+                    share_min_tokens=0)):
+        engine = ServingEngine(model, max_batch=4, max_len=64, **kw).start(
             variants=[(True, False)])  # greedy requests only
         try:
-            got = [engine.generate(p, SamplingOptions(max_tokens=NEW, temperature=0),
-                                   timeout=300).tokens for p in PROMPTS]
+            engine.pause_admission()
+            seqs = [Sequence(p, SamplingOptions(max_tokens=NEW, temperature=0)) for p in prompts]
+            engine.submit(seqs)
+            engine.resume_admission()
+            for q in seqs:
+                assert q.finished.wait(300) and q.error is None, q.error
+            m = engine.metrics()
         finally:
             engine.stop()
-        assert got == ref, spec
-    with pytest.raises(ValueError, match="data axis of 2"):
-        ServingEngine(shd.shard_model(_gqa(), jaxspec.make_mesh(2, 2)), max_batch=4, max_len=64)
+        assert [q.tokens for q in seqs] == ref, kw
+        if "share_min_tokens" in kw:
+            assert m["shared_context_copies"] >= 1, m
+    with pytest.raises(ValueError, match="multiple of 2"):
+        ServingEngine(model, max_batch=3, max_len=64)

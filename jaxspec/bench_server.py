@@ -219,16 +219,25 @@ def parse_rates(text: str) -> list[float]:
 
 
 def parse_lengths(text: str) -> tuple[int, int]:
-    """``16384`` -> (16384, 16384); ``8192-32768`` -> (8192, 32768)."""
-    lo, _, hi = str(text).partition("-")
+    """``16384`` -> (16384, 16384); ``8192-32768`` or ``1024~32768`` -> (LO, HI) (see
+    `length_spread`)."""
+    text = str(text)
+    lo, _, hi = text.replace("~", "-", 1).partition("-")
     try:
         lo_i, hi_i = int(lo), int(hi or lo)
     except ValueError:
-        raise ValueError(f"--prompt must be a length or a range LO-HI of lengths, "
-                         f"got {text!r}") from None
+        raise ValueError(f"--prompt must be a length, a range LO-HI (uniform) or LO~HI "
+                         f"(log-uniform) of lengths, got {text!r}") from None
     if lo_i < 1 or hi_i < lo_i:
         raise ValueError(f"--prompt: lengths must be >= 1 and LO <= HI, got {text!r}")
     return lo_i, hi_i
+
+
+def length_spread(text: str) -> str:
+    """How ``--prompt`` draws a request's length in [LO, HI]: ``uniform`` (``LO-HI``) or ``log``
+    (``LO~HI``: log-uniform, as many requests of 1k-2k tokens as of 16k-32k, the skew of real
+    traffic, where most requests are short)."""
+    return "log" if "~" in str(text) else "uniform"
 
 
 def rate_label(rate: float) -> str:
@@ -244,11 +253,23 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return [0.0] + np.cumsum(gaps).tolist()
 
 
-def plan_requests(model, n: int, lo: int, hi: int, seed: int, source: str) -> list[list[int]]:
-    """``n`` token-id prompts, lengths drawn uniformly from [lo, hi] with ``seed``, each cut from
-    the start of a ``hi``-token prompt of `jaxspec.bench.make_prompts`."""
+def draw_lengths(n: int, lo: int, hi: int, seed: int, spread: str = "uniform") -> np.ndarray:
+    """``n`` lengths in [lo, hi] drawn with ``seed``: uniformly, or log-uniformly
+    (``spread="log"``)."""
+    rng = np.random.default_rng(seed)
+    if spread == "log":
+        x = np.exp(rng.uniform(np.log(lo), np.log(hi + 1), size=n))
+        return np.clip(np.floor(x).astype(np.int64), lo, hi)
+    return rng.integers(lo, hi + 1, size=n)
+
+
+def plan_requests(model, n: int, lo: int, hi: int, seed: int, source: str,
+                  spread: str = "uniform") -> list[list[int]]:
+    """``n`` token-id prompts, lengths drawn from [lo, hi] with ``seed`` (uniformly, or
+    log-uniformly with ``spread="log"``), each cut from the start of a ``hi``-token prompt of
+    `jaxspec.bench.make_prompts`."""
     from jaxspec.bench import make_prompts
-    lengths = np.random.default_rng(seed).integers(lo, hi + 1, size=n)
+    lengths = draw_lengths(n, lo, hi, seed, spread)
     pool = make_prompts(model, n, hi, seed, source)
     return [list(p[:int(k)]) for p, k in zip(pool, lengths)]
 
@@ -271,7 +292,9 @@ def parse_servers(text: str) -> list[dict]:
     """``dense,paged,paged8-blocks4096-budget8192`` -> server setups: ``dense`` (one dense K/V
     row per slot) or ``paged[N]`` (paged K/V, pages of N slots, default 16) with optional
     ``-blocksM`` (blocks in the pool), ``-budgetT`` (prefill tokens between decode chunks) and
-    ``-noshare`` (no shared-context attention: ``share_min_tokens=None``)."""
+    ``-noshare`` (no shared-context attention: ``share_min_tokens=None``); any setup takes
+    ``-slotsN`` (N slots instead of ``--max-batch``: a paged pool of the dense cache's size with
+    more slots)."""
     out, seen = [], set()
     for name in (x.strip() for x in str(text).split(",")):
         if not name:
@@ -281,10 +304,17 @@ def parse_servers(text: str) -> list[dict]:
         seen.add(name)
         head, *opts = name.split("-")
         setup = {"name": name, "page_size": None, "kv_blocks": None, "prefill_budget": None,
-                 "share": True}
+                 "share": True, "max_batch": None}
+        slots = [o for o in opts if o.startswith("slots") and o[5:].isdigit()]
+        if slots:
+            setup["max_batch"] = int(slots[-1][5:])
+            if setup["max_batch"] < 1:
+                raise ValueError(f"--servers: {name!r}: sizes must be >= 1")
+            opts = [o for o in opts if o not in slots]
         if head == "dense":
             if opts:
-                raise ValueError(f"--servers: {name!r}: a dense setup takes no options")
+                raise ValueError(f"--servers: {name!r}: a dense setup takes no options but "
+                                 f"slotsN")
         elif head.startswith("paged") and (head[5:] == "" or head[5:].isdigit()):
             setup["page_size"] = int(head[5:] or SETUP_PAGE_SIZE)
             for o in opts:
@@ -297,7 +327,7 @@ def parse_servers(text: str) -> list[dict]:
                         break
                 else:
                     raise ValueError(f"--servers: {name!r}: unknown option {o!r} (blocksM, "
-                                     f"budgetT, noshare)")
+                                     f"budgetT, noshare, slotsN)")
             if min(v for v in (setup["page_size"], setup["kv_blocks"], setup["prefill_budget"])
                    if v is not None) < 1:
                 raise ValueError(f"--servers: {name!r}: sizes must be >= 1")
@@ -468,15 +498,16 @@ def kv_delta(before: dict | None, after: dict | None, peak: int | None) -> dict 
 
 
 class _BlockPeak:
-    """The most blocks in use in a paged engine's pool while a point runs, sampled every
-    ``period`` seconds by a thread in the server's process (the pool has no high-water mark)."""
+    """The most blocks in use in a paged engine's pool (``peak``) and the most sequences in its
+    slots (``running``) while a point runs, sampled every ``period`` seconds by a thread in the
+    server's process (neither has a high-water mark)."""
 
     def __init__(self, engine, period: float = 0.02):
         import threading
-        self.engine, self.period, self.peak = engine, period, None
+        self.engine, self.period, self.peak, self.running = engine, period, None, 0
         self._stop = threading.Event()
         self._thread = None
-        if getattr(engine, "paged", False):
+        if engine is not None:
             self._thread = threading.Thread(target=self._run, name="bench-kv-peak", daemon=True)
 
     def _sample(self):
@@ -484,6 +515,9 @@ class _BlockPeak:
         if blocks is not None:
             used = int(blocks.used)
             self.peak = used if self.peak is None else max(self.peak, used)
+        slots = getattr(self.engine, "slots", None)
+        if slots is not None:
+            self.running = max(self.running, sum(s is not None for s in list(slots)))
 
     def _run(self):
         while not self._stop.is_set():
@@ -534,6 +568,7 @@ def check_args(a, has_draft: bool = False) -> None:
     """Every argument, before a model is loaded; ValueError naming the argument."""
     a.rate_list = parse_rates(a.rates)
     a.lengths = parse_lengths(a.prompt)
+    a.spread = length_spread(a.prompt)
     for name in ("requests", "new", "max_batch"):
         v = getattr(a, name)
         if not isinstance(v, int) or v < 1:
@@ -634,7 +669,8 @@ def _workloads(args, model) -> list[dict]:
             w.update(prompts=prompts, ref_warm=pool[:B], warm=pool[:n_warm],
                      longest=L + Q, waves=[1, n_warm - 1])
         else:
-            prompts = plan_requests(model, max(N, B), lo, hi, args.seed, args.source)
+            prompts = plan_requests(model, max(N, B), lo, hi, args.seed, args.source,
+                                    args.spread)
             # warm-up prompts: other text, the shapes of the measured ones (the reference's
             # warm-up call: the same lengths; the servers': every prefill length bucket)
             lens = warmup_lengths(lo, hi)
@@ -684,7 +720,7 @@ def bench_server(args, model=None, draft=None) -> dict:
     out = {"env": environment(), "model": label,
            "draft": args.draft, "max_batch": B, "max_len": max_len,
            "rounds_per_chunk": args.rounds_per_chunk, "prefill_chunk": args.prefill_chunk,
-           "prompt": [lo, hi], "workloads": args.workload_list,
+           "prompt": [lo, hi], "prompt_spread": args.spread, "workloads": args.workload_list,
            "doc_tokens": args.doc_len if shared else None,
            "question_tokens": args.question if shared else None,
            "doc_cache": args.doc_cache if shared else None,
@@ -774,7 +810,8 @@ def bench_server(args, model=None, draft=None) -> dict:
                                  "prefill_budget": setup["prefill_budget"]}
                         if not setup.get("share", True):
                             paged["share_min_tokens"] = None
-                    engine = ServingEngine(model, max_batch=B, max_len=max_len,
+                    engine = ServingEngine(model, max_batch=setup.get("max_batch") or B,
+                                           max_len=max_len,
                                            speculation=specs[v],
                                            rounds_per_chunk=args.rounds_per_chunk,
                                            max_queue=max(1024, N + n_warm),
@@ -852,6 +889,7 @@ def _measure(point, url, engine, prompts_file, work, w, rate, args, every, K) ->
     point["status"] = "ok" if point["completed"] == N else "incomplete"
     point["server"] = server_delta(m0, m1)
     point["kv"] = kv_delta(kv0, kv1, peak.peak)
+    point["peak_running"] = peak.running
     got = [recs[i]["token_ids"] for i in range(K)]
     point["outputs"] = got
     point["rows_checked"] = sum(g is not None for g in got)
@@ -928,7 +966,8 @@ def _point_line(p: dict) -> str:
     if p.get("status") not in ("ok", "incomplete"):
         return f"{head}: {p.get('status')}: {p.get('error')}"
     s = p["server"]
-    line = (f"{head}: {p['completed']}/{p['requests']} done, {p['request_throughput']:.2f} req/s, "
+    line = (f"{head}: {p['completed']}/{p['requests']} done (at most "
+            f"{_f(p.get('peak_running'), 'd')} at once), {p['request_throughput']:.2f} req/s, "
             f"{p['output_tok_s']:.1f} tok/s, TTFT p50 {_f(p['ttft_s']['p50'], '.3f')} s, ITL p50 "
             f"{_ms(p['itl_s'], ('p50',))} ms, e2e p50 {_f(p['e2e_s']['p50'], '.3f')} s, accept "
             f"{_f(s['acceptance_rate'])}, tok/step {_f(s['tokens_per_target_step'])}, "
@@ -977,7 +1016,8 @@ def markdown(out: dict) -> str:
                    "no priming: the document is new to each server at its first point only "
                    "(`--doc-cache cold`)"))
         else:
-            lengths = f"{lo}" if lo == hi else f"{lo}-{hi} (uniform per request)"
+            spread = ("log-uniform" if out.get("prompt_spread") == "log" else "uniform")
+            lengths = f"{lo}" if lo == hi else f"{lo}-{hi} ({spread} per request)"
             whats.append(("independent: " if len(workloads) > 1 else "") +
                          f"token-id prompts of {lengths} tokens ({out['source']}, seed "
                          f"{out['seed']})")
@@ -1032,23 +1072,23 @@ def markdown(out: dict) -> str:
     def cells(p):
         return ((f"| {p.get('setup')} " if multi else "") +
                 (f"| {p.get('workload')} " if multi_w else "") + f"| {p['variant']} ")
-    lines += ["", f"{col}| variant | gamma | rate req/s | done/sent | req/s | out tok/s | "
-              "TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | e2e p50 / p99 s | "
+    lines += ["", f"{col}| variant | gamma | rate req/s | done/sent | running at most | req/s | "
+              "out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | e2e p50 / p99 s | "
               "server decode tok/s | accept | tok/step | finish | = generate |",
-              f"{sep}|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              f"{sep}|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in out["points"]:
         info = out["servers"].get(server_key(out, p.get("setup"), p["variant"]), {})
         gamma = _f(info.get("gamma"), "d")
         if p.get("status") not in ("ok", "incomplete"):
             lines.append(f"{cells(p)}| {gamma} | {p['rate']} | {p.get('status')}: "
-                         f"{p.get('error')} | | | | | | | | | | |")
+                         f"{p.get('error')} | | | | | | | | | | | |")
             continue
         s = p["server"]
         e2e = p["e2e_s"]
         fin = ", ".join(f"{k} {n}" for k, n in sorted(p["finish_reasons"].items()))
         lines.append(
             f"{cells(p)}| {gamma} | {p['rate']} | {p['completed']}/{p['requests']} | "
-            f"{p['request_throughput']:.2f} | {p['output_tok_s']:.1f} | {_ms(p['ttft_s'])} | "
+            f"{_f(p.get('peak_running'), 'd')} | {p['request_throughput']:.2f} | {p['output_tok_s']:.1f} | {_ms(p['ttft_s'])} | "
             f"{_ms(p['itl_s'])} | {_f(e2e['p50'], '.3f')} / {_f(e2e['p99'], '.3f')} | "
             f"{_f(s['decode_tok_s'], '.1f')} | {_f(s['acceptance_rate'])} | "
             f"{_f(s['tokens_per_target_step'])} | {fin} | "
@@ -1145,7 +1185,8 @@ def add_arguments(sub) -> None:
                    help="shared-doc: warm = one unmeasured request with the document before "
                         "each point (a paged server then has it cached); cold = none")
     s.add_argument("--prompt", default="4096",
-                   help="prompt tokens: a length, or a range LO-HI drawn per request")
+                   help="prompt tokens: a length, or a range drawn per request: LO-HI "
+                        "(uniform) or LO~HI (log-uniform: most requests short)")
     s.add_argument("--new", type=int, default=256, help="max_tokens of each request")
     s.add_argument("--max-batch", type=int, default=64,
                    help="server slots (the reference decodes a batch of this many)")

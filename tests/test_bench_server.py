@@ -166,6 +166,19 @@ def test_arrivals_and_lengths():
     assert bench_server.parse_rates("inf,4,0.5") == [math.inf, 4.0, 0.5]
     assert bench_server.parse_lengths("16384") == (16384, 16384)
     assert bench_server.parse_lengths("8192-32768") == (8192, 32768)
+    assert bench_server.parse_lengths("1024~32768") == (1024, 32768)
+    assert bench_server.length_spread("1024~32768") == "log"
+    assert bench_server.length_spread("8192-32768") == "uniform"
+    # log-uniform: as many lengths in each octave; uniform: as many in each equal interval
+    seed = int(np.random.default_rng().integers(1 << 30))
+    lg = bench_server.draw_lengths(20000, 1024, 32767, seed, "log")
+    un = bench_server.draw_lengths(20000, 1024, 32767, seed, "uniform")
+    assert lg.min() >= 1024 and lg.max() <= 32767 and un.min() >= 1024 and un.max() <= 32767
+    for lo in (1024, 2048, 4096, 8192, 16384):  # 5 octaves, a fifth each
+        frac = np.mean((lg >= lo) & (lg < 2 * lo))
+        assert abs(frac - 0.2) < 4 * math.sqrt(0.2 * 0.8 / lg.size), (lo, frac)
+    assert abs(np.mean(un < 16896) - 0.5) < 0.015
+    assert np.array_equal(lg, bench_server.draw_lengths(20000, 1024, 32767, seed, "log"))
     assert bench_server.warmup_lengths(8, 40) == [8, 16, 32, 40]
     assert bench_server.warmup_lengths(100, 100) == [100]
 
@@ -249,6 +262,7 @@ def test_setups_and_workloads_report_and_outputs(shared_doc_run):
         _pct_ok(p["e2e_s"], 5)
         assert [r["prompt_tokens"] for r in p["per_request"]] == [len(x) for x in prompts[w]]
         assert (p["kv"] is None) == (p["setup"] == "dense")
+        assert 1 <= p["peak_running"] <= 4  # the most sequences in the 4 slots at once
     pts = {(p["setup"], p["workload"]): p for p in out["points"]}
     kv = pts["paged8", "shared-doc"]["kv"]
     # 5 sequences of 49 cached slots (all but the last prompt token) looked up; the document's
@@ -297,7 +311,13 @@ def test_server_setups_and_kv_numbers():
     dense, paged, p8, ns = bench_server.parse_servers(
         "dense, paged, paged8-blocks300-budget64, paged-noshare")
     assert dense == {"name": "dense", "page_size": None, "kv_blocks": None,
-                     "prefill_budget": None, "share": True}
+                     "prefill_budget": None, "share": True, "max_batch": None}
+    d16, p48 = bench_server.parse_servers("dense-slots16, paged-blocks64-slots48")
+    assert (d16["max_batch"], d16["page_size"]) == (16, None)
+    assert (p48["max_batch"], p48["kv_blocks"], p48["page_size"]) == \
+        (48, 64, bench_server.SETUP_PAGE_SIZE)
+    with pytest.raises(ValueError, match="--servers"):
+        bench_server.parse_servers("dense-blocks8")
     assert paged["share"] and not ns["share"] and ns["page_size"] == bench_server.SETUP_PAGE_SIZE
     assert (paged["page_size"], paged["kv_blocks"], paged["prefill_budget"]) == \
         (bench_server.SETUP_PAGE_SIZE, None, None)

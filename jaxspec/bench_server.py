@@ -990,8 +990,10 @@ def _setup_words(out: dict) -> str:
         else:
             info = next((i for i in out["servers"].values()
                          if i.get("setup") == s["name"] and i.get("kv_blocks")), {})
+            budget = (f"{info['prefill_budget']} tokens" if info.get("prefill_budget") else
+                      "adaptive (half a decode chunk's time)")
             pool = (f"{info['kv_blocks']} blocks ({info['blocks_per_sequence']} per sequence of "
-                    f"max_len), prefill budget {info['prefill_budget']} tokens per chunk"
+                    f"max_len), prefill budget {budget} per chunk"
                     if info else "pool size and budget: the server's defaults")
             words.append(f"`{s['name']}`: paged K/V, pages of {s['page_size']} slots, {pool}, "
                          f"automatic prefix caching")

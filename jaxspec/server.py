@@ -1150,7 +1150,9 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="blocks in the paged pool (default: what the dense cache would hold)")
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="paged: prompt tokens prefilled between two decode chunks "
-                        "(default: 4 x --prefill-chunk)")
+                        "(default: as many as take half a decode chunk's time at the measured "
+                        "prefill rate, so running streams slow by at most half; while none "
+                        "decodes, half a second's worth)")
     p.add_argument("--share-min-tokens", type=int_or_none_arg, default=SHARE_MIN_TOKENS,
                    help="paged: running requests that begin with the same cached blocks (one "
                         "document, a long system prompt) attend to them once, together, when "

@@ -66,6 +66,12 @@ CHUNK_SECONDS = 0.08  # a decode chunk (the streaming granularity) takes about t
 # ((sharing rows - 1) x shared tokens): below it, the extra kernel and merge per layer cost about
 # what they save
 SHARE_MIN_TOKENS = 32768
+# Paged prefill between decode chunks (unless a fixed ``prefill_budget`` is given): while
+# sequences decode, as many prompt tokens as take this share of a decode chunk's time (their
+# inter-token latency grows by at most this share); while none does, as many as take this long
+# (the engine comes back between them to admit and cancel).
+PREFILL_SHARE = 0.5
+PREFILL_IDLE_SECONDS = 0.5
 
 
 class QueueFull(RuntimeError):
@@ -186,7 +192,8 @@ class ServingEngine:
     page_size: paged K/V (`jaxspec.paged`): blocks of this many slots shared by all slots, so
         memory follows the sequences' actual lengths; a request reuses the cached blocks of its
         longest cached prefix (automatic prefix caching, `jaxspec.blocks`); prompts are prefilled
-        in chunks between decode chunks (at most ``prefill_budget`` tokens each time); when
+        in chunks between decode chunks (``prefill_budget`` tokens each time if given, else
+        as many as take half a decode chunk's time, at the measured prefill rate); when
         blocks run out, the most recently admitted sequence is preempted (its cache recomputed
         later, from its prompt and the tokens it has generated: nothing is lost). None: one dense
         cache row of ``max_len`` slots per slot.
@@ -273,7 +280,10 @@ class ServingEngine:
                                  f"{self.max_len} ({self.max_blocks} blocks of "
                                  f"{self.page_size})")
             self.n_blocks = n_blocks
-            self.prefill_budget = int(prefill_budget or 4 * self.prefill_chunk)
+            # None: chosen each time from the measured prefill rate (`_prefill_tokens`)
+            self.prefill_budget = None if prefill_budget is None else int(prefill_budget)
+            self._prefill_rate = None  # prompt tokens / s, measured
+            self._chunk_s = 0.0  # device seconds of the last decode chunk
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
         self.share_min_tokens = None if share_min_tokens is None or not self.paged \
@@ -985,12 +995,29 @@ class ServingEngine:
             self.m["shared_context_tokens"] = len(blocks) * self.page_size
         self._shared = group
 
+    def _prefill_tokens(self) -> int:
+        """Prompt tokens to prefill before the next decode chunk: ``prefill_budget`` if given,
+        else what the measured prefill rate does in `PREFILL_SHARE` of the last decode chunk's
+        time while sequences decode (`PREFILL_IDLE_SECONDS` while none does); whole prefill
+        chunks, at least one (four until a rate is measured)."""
+        if self.prefill_budget is not None:
+            return self.prefill_budget
+        C = self.prefill_chunk
+        if self._prefill_rate is None:
+            return 4 * C
+        decoding = any(self.slots[b] is not None for b in self._started)
+        seconds = PREFILL_SHARE * self._chunk_s if decoding else PREFILL_IDLE_SECONDS
+        return max(1, int(self._prefill_rate * seconds) // C) * C
+
     def _prefill_step(self):
-        """At most ``prefill_budget`` prompt tokens prefilled, oldest admission first; a sequence
+        """At most `_prefill_tokens` prompt tokens prefilled, oldest admission first; a sequence
         whose prompt is in starts decoding."""
-        budget = self.prefill_budget
+        budget = self._prefill_tokens()
         filling = sorted((s for s in self.slots if s is not None and s.filled < len(s.fill)),
                          key=lambda s: s.t_submit)
+        if filling:
+            self.state  # noqa: B018 - the running chunk first: the rate times prefill alone
+        t0, done = time.perf_counter(), 0
         for s in filling:
             if budget <= 0:
                 break
@@ -1008,9 +1035,15 @@ class ServingEngine:
                 continue
             s.filled += n
             budget -= n
+            done += n
             # its full blocks are cached at once: sequences admitted with it that share the
             # prefix (a document many requests ask about) find them before their own prefill
             self.blocks.register(s.fill[:s.filled], s.blocks, s.fill_keys)
+        if done >= self.prefill_chunk:  # the rate that sizes the next steps (an EMA)
+            jax.block_until_ready(self.state.cache.lengths)
+            rate = done / max(time.perf_counter() - t0, 1e-6)
+            self._prefill_rate = rate if self._prefill_rate is None else \
+                0.5 * self._prefill_rate + 0.5 * rate
         starts = [s for s in self.slots if s is not None and s.filled >= len(s.fill)
                   and self.done[s.slot] and not s.finished_flag and s.fill is not None
                   and s.slot not in self._started]
@@ -1163,6 +1196,7 @@ class ServingEngine:
             still = [b for b in ran if not done[b]]
             self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
             self.m["chunk_seconds"] += dt
+            self._chunk_s = dt
         self.m["chunks"] += 1
         self.m["speculative_chunks" if rd.speculative else "plain_chunks"] += 1
         self.m["rounds"] += n

@@ -87,6 +87,36 @@ def test_paged_engine_rejects_bad_sizes(model):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, kv_blocks=2)
 
 
+def test_prefill_budget_follows_the_measured_rate(model):
+    """Without a fixed ``prefill_budget``, the prompt tokens prefilled between two decode chunks
+    take at most `PREFILL_SHARE` of the last chunk's time at the measured prefill rate while
+    sequences decode (their inter-token latency grows by at most that share), and
+    `PREFILL_IDLE_SECONDS` worth while none does; whole prefill chunks, at least one. Once the
+    engine has prefilled, the rate it measured is positive and sizes the next steps."""
+    from jaxspec.serving import PREFILL_IDLE_SECONDS, PREFILL_SHARE
+    e = ServingEngine(model, max_batch=2, max_len=96, page_size=8, prefill_chunk=16)
+    assert e._prefill_tokens() == 4 * 16  # before any rate is measured
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    rate, chunk = float(rng.uniform(1e4, 1e6)), float(rng.uniform(0.01, 0.2))
+    e._prefill_rate, e._chunk_s = rate, chunk
+    assert e._prefill_tokens() == max(1, int(rate * PREFILL_IDLE_SECONDS) // 16) * 16
+    e.slots[0] = object()  # a sequence that decodes
+    e._started.add(0)
+    want = max(1, int(rate * PREFILL_SHARE * chunk) // 16) * 16
+    assert e._prefill_tokens() == want and want * 16 > 0
+    e._prefill_rate = 1.0  # too slow for a chunk in the share: still one
+    assert e._prefill_tokens() == 16
+    assert ServingEngine(model, max_batch=2, max_len=96, page_size=8,
+                         prefill_budget=40)._prefill_tokens() == 40
+    e2 = ServingEngine(model, max_batch=2, max_len=96, page_size=8, prefill_chunk=16).start(
+        variants=[(True, False)])
+    try:
+        e2.generate(list(range(5, 60)), SamplingOptions(max_tokens=4, temperature=0), timeout=300)
+        assert e2._prefill_rate is not None and e2._prefill_rate > 0
+    finally:
+        e2.stop()
+
+
 def test_a_released_prefix_is_evicted_from_its_end():
     """Blocks of a released sequence are evicted last block first: what stays cached is always a
     reachable prefix (a lookup stops at the first missing block, so keeping a later block while

@@ -1151,8 +1151,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="paged: prompt tokens prefilled between two decode chunks "
                         "(default: as many as take half a decode chunk's time at the measured "
-                        "prefill rate, so running streams slow by at most half; while none "
-                        "decodes, half a second's worth)")
+                        "prefill rate, at least 4 x --prefill-chunk; while none decodes, half "
+                        "a second's worth)")
     p.add_argument("--share-min-tokens", type=int_or_none_arg, default=SHARE_MIN_TOKENS,
                    help="paged: running requests that begin with the same cached blocks (one "
                         "document, a long system prompt) attend to them once, together, when "

@@ -72,6 +72,7 @@ SHARE_MIN_TOKENS = 32768
 # (the engine comes back between them to admit and cancel).
 PREFILL_SHARE = 0.5
 PREFILL_IDLE_SECONDS = 0.5
+PREFILL_MIN_CHUNKS = 4
 
 
 class QueueFull(RuntimeError):
@@ -193,7 +194,8 @@ class ServingEngine:
         memory follows the sequences' actual lengths; a request reuses the cached blocks of its
         longest cached prefix (automatic prefix caching, `jaxspec.blocks`); prompts are prefilled
         in chunks between decode chunks (``prefill_budget`` tokens each time if given, else
-        as many as take half a decode chunk's time, at the measured prefill rate); when
+        as many as take half a decode chunk's time at the measured prefill rate, at least four
+        prefill chunks); when
         blocks run out, the most recently admitted sequence is preempted (its cache recomputed
         later, from its prompt and the tokens it has generated: nothing is lost). None: one dense
         cache row of ``max_len`` slots per slot.
@@ -998,16 +1000,17 @@ class ServingEngine:
     def _prefill_tokens(self) -> int:
         """Prompt tokens to prefill before the next decode chunk: ``prefill_budget`` if given,
         else what the measured prefill rate does in `PREFILL_SHARE` of the last decode chunk's
-        time while sequences decode (`PREFILL_IDLE_SECONDS` while none does); whole prefill
-        chunks, at least one (four until a rate is measured)."""
+        time while sequences decode (`PREFILL_IDLE_SECONDS` while none does), in whole prefill
+        chunks and never fewer than `PREFILL_MIN_CHUNKS` of them (a few decoding rows, whose
+        chunks are short, must not starve the prompts waiting behind them)."""
         if self.prefill_budget is not None:
             return self.prefill_budget
         C = self.prefill_chunk
         if self._prefill_rate is None:
-            return 4 * C
+            return PREFILL_MIN_CHUNKS * C
         decoding = any(self.slots[b] is not None for b in self._started)
         seconds = PREFILL_SHARE * self._chunk_s if decoding else PREFILL_IDLE_SECONDS
-        return max(1, int(self._prefill_rate * seconds) // C) * C
+        return max(PREFILL_MIN_CHUNKS, int(self._prefill_rate * seconds) // C) * C
 
     def _prefill_step(self):
         """At most `_prefill_tokens` prompt tokens prefilled, oldest admission first; a sequence

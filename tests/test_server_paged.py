@@ -89,23 +89,24 @@ def test_paged_engine_rejects_bad_sizes(model):
 
 def test_prefill_budget_follows_the_measured_rate(model):
     """Without a fixed ``prefill_budget``, the prompt tokens prefilled between two decode chunks
-    take at most `PREFILL_SHARE` of the last chunk's time at the measured prefill rate while
-    sequences decode (their inter-token latency grows by at most that share), and
-    `PREFILL_IDLE_SECONDS` worth while none does; whole prefill chunks, at least one. Once the
-    engine has prefilled, the rate it measured is positive and sizes the next steps."""
-    from jaxspec.serving import PREFILL_IDLE_SECONDS, PREFILL_SHARE
+    take `PREFILL_SHARE` of the last chunk's time at the measured prefill rate while sequences
+    decode (their inter-token latency grows by about that share), and `PREFILL_IDLE_SECONDS`
+    worth while none does; whole prefill chunks, at least `PREFILL_MIN_CHUNKS`. Once the engine
+    has prefilled, the rate it measured is positive and sizes the next steps."""
+    from jaxspec.serving import PREFILL_IDLE_SECONDS, PREFILL_MIN_CHUNKS, PREFILL_SHARE
     e = ServingEngine(model, max_batch=2, max_len=96, page_size=8, prefill_chunk=16)
-    assert e._prefill_tokens() == 4 * 16  # before any rate is measured
+    floor = PREFILL_MIN_CHUNKS * 16
+    assert e._prefill_tokens() == floor  # before any rate is measured
     rng = np.random.default_rng(random.randrange(1 << 30))
     rate, chunk = float(rng.uniform(1e4, 1e6)), float(rng.uniform(0.01, 0.2))
     e._prefill_rate, e._chunk_s = rate, chunk
-    assert e._prefill_tokens() == max(1, int(rate * PREFILL_IDLE_SECONDS) // 16) * 16
+    assert e._prefill_tokens() == max(floor, int(rate * PREFILL_IDLE_SECONDS) // 16 * 16)
     e.slots[0] = object()  # a sequence that decodes
     e._started.add(0)
-    want = max(1, int(rate * PREFILL_SHARE * chunk) // 16) * 16
-    assert e._prefill_tokens() == want and want * 16 > 0
-    e._prefill_rate = 1.0  # too slow for a chunk in the share: still one
-    assert e._prefill_tokens() == 16
+    want = max(floor, int(rate * PREFILL_SHARE * chunk) // 16 * 16)
+    assert e._prefill_tokens() == want and want % 16 == 0
+    e._prefill_rate = 1.0  # too slow for a chunk in the share: the floor
+    assert e._prefill_tokens() == floor
     assert ServingEngine(model, max_batch=2, max_len=96, page_size=8,
                          prefill_budget=40)._prefill_tokens() == 40
     e2 = ServingEngine(model, max_batch=2, max_len=96, page_size=8, prefill_chunk=16).start(

@@ -50,6 +50,10 @@ PRIOR_ROUND_FACTOR = 1.35
 FIT_DECAY = 0.85  # weight of a timed stretch per newer one of its kind (older costs fade)
 FIT_KEEP = 32  # timed stretches kept per kind
 FIT_SPREAD = 1.3  # roofline ratio between a kind's stretches that lets its fixed cost be fitted
+# A forward's bytes take at least this x their roofline (which is priced at the measured copy
+# bandwidth: a read-only forward measured down to ~0.94x it on H100s): a fixed part borrowed from
+# another kind never brings a kind's scale below it.
+FIT_MIN_SCALE = 0.9
 PRIOR_WEIGHT = 2.0  # rounds of evidence the prior acceptance weighs in a row's estimate
 # Before any draft was ever accepted or rejected, speculation is tried for a short stretch where it
 # would pay at this acceptance (a typical one of a good draft): the prior alone would never try
@@ -198,11 +202,12 @@ class _Fit:
 
     def predict(self, roofline: float, fixed: float = 0.0) -> float:
         """Seconds of a round whose roofline is ``roofline``; ``fixed``: the fixed part to assume
-        where this kind's own stretches cannot tell it (kept below each stretch's time)."""
+        where this kind's own stretches cannot tell it (another kind's, per forward): never so
+        much that the rest would read faster than `FIT_MIN_SCALE` x the roofline."""
         fit = self.affine()
         if fit is None:
             x, y, w = self._weighted()
-            f = np.minimum(fixed, y)
+            f = np.clip(y - FIT_MIN_SCALE * x, 0.0, fixed)
             scale = float((w * (y - f) / x).sum() / w.sum())
             return scale * roofline + float((w * f).sum() / w.sum())
         scale, c = fit

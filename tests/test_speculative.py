@@ -320,6 +320,35 @@ def test_cost_model_fits_the_fixed_cost_of_a_forward():
     assert not cm.speculation_pays(small, np.full(len(small), tokens), levels, nodes)
 
 
+def test_a_borrowed_fixed_cost_does_not_make_plain_steps_look_free():
+    """Plain steps timed at one size only (the last few rows of a batch) and rounds timed at two:
+    the plain steps' fixed part is borrowed from the rounds (per forward; a draft forward's is
+    larger than a plain one's), but never so much that their bytes would read faster than
+    `FIT_MIN_SCALE` x the roofline, so a full batch's plain step is not predicted far too cheap
+    (which made `gamma="auto"` decode plainly where rounds paid)."""
+    from jaxspec.costs import FIT_MIN_SCALE
+    cm = _cost_model(span=8)
+    levels, nodes = (1, 1, 1, 1), 5
+    kind = ("round", levels, nodes)
+    big, small = np.full(64, 4000.0), np.full(4, 1000.0)
+    fp = 0.1 * cm.plain_roofline(big)  # a plain forward's fixed part; a draft forward's: 3x
+
+    def true_plain(c):
+        return 0.95 * cm.plain_roofline(c) + fp
+
+    def true_round(c):
+        return 0.95 * cm.round_roofline(c, levels, nodes) + 5 * 3 * fp
+
+    for c in (big, small):
+        cm.observe(kind, 9 * true_round(c), 9 * cm.round_roofline(c, levels, nodes), rounds=9)
+    cm.observe("plain", 50 * true_plain(small), 50 * cm.plain_roofline(small), rounds=50)
+    assert cm.fixed_per_forward() > 2 * fp  # the rounds' (no plain fit at two sizes)
+    assert cm.plain_time(small) == pytest.approx(true_plain(small), rel=1e-6)
+    got = cm.plain_time(big)
+    assert got >= FIT_MIN_SCALE * cm.plain_roofline(big)
+    assert got == pytest.approx(true_plain(big), rel=0.1)
+
+
 def test_stragglers_are_decoded_plainly():
     """KV-bound rows with a good acceptance: the round pays; once only a low-acceptance
     straggler is left (its context no longer outweighs the weights), plain steps are cheaper."""

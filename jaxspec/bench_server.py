@@ -991,7 +991,7 @@ def _setup_words(out: dict) -> str:
             info = next((i for i in out["servers"].values()
                          if i.get("setup") == s["name"] and i.get("kv_blocks")), {})
             budget = (f"{info['prefill_budget']} tokens" if info.get("prefill_budget") else
-                      "adaptive (half a decode chunk's time, at least 4 prefill chunks)")
+                      "adaptive (the batch fills first, then half a decode chunk's time)")
             pool = (f"{info['kv_blocks']} blocks ({info['blocks_per_sequence']} per sequence of "
                     f"max_len), prefill budget {budget} per chunk"
                     if info else "pool size and budget: the server's defaults")

@@ -1150,9 +1150,9 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="blocks in the paged pool (default: what the dense cache would hold)")
     p.add_argument("--prefill-budget", type=int, default=None,
                    help="paged: prompt tokens prefilled between two decode chunks "
-                        "(default: as many as take half a decode chunk's time at the measured "
-                        "prefill rate, at least 4 x --prefill-chunk; while none decodes, half "
-                        "a second's worth)")
+                        "(default, at the measured prefill rate: half a second's worth while "
+                        "fewer requests decode than wait for their prefill, then as many as "
+                        "take half a decode chunk's time; at least 4 x --prefill-chunk)")
     p.add_argument("--share-min-tokens", type=int_or_none_arg, default=SHARE_MIN_TOKENS,
                    help="paged: running requests that begin with the same cached blocks (one "
                         "document, a long system prompt) attend to them once, together, when "

@@ -66,10 +66,11 @@ CHUNK_SECONDS = 0.08  # a decode chunk (the streaming granularity) takes about t
 # ((sharing rows - 1) x shared tokens): below it, the extra kernel and merge per layer cost about
 # what they save
 SHARE_MIN_TOKENS = 32768
-# Paged prefill between decode chunks (unless a fixed ``prefill_budget`` is given): while
-# sequences decode, as many prompt tokens as take this share of a decode chunk's time (their
-# inter-token latency grows by at most this share); while none does, as many as take this long
-# (the engine comes back between them to admit and cancel).
+# Paged prefill between decode chunks (unless a fixed ``prefill_budget`` is given, see
+# `ServingEngine._prefill_tokens`): once most admitted sequences decode, as many prompt tokens as
+# take this share of a decode chunk's time (their inter-token latency grows by about this share);
+# while fewer decode than wait for their prefill, as many as take this long (the engine comes back
+# between them to admit and cancel).
 PREFILL_SHARE = 0.5
 PREFILL_IDLE_SECONDS = 0.5
 PREFILL_MIN_CHUNKS = 4
@@ -194,7 +195,8 @@ class ServingEngine:
         memory follows the sequences' actual lengths; a request reuses the cached blocks of its
         longest cached prefix (automatic prefix caching, `jaxspec.blocks`); prompts are prefilled
         in chunks between decode chunks (``prefill_budget`` tokens each time if given, else
-        as many as take half a decode chunk's time at the measured prefill rate, at least four
+        half a second's worth at the measured prefill rate while fewer sequences decode than
+        wait for their prefill, then as many as take half a decode chunk's time, at least four
         prefill chunks); when
         blocks run out, the most recently admitted sequence is preempted (its cache recomputed
         later, from its prompt and the tokens it has generated: nothing is lost). None: one dense
@@ -999,17 +1001,21 @@ class ServingEngine:
 
     def _prefill_tokens(self) -> int:
         """Prompt tokens to prefill before the next decode chunk: ``prefill_budget`` if given,
-        else what the measured prefill rate does in `PREFILL_SHARE` of the last decode chunk's
-        time while sequences decode (`PREFILL_IDLE_SECONDS` while none does), in whole prefill
-        chunks and never fewer than `PREFILL_MIN_CHUNKS` of them (a few decoding rows, whose
-        chunks are short, must not starve the prompts waiting behind them)."""
+        else, at the measured prefill rate, `PREFILL_IDLE_SECONDS` worth while fewer sequences
+        decode than wait for their prefill (the batch fills first: a decode round costs the
+        weights and a fixed part whatever its rows, so rounds over a few rows waste the device
+        while prompts wait), and `PREFILL_SHARE` of the last decode chunk's time once most of
+        them decode (their inter-token latency then grows by about that share); whole prefill
+        chunks, never fewer than `PREFILL_MIN_CHUNKS` of them."""
         if self.prefill_budget is not None:
             return self.prefill_budget
         C = self.prefill_chunk
         if self._prefill_rate is None:
             return PREFILL_MIN_CHUNKS * C
-        decoding = any(self.slots[b] is not None for b in self._started)
-        seconds = PREFILL_SHARE * self._chunk_s if decoding else PREFILL_IDLE_SECONDS
+        decoding = sum(self.slots[b] is not None for b in self._started)
+        filling = sum(s is not None and s.fill is not None and s.filled < len(s.fill)
+                      for s in self.slots)
+        seconds = PREFILL_IDLE_SECONDS if decoding < filling else PREFILL_SHARE * self._chunk_s
         return max(PREFILL_MIN_CHUNKS, int(self._prefill_rate * seconds) // C) * C
 
     def _prefill_step(self):

@@ -5,6 +5,7 @@ was shared, preempted or recomputed, and every block must be back in the pool af
 
 import random
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -89,10 +90,11 @@ def test_paged_engine_rejects_bad_sizes(model):
 
 def test_prefill_budget_follows_the_measured_rate(model):
     """Without a fixed ``prefill_budget``, the prompt tokens prefilled between two decode chunks
-    take `PREFILL_SHARE` of the last chunk's time at the measured prefill rate while sequences
-    decode (their inter-token latency grows by about that share), and `PREFILL_IDLE_SECONDS`
-    worth while none does; whole prefill chunks, at least `PREFILL_MIN_CHUNKS`. Once the engine
-    has prefilled, the rate it measured is positive and sizes the next steps."""
+    take `PREFILL_IDLE_SECONDS` at the measured prefill rate while fewer sequences decode than
+    wait for their prefill (the batch fills first), and `PREFILL_SHARE` of the last chunk's time
+    once as many decode (their inter-token latency grows by about that share); whole prefill
+    chunks, at least `PREFILL_MIN_CHUNKS`. Once the engine has prefilled, the rate it measured is
+    positive and sizes the next steps."""
     from jaxspec.serving import PREFILL_IDLE_SECONDS, PREFILL_MIN_CHUNKS, PREFILL_SHARE
     e = ServingEngine(model, max_batch=2, max_len=96, page_size=8, prefill_chunk=16)
     floor = PREFILL_MIN_CHUNKS * 16
@@ -100,11 +102,16 @@ def test_prefill_budget_follows_the_measured_rate(model):
     rng = np.random.default_rng(random.randrange(1 << 30))
     rate, chunk = float(rng.uniform(1e4, 1e6)), float(rng.uniform(0.01, 0.2))
     e._prefill_rate, e._chunk_s = rate, chunk
-    assert e._prefill_tokens() == max(floor, int(rate * PREFILL_IDLE_SECONDS) // 16 * 16)
-    e.slots[0] = object()  # a sequence that decodes
+    idle = max(floor, int(rate * PREFILL_IDLE_SECONDS) // 16 * 16)
+    share = max(floor, int(rate * PREFILL_SHARE * chunk) // 16 * 16)
+    e.slots[0] = SimpleNamespace(fill=[1] * 40, filled=40)  # a sequence that decodes
     e._started.add(0)
-    want = max(floor, int(rate * PREFILL_SHARE * chunk) // 16 * 16)
-    assert e._prefill_tokens() == want and want % 16 == 0
+    assert e._prefill_tokens() == share and share % 16 == 0
+    e.slots[1] = SimpleNamespace(fill=[1] * 40, filled=16)  # one that waits: as many as decode
+    assert e._prefill_tokens() == share
+    e.slots[0] = None  # none decodes, one waits: the batch fills first
+    e._started.clear()
+    assert e._prefill_tokens() == idle
     e._prefill_rate = 1.0  # too slow for a chunk in the share: the floor
     assert e._prefill_tokens() == floor
     assert ServingEngine(model, max_batch=2, max_len=96, page_size=8,

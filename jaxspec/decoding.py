@@ -138,8 +138,14 @@ class Round:
         return 0 if self.tree is None else self.tree.max_depth
 
     def plain(self) -> "Round":
-        """The same loop's plain step."""
-        return dataclasses.replace(self, speculate=False)
+        """The same loop's plain step: with a drafter that observes plain steps (a draft model,
+        whose cache follows), this round without speculating; otherwise the plain step of no
+        speculation, so plain decoding, adaptive plain stretches and ``gamma="auto"``'s plain
+        choice run (and compile) one program."""
+        if self.drafter is not None and self.drafter.observes_plain_steps:
+            return dataclasses.replace(self, speculate=False)
+        return Round(config=self.config, stop_ids=self.stop_ids, impl=self.impl,
+                     greedy=self.greedy)
 
     @staticmethod
     def active(state: DecodeState):

@@ -118,6 +118,7 @@ class SelfDrafter:
     window: int | None = 1008
 
     kind = "self"
+    observes_plain_steps = False  # its draft reads the target's cache: a plain step is no news
 
     @property
     def span(self) -> int | None:
@@ -195,6 +196,7 @@ class ModelDrafter:
     window: int | None = None
 
     kind = "model"
+    observes_plain_steps = True  # its own cache catches up with each plain step's token
 
     @property
     def span(self) -> int | None:

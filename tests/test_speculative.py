@@ -349,6 +349,22 @@ def test_a_borrowed_fixed_cost_does_not_make_plain_steps_look_free():
     assert got == pytest.approx(true_plain(big), rel=0.1)
 
 
+def test_plain_steps_of_self_speculation_are_plain_decodings_program(target):
+    """With self-speculation a plain step needs nothing of the drafter, so the adaptive plain
+    stretches and ``gamma="auto"``'s plain choice are the very round (one compiled program) of
+    decoding without speculation; a draft model's plain step keeps its drafter (its cache
+    follows the committed token)."""
+    from jaxspec.session import Decoder
+    plain = Decoder(target, None).round(0)
+    for gamma in (2, 4):
+        rd = Decoder(target, Speculation(gamma=gamma, sink=2, window=6)).round(gamma)
+        assert rd.speculative and rd.plain() == plain and hash(rd.plain()) == hash(plain)
+    draft = tiny_model(seed=3, layers=1)
+    rd = Decoder(target, Speculation(draft=draft, gamma=3, window=None)).round(3)
+    assert not rd.plain().speculative and rd.plain().drafter is rd.drafter
+    assert rd.plain() != plain
+
+
 def test_stragglers_are_decoded_plainly():
     """KV-bound rows with a good acceptance: the round pays; once only a low-acceptance
     straggler is left (its context no longer outweighs the weights), plain steps are cheaper."""

@@ -14,8 +14,9 @@ fixed`` to its recent stretches (`_Fit`). The fixed part is what a forward costs
 cost far more than its bytes, so a single ratio learned on full batches would price the last
 rows of a batch wrongly. Until a kind has been timed at two different sizes, its fixed part is
 taken from a kind that has (per forward), else it is zero. The model thereby converges on what
-this device, model and batch actually cost, and keeps it across calls. The acceptance of drafts (per token, for the gamma choice) is learned the same way;
-within a call each row's own running acceptance is used (`expected_row_tokens`).
+this device, model and batch actually cost, and keeps it across calls. The acceptance of drafts
+(per token, for the gamma choice) is learned the same way; within a call each row's own running
+acceptance is used (`expected_row_tokens`).
 
 Decisions (lossless whichever way they go: every round commits tokens with exactly the target's
 distribution, and a decision depends only on the past):

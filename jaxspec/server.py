@@ -46,8 +46,8 @@ import uuid
 from importlib import resources
 from typing import Any
 
-from jaxspec.args import (int_or_none_arg, merge_model_path, mesh_from_args, parse_gamma, parse_tree,
-                          positive_int, window_arg)
+from jaxspec.args import (int_or_none_arg, merge_model_path, mesh_from_args, parse_gamma,
+                          parse_tree, positive_int, window_arg)
 from jaxspec.serving import (SHARE_MIN_TOKENS, EngineStopped, PromptTooLong, QueueFull,
                              SamplingOptions, Sequence, ServingEngine)
 from jaxspec.speculation import Speculation

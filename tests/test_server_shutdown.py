@@ -58,7 +58,7 @@ def engine(model, checkpoint):
     a = add_arguments(argparse.ArgumentParser()).parse_args(["--model", str(checkpoint)]
                                                             + SERVE_ARGS)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(jaxspec, "load", lambda path, dtype=None: model)
+        mp.setattr(jaxspec, "load", lambda path, dtype=None, mesh=None: model)
         e, _ = build_engine(a)
     e.start()
     yield e

@@ -54,7 +54,8 @@ from pallas_kernels.decode_attention import resolve_num_new
 from pallas_kernels.merge import merge_partials
 
 from jaxspec.cache import PrefixLevel, SharedPrefix
-from jaxspec.mesh import active_mesh, batch_axis, per_shard_attention, per_shard_paged_attention
+from jaxspec.mesh import (active_mesh, batch_axis, mask_spec, per_shard_attention,
+                          per_shard_paged_attention)
 from jaxspec.paged import gather_view, shift_tables
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
@@ -488,7 +489,7 @@ def attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, 
     if mask is not None:
         mask = jnp.asarray(mask)
         args.append(mask)
-        specs.append(P(b, None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
+        specs.append(mask_spec(mask, b))
 
     def body(q, k, v, ln, lay, pr, rows, *m):
         return fn(q, k, v, ln, m[0] if m else None, lay, pr, rows, sharded=True)
@@ -620,8 +621,7 @@ def _attend_shared(q_BTHD, k_pages, v_pages, layer, plan: AttentionPlan, *, sm_s
     b = batch_axis(mesh, q_BTHD.shape[0])
     pool, copy = P(None, None, "model", None, None), P(None, None, None, "model", None)
     specs = (P(b, None, "model", None), pool, pool, P(b, None), P(b), P(), copy, copy, P(),
-             P(b), None if mask is None else
-             P(b, None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
+             P(b), None if mask is None else mask_spec(mask, b))
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(b, None, "model", None),
                          check_vma=False)(*args)
 

@@ -258,6 +258,12 @@ def batch_axis(mesh, batch: int):
     return "data" if batch % axis_size(mesh, "data") == 0 else None
 
 
+def mask_spec(mask, b):
+    """Spec of an attention mask inside attention's ``shard_map``: a per-row ``[B, T, N]`` mask
+    follows the rows (``b``, `batch_axis`), a mask shared by every row is replicated."""
+    return P(b, None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P()
+
+
 def per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer):
     """``fn(q, k, v, lengths, mask, layer) -> out[B, T, H, D]``, run per shard inside
     ``jax.shard_map`` when a ``("data", "model")`` mesh is active (batch over data unless it does
@@ -274,7 +280,7 @@ def per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer):
     if mask is not None:
         mask = jnp.asarray(mask)
         args.append(mask)
-        specs.append(P(b, None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
+        specs.append(mask_spec(mask, b))
 
     def body(q, k, v, ln, lay, *m):
         return fn(q, k, v, ln, m[0] if m else None, lay)
@@ -298,7 +304,7 @@ def per_shard_paged_attention(fn, q_BTHD, k_pages, v_pages, block_table, lengths
     if mask is not None:
         mask = jnp.asarray(mask)
         args.append(mask)
-        specs.append(P(b, None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P())
+        specs.append(mask_spec(mask, b))
 
     def body(q, k, v, table, ln, lay, *m):
         return fn(q, k, v, table, ln, m[0] if m else None, lay)

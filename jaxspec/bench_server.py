@@ -834,6 +834,9 @@ def bench_server(args, model=None, draft=None) -> dict:
                             if bad:
                                 raise RuntimeError(f"warm-up request failed: {bad[0]['error']}")
                             m = _wait_idle(server.url)
+                    while engine.metrics()["programs_compiling"] and \
+                            time.perf_counter() - t < args.point_timeout_s:
+                        time.sleep(0.5)  # the smaller batches' programs (`compact_rows`)
                     info["warmup_seconds"] = time.perf_counter() - t
                     info["gamma"] = served_gamma(m)
                     print(f"{key}: server ready (start {info['start_seconds']:.1f} s, warm-up "

@@ -40,7 +40,7 @@ from jaxspec.cache import KVCache, positions_of
 from jaxspec.config import ModelConfig
 from jaxspec.drafter import plan_on
 from jaxspec.model import forward
-from jaxspec.paged import compact_pages
+from jaxspec.paged import PagedKVCache, compact_pages
 from jaxspec.tree import TokenTree, compact_path
 from jaxspec.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
 
@@ -324,11 +324,11 @@ def set_block_tables(state: DecodeState, rows, tables) -> DecodeState:
 
 # ----------------------------------------------------------------------------- row subsets
 def compactable(state: DecodeState) -> bool:
-    """Whether `take_rows` / `put_rows` handle ``state``: dense caches only (the target's and a
-    draft model's), no shared prefix or block table."""
-    def plain(c):
-        return type(c) is KVCache
-    return plain(state.cache) and (state.draft is None or plain(state.draft.cache))
+    """Whether `take_rows` / `put_rows` handle ``state``: a dense target cache or a block pool
+    without a shared context, and a draft model's dense cache if any (no shared prefix)."""
+    c = state.cache
+    target = type(c) is KVCache or (type(c) is PagedKVCache and c.shared is None)
+    return target and (state.draft is None or type(state.draft.cache) is KVCache)
 
 
 def _rows_of(f, state: DecodeState, other: DecodeState | None = None):
@@ -341,6 +341,9 @@ def _rows_of(f, state: DecodeState, other: DecodeState | None = None):
 
     def cache(path):
         c = path(state)
+        if isinstance(c, PagedKVCache):  # the pool is every row's (left out: `_apart`)
+            return c.replace(block_table=g(lambda s: path(s).block_table)(0),
+                             lengths=g(lambda s: path(s).lengths)(0))
         return c.replace(k=g(lambda s: path(s).k)(1), v=g(lambda s: path(s).v)(1),
                          lengths=g(lambda s: path(s).lengths)(0))
     out = state.replace(
@@ -357,17 +360,46 @@ def _rows_of(f, state: DecodeState, other: DecodeState | None = None):
     return out
 
 
-@jax.jit
+def _apart(state: DecodeState):
+    """``(state without its block pool, the pool)``: the pool is not per row and never goes
+    through `take_rows` / `put_rows`'s programs (it would be copied whole). ``(state, None)``
+    for a dense cache."""
+    c = state.cache
+    if not isinstance(c, PagedKVCache):
+        return state, None
+    return state.replace(cache=c.replace(k=None, v=None)), (c.k, c.v)
+
+
+def _with_pool(state: DecodeState, pool) -> DecodeState:
+    if pool is None:
+        return state
+    return state.replace(cache=state.cache.replace(k=pool[0], v=pool[1]))
+
+
 def take_rows(state: DecodeState, rows) -> DecodeState:
     """The rows ``rows`` of ``state`` (`compactable`) as a state of ``len(rows)`` rows (a copy:
-    ``state`` is kept)."""
+    ``state`` is kept). A block pool is not copied: both states hold it, and a chunk that runs
+    on the rows' state (donating it) leaves ``state`` a stale pool until `put_rows`."""
+    bare, pool = _apart(state)
+    return _with_pool(_take_rows(bare, rows), pool)
+
+
+def put_rows(state: DecodeState, rows, sub: DecodeState) -> DecodeState:
+    """``state`` (donated) with its rows ``rows`` replaced by those of ``sub`` (`take_rows`'s
+    inverse); ``sub``'s step count is the state's, and so is its block pool (the one its chunk
+    wrote)."""
+    bare, _ = _apart(state)
+    sub, pool = _apart(sub)
+    return _with_pool(_put_rows(bare, rows, sub), pool)
+
+
+@jax.jit
+def _take_rows(state: DecodeState, rows) -> DecodeState:
     return _rows_of(lambda x, axis: jnp.take(x, rows, axis=axis), state)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def put_rows(state: DecodeState, rows, sub: DecodeState) -> DecodeState:
-    """``state`` (donated) with its rows ``rows`` replaced by those of ``sub`` (`take_rows`'s
-    inverse); ``sub``'s step count is the state's."""
+def _put_rows(state: DecodeState, rows, sub: DecodeState) -> DecodeState:
     def put(x, y, axis):
         return x.at[rows].set(y) if axis == 0 else x.at[:, rows].set(y)
     return _rows_of(put, state, sub).replace(steps=sub.steps)

@@ -13,8 +13,10 @@ import pytest
 
 import jaxspec
 from jaxspec.decoding import ChunkOutputs, compactable, put_rows, spread_outputs, take_rows
+from jaxspec.paged import shared_context
 from jaxspec.session import Decoder
 from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
+from jaxspec.sharding import shard_model
 
 from tiny import tiny_model
 
@@ -36,15 +38,19 @@ def serve(engine, prompts, options):
     return [list(s.tokens) for s in seqs]
 
 
-@pytest.mark.parametrize("kind", [pytest.param("plain", marks=pytest.mark.slow), "self",
-                                  pytest.param("model", marks=pytest.mark.slow)])
-def test_compact_chunks_answer_as_the_full_batch(kind):
+@pytest.mark.parametrize("kind,paged", [pytest.param("plain", False, marks=pytest.mark.slow),
+                                        ("self", False),
+                                        pytest.param("model", False, marks=pytest.mark.slow),
+                                        ("self", True)])
+def test_compact_chunks_answer_as_the_full_batch(kind, paged):
+    """Dense slots, and a block pool (its rows move without their K/V: the pool stays whole)."""
     model = tiny_model(seed=3, scale=3.0)
     spec = speculations(model)[kind]
     rng = np.random.default_rng()
-    compact = ServingEngine(model, speculation=spec, compact_rows=True, **KW).start(
+    kw = dict(KW, page_size=8, share_min_tokens=None) if paged else KW
+    compact = ServingEngine(model, speculation=spec, compact_rows=True, **kw).start(
         variants=[(True, False), (False, False)])
-    full = ServingEngine(model, speculation=spec, compact_rows=False, **KW).start(
+    full = ServingEngine(model, speculation=spec, compact_rows=False, **kw).start(
         variants=[(False, False)])
     try:
         assert compact.compact_rows and not full.compact_rows
@@ -74,8 +80,43 @@ def test_compact_chunks_answer_as_the_full_batch(kind):
 
 def test_off_where_it_cannot_apply():
     model = tiny_model(seed=1)
-    assert not ServingEngine(model, page_size=16, compact_rows=True, **KW).compact_rows
+    mesh = jaxspec.make_mesh(2, 1)
+    sharded = ServingEngine(shard_model(model, mesh), compact_rows=True, **KW)
+    assert not sharded.compact_rows
     assert ServingEngine(model, **KW).compact_rows  # the CPU default
+    assert ServingEngine(model, page_size=16, **KW).compact_rows
+
+
+def test_a_block_pool_is_not_copied():
+    """`take_rows` of a paged state moves the rows' tables and counters; both states hold the
+    one pool (a copy of it would cost its whole size per chunk), and `put_rows` takes the rows'
+    state's pool (the one its chunk wrote)."""
+    model = tiny_model(seed=2)
+    dec = Decoder(model, None)
+    rng = np.random.default_rng()
+    state = dec.paged_state(6, 40, 8, 5, 8)
+    c = state.cache
+    state = state.replace(cache=c.replace(
+        block_table=jnp.asarray(rng.integers(0, 40, c.block_table.shape), jnp.int32),
+        lengths=jnp.asarray(rng.integers(0, 40, 6), jnp.int32)),
+        n_out=jnp.asarray(rng.integers(0, 8, 6), jnp.int32))
+    assert compactable(state)
+    rows = jnp.asarray([4, 1], jnp.int32)
+    sub = take_rows(state, rows)
+    assert sub.cache.k is state.cache.k and sub.cache.v is state.cache.v
+    np.testing.assert_array_equal(sub.cache.block_table, np.asarray(state.cache.block_table)[[4, 1]])
+    np.testing.assert_array_equal(sub.n_out, np.asarray(state.n_out)[[4, 1]])
+    tables = np.asarray(state.cache.block_table)
+    k2 = sub.cache.k + 1
+    changed = sub.replace(cache=sub.cache.replace(k=k2, block_table=sub.cache.block_table + 1))
+    after = put_rows(jax.tree.map(jnp.copy, state), rows, changed)
+    assert after.cache.k is k2
+    want = tables.copy()
+    want[[4, 1]] += 1
+    np.testing.assert_array_equal(after.cache.block_table, want)
+    assert not compactable(state.replace(cache=state.cache.replace(
+        shared=shared_context(state.cache.k, state.cache.v, tables[0],
+                                            np.int32(8), np.ones(6, bool)))))
 
 
 @pytest.mark.parametrize("kind", ["plain", "model"])
@@ -119,3 +160,22 @@ def test_take_and_put_rows_move_exactly_those_rows(kind):
     np.testing.assert_array_equal(np.asarray(wide.out)[rows], np.asarray(outs.out))
     np.testing.assert_array_equal(np.asarray(wide.n_out)[others], 0)
     assert np.asarray(wide.done)[others].all()
+
+
+def test_compact_programs_compiled_ahead_are_the_ones_chunks_run():
+    """On a GPU the engine compiles every compact batch's program in the background after its
+    warm-up, from abstract shapes: those programs must be found by the chunks that run on real
+    rows (a key that differs in a sharding or a shape would compile them all again)."""
+    model = tiny_model(seed=4)
+    engine = ServingEngine(model, page_size=8, compact_rows=True, **KW)
+    assert engine.compact_rows
+    engine.warmup(variants=[(True, False)])
+    engine._compile_compact([(True, False)])
+    engine._compiler.shutdown(wait=True)
+    assert {k[1] for k in engine._compiling} == {1, 2}
+    for n in (1, 2):
+        rows = np.arange(n, dtype=np.int32)
+        sub = take_rows(engine.state, jnp.asarray(rows))
+        program, _ = engine.decoder.chunk_program(
+            engine._round(True), engine._sampling(True, False, rows), sub, compile=False)
+        assert program is not None, n

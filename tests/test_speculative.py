@@ -56,8 +56,10 @@ def test_dense_self_draft_accepts_everything(target, prompts, reference):
     assert res.stats["tokens_per_step"] > 4.5
 
 
-@pytest.mark.parametrize("window", [None, 12])
-@pytest.mark.parametrize("gamma", [2, 5])
+@pytest.mark.parametrize("gamma,window", [
+    # the default run: a full cache and a ring, each gamma once (the other two: -m slow)
+    (2, None), pytest.param(2, 12, marks=pytest.mark.slow),
+    pytest.param(5, None, marks=pytest.mark.slow), (5, 12)])
 def test_draft_model_greedy_is_lossless(target, prompts, reference, window, gamma):
     draft = tiny_model(seed=7, layers=1, scale=3.0)
     spec = Speculation(draft=draft, gamma=gamma, sink=2, window=window, adaptive=False)

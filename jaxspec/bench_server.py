@@ -576,7 +576,7 @@ def check_args(a, has_draft: bool = False) -> None:
     for flag, name in (("--check", "check_outputs"), ("--warmup", "warmup")):
         if getattr(a, name) < 0:
             raise ValueError(f"{flag} must be >= 0, got {getattr(a, name)!r}")
-    if a.rounds_per_chunk < 1 or a.prefill_chunk < 1:
+    if a.rounds_per_chunk < 1 or (a.prefill_chunk is not None and a.prefill_chunk < 1):
         raise ValueError("--rounds-per-chunk and --prefill-chunk must be >= 1")
     if not a.point_timeout_s > 0:
         raise ValueError(f"--point-timeout-s must be > 0, got {a.point_timeout_s!r}")
@@ -817,6 +817,7 @@ def bench_server(args, model=None, draft=None) -> dict:
                                            max_queue=max(1024, N + n_warm),
                                            prefill_chunk=args.prefill_chunk,
                                            warmup_prefill=longest, **paged)
+                    info["prefill_chunk"] = engine.prefill_chunk
                     if engine.paged:
                         info.update(page_size=engine.page_size, kv_blocks=engine.n_blocks,
                                     blocks_per_sequence=engine.max_blocks,
@@ -1031,6 +1032,10 @@ def markdown(out: dict) -> str:
            "none in this model")
     multi = bool(out.get("setups_given"))
     multi_w = len(workloads) > 1
+    sizes = sorted({(i.get("setup") or k, i["prefill_chunk"]) for k, i in out["servers"].items()
+                    if i.get("prefill_chunk")})
+    chunks = (", ".join(f"{c} ({s})" for s, c in sizes) if len({c for _, c in sizes}) > 1
+              else str(sizes[0][1]) if sizes else "the server's default")
     lines = [f"# `jaxspec bench server`: the OpenAI-compatible server under load "
              f"({env['device']})", "",
              f"- device: {env['device']} x{env['devices']} ({env['backend']}), jax {env['jax']}, "
@@ -1039,7 +1044,7 @@ def markdown(out: dict) -> str:
              f"- model: {out['model']}" + (f", draft {out['draft']}" if out["draft"] else ""),
              f"- server: {out['max_batch']} slots, max_len {out['max_len']}, "
              f"{out['rounds_per_chunk']} rounds per chunk at most, prefill chunk "
-             f"{out['prefill_chunk']}; HTTP on 127.0.0.1, a client in its own process"]
+             f"{out['prefill_chunk'] or chunks}; HTTP on 127.0.0.1, a client in its own process"]
     if multi:
         lines.append(f"- server setups: {_setup_words(out)}")
     lines += [f"- load: {out['requests']} streamed `/v1/completions` requests per point, "
@@ -1199,7 +1204,9 @@ def add_arguments(sub) -> None:
                    help="tokens per sequence (default: the longest prompt + --new)")
     s.add_argument("--rounds-per-chunk", type=int, default=8,
                    help="most rounds per decode chunk (default: jaxspec serve's)")
-    s.add_argument("--prefill-chunk", type=int, default=512)
+    s.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill forward (default: the server's: 2048 for "
+                        "a paged one on GPU/TPU, else 512)")
     s.add_argument("--source", default="shakespeare",
                    help="text source of the prompts (jaxspec.textdata) or 'random' tokens")
     s.add_argument("--seed", type=int, default=0, help="prompts, their lengths and arrivals")

@@ -1139,7 +1139,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting sequences before 503 with Retry-After (default: %(default)s)")
     p.add_argument("--rounds-per-chunk", type=int, default=8)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill forward (default: 2048 with --page-size on "
+                        "GPU/TPU, else 512)")
     p.add_argument("--warmup-prefill", type=int, default=1024,
                    help="compile prefill for prompts up to this many tokens at start-up")
     p.add_argument("--page-size", type=int, default=None,
@@ -1152,7 +1154,8 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="paged: prompt tokens prefilled between two decode chunks "
                         "(default, at the measured prefill rate: half a second's worth while "
                         "fewer requests decode than wait for their prefill, then as many as "
-                        "take half a decode chunk's time; at least 4 x --prefill-chunk)")
+                        "take half a decode chunk's time; at least 2048 tokens, whole "
+                        "--prefill-chunk chunks)")
     p.add_argument("--share-min-tokens", type=int_or_none_arg, default=SHARE_MIN_TOKENS,
                    help="paged: running requests that begin with the same cached blocks (one "
                         "document, a long system prompt) attend to them once, together, when "

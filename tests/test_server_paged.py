@@ -93,14 +93,18 @@ def test_prefill_budget_follows_the_measured_rate(model):
     take `PREFILL_IDLE_SECONDS` at the measured prefill rate while fewer sequences decode than
     wait for their prefill (the batch fills first), and `PREFILL_SHARE` of the last chunk's time
     once as many decode (their inter-token latency grows by about that share); whole prefill
-    chunks, at least `PREFILL_MIN_CHUNKS`. Once the engine has prefilled, the rate it measured is
-    positive and sizes the next steps."""
-    from jaxspec.serving import PREFILL_IDLE_SECONDS, PREFILL_MIN_CHUNKS, PREFILL_SHARE
+    chunks, at least `PREFILL_MIN_TOKENS` (and one chunk). Once the engine has prefilled, the
+    rate it measured is positive and sizes the next steps."""
+    from jaxspec.serving import PREFILL_IDLE_SECONDS, PREFILL_MIN_TOKENS, PREFILL_SHARE
     e = ServingEngine(model, max_batch=2, max_len=96, page_size=8, prefill_chunk=16)
-    floor = PREFILL_MIN_CHUNKS * 16
+    floor = -(-PREFILL_MIN_TOKENS // 16) * 16
+    big = ServingEngine(model, max_batch=2, max_len=96, page_size=8,
+                        prefill_chunk=2 * PREFILL_MIN_TOKENS)
+    assert big._prefill_tokens() == 2 * PREFILL_MIN_TOKENS  # one chunk larger than the floor
     assert e._prefill_tokens() == floor  # before any rate is measured
     rng = np.random.default_rng(random.randrange(1 << 30))
     rate, chunk = float(rng.uniform(1e4, 1e6)), float(rng.uniform(0.01, 0.2))
+    rate = max(rate, 4 * floor / min(chunk * PREFILL_SHARE, PREFILL_IDLE_SECONDS))  # above it
     e._prefill_rate, e._chunk_s = rate, chunk
     idle = max(floor, int(rate * PREFILL_IDLE_SECONDS) // 16 * 16)
     share = max(floor, int(rate * PREFILL_SHARE * chunk) // 16 * 16)
@@ -238,3 +242,17 @@ def test_shared_context_rows_equal_generate(model, spec):
         assert e.metrics()["shared_context_rows"] == 0 and e._shared_ctx is None
     finally:
         e.stop()
+
+
+def test_a_paged_server_prefills_larger_chunks_on_an_accelerator(monkeypatch):
+    """A block pool on a GPU or TPU prefills in chunks of `SERVE_PREFILL_CHUNK` (one prompt per
+    forward: 512-token GEMMs are too small there); dense slots and CPUs keep the library's."""
+    import jax
+
+    from jaxspec import serving
+    from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
+    assert serving.default_prefill_chunk(True) == serving.default_prefill_chunk(False) \
+        == DEFAULT_PREFILL_CHUNK
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert serving.default_prefill_chunk(True) == serving.SERVE_PREFILL_CHUNK > DEFAULT_PREFILL_CHUNK
+    assert serving.default_prefill_chunk(False) == DEFAULT_PREFILL_CHUNK

@@ -718,7 +718,8 @@ class Decoder:
         from logical slot ``start`` on (a chunk of a prompt; the slots before it are filled)."""
         with use_mesh(self.mesh):
             cache = prefill_paged_row(self.config, self.params, state.cache, row, tokens, start,
-                                      impl=self.impl, chunk=self.prefill_chunk)
+                                      impl=self.impl, chunk=self.prefill_chunk,
+                                      programs=self._compiled if self.mesh is None else None)
         return state.replace(cache=cache)
 
     def paged_state(self, batch: int, num_blocks: int, block_size: int, max_blocks: int,

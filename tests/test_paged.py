@@ -156,3 +156,32 @@ def test_shared_context_attention_equals_reading_every_row(impl):
         sparse = plan.replace(sink=2, window=4, impl="xla")
         np.testing.assert_array_equal(np.asarray(run(q, 0, sparse.replace(shared=sh))),
                                       np.asarray(run(q, 0, sparse)))
+
+
+def test_paged_prefill_keeps_its_programs_by_shape(target):
+    """`prefill_paged_row` with a ``programs`` dict compiles one program per chunk shape and runs
+    it again for any pool of those shapes (one that came out of other programs too), writing
+    what the jit path writes: the K/V of a dense prefill of the same tokens."""
+    from jaxspec.cache import KVCache
+    from jaxspec.prefill import prefill_paged_row, prefill_row
+    cfg, params = target.config, target.params
+    rng = np.random.default_rng()
+    n = int(rng.integers(40, 60))
+    tokens = rng.integers(2, cfg.vocab_size, size=n).tolist()
+    pool = PagedKVCache.create(cfg, 2, 12, 8, 8, dtype=jnp.float32)
+    pool = pool.replace(block_table=pool.block_table.at[1].set(
+        jnp.asarray(rng.permutation(12)[:8], jnp.int32)))
+    programs = {}
+    a = prefill_paged_row(cfg, params, pool, 1, tokens, 0, impl="xla", chunk=32,
+                          programs=programs)
+    assert len(programs) == 2  # a chunk of 32, then the rest in a power of two
+    b = prefill_paged_row(cfg, params, jax.jit(lambda c: c)(a), 1, tokens, 0, impl="xla",
+                          chunk=32, programs=programs)
+    assert len(programs) == 2
+    dense = prefill_row(cfg, params, KVCache.create(cfg, 2, 64, dtype=jnp.float32), 1, tokens,
+                        impl="xla", chunk=32)
+    for got in (a, b):
+        assert int(got.lengths[1]) == n
+        view = gather_view(got.k, 0, got.block_table[1:2])
+        np.testing.assert_allclose(np.asarray(view)[0, :, :n], np.asarray(dense.k)[0, 1, :, :n],
+                                   rtol=1e-5, atol=1e-5)

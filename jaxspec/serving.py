@@ -643,13 +643,17 @@ class ServingEngine:
     def _compile_compact(self, variants):
         """Queues every compact chunk's program (each power-of-two batch up to half the slots,
         each warmed round kind and variant): compiled in the background while the engine serves,
-        instead of when a small batch first runs."""
+        instead of when a small batch first runs; the row moves (`take_rows` / `put_rows`) of
+        each size are compiled here (they would stall the engine ~0.1 s each when first used)."""
         like = self.state.last.sharding
         n = 1
         while 2 * n <= self.B:
             rows = np.arange(n, dtype=np.int32)
+            taken = take_rows(self.state, jnp.asarray(rows))
+            self.state = put_rows(self.state, jnp.asarray(rows), taken)  # (the same rows back)
             sub = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like),
-                               jax.eval_shape(take_rows, self.state, jnp.asarray(rows)))
+                               taken)
+            del taken
             for greedy, filtering in variants:
                 for rd in self._round_kinds(bool(greedy)):
                     self._compile_later(rd, bool(greedy), bool(filtering),

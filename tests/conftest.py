@@ -52,15 +52,16 @@ def _free_compiled_programs():
 # --no-loadscope-reorder); handing out the longest files first keeps one long file from
 # starting last while the other worker sits idle. A stale or missing entry only costs balance.
 _FILE_SECONDS = {
-    "test_tree_speculation.py": 700, "test_model_parity.py": 319, "test_hopper.py": 227,
-    "test_tpu_kernels.py": 179, "test_sharding_layers.py": 172, "test_sliding_window.py": 166,
-    "test_adaptive.py": 164, "test_random_engine.py": 80, "test_speculative.py": 152,
-    "test_sharding.py": 144, "test_shared_prefix.py": 116, "test_paged.py": 99,
-    "test_server.py": 96, "test_verify.py": 87, "test_robustness.py": 77,
-    "test_prefix_attention.py": 74, "test_bench_server.py": 72, "test_checkpoint.py": 64,
-    "test_server_paged.py": 60, "test_decode_attention.py": 55, "test_server_soak.py": 45,
-    "test_cpu_attention.py": 42, "test_compile_cache.py": 34, "test_server_shutdown.py": 23,
-    "test_paged_kernel.py": 22, "test_random_shapes.py": 20,
+    "test_tree_speculation.py": 265, "test_model_parity.py": 222, "test_tpu_kernels.py": 202,
+    "test_hopper.py": 199, "test_sharding_layers.py": 184, "test_shared_prefix.py": 165,
+    "test_speculative.py": 161, "test_sliding_window.py": 156, "test_sharding.py": 147,
+    "test_adaptive.py": 145, "test_server_paged.py": 106, "test_serving_compact.py": 101,
+    "test_paged.py": 99, "test_verify.py": 86, "test_bench_server.py": 85,
+    "test_prefix_attention.py": 84, "test_robustness.py": 83, "test_server.py": 83,
+    "test_checkpoint.py": 82, "test_compile_cache.py": 73, "test_cpu_attention.py": 68,
+    "test_decode_attention.py": 66, "test_random_engine.py": 41, "test_server_shutdown.py": 40,
+    "test_server_soak.py": 39, "test_paged_kernel.py": 35, "test_transformers_range.py": 33,
+    "test_sampling.py": 23, "test_tokenizer_gguf.py": 22, "test_random_shapes.py": 21,
 }
 
 

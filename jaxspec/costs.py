@@ -236,6 +236,10 @@ class CostModel:
         self.fits: dict = {}  # kind ("plain" or ("round", levels, nodes)) -> _Fit
         self.alpha: float | None = None  # learned per-token acceptance
         self.gamma: int | None = None  # last choice of choose_gamma
+        # seconds a decode loop took to compile (the largest seen), and per gamma not compiled
+        # the seconds it was predicted to save over the compiled choice, summed over calls
+        self.compile_seconds: float | None = None
+        self.regret: dict = {}
 
     @property
     def rates(self) -> DeviceRates:
@@ -326,11 +330,21 @@ class CostModel:
         self.alpha = a if self.alpha is None else 0.5 * self.alpha + 0.5 * a
 
     # ------------------------------------------------------------------ decisions
+    def observe_compile(self, seconds: float):
+        """A decode loop compiled in ``seconds`` (what switching to an uncompiled gamma costs)."""
+        self.compile_seconds = max(seconds, self.compile_seconds or 0.0)
+
     def choose_gamma(self, ctx: np.ndarray, candidates, *, alpha: float | None = None,
-                     remember: bool = True) -> tuple[int, float]:
+                     remember: bool = True, compiled=None,
+                     steps: int | None = None) -> tuple[int, float]:
         """(gamma, predicted speedup) for running rows of contexts ``ctx``; 0 = plain.
         ``alpha``: the per-token acceptance to assume (default: the learned one, else the prior);
-        ``remember=False`` leaves the remembered choice (hysteresis) alone."""
+        ``remember=False`` leaves the remembered choice (hysteresis) alone. ``compiled``: the
+        gammas (0: plain) whose loops are compiled for these shapes, and ``steps`` the plain steps
+        the call would take: a gamma not compiled is chosen over the best compiled one only once
+        the time it was predicted to save, summed over the calls that passed it by, reaches a
+        loop's compile time (`observe_compile`): a small predicted gain never costs a call a
+        compilation many times larger, and a lasting one pays for its compilation."""
         if alpha is None:
             alpha = PRIOR_ACCEPTANCE if self.alpha is None else self.alpha
         t_plain = self.plain_time(ctx)
@@ -350,6 +364,15 @@ class CostModel:
             ps = 1.0 if prev == 0 else s[prev]
             if (prev == 0 or ps >= AUTO_MARGIN) and ps * HYSTERESIS >= best_s:
                 best, best_s = prev, ps
+        ready = {g: (1.0 if g == 0 else s[g]) for g in (compiled or ()) if g == 0 or g in s}
+        if ready and best not in ready and steps and self.compile_seconds:
+            alt = max(ready, key=ready.get)
+            saved = steps * t_plain * (1.0 / ready[alt] - 1.0 / best_s)
+            self.regret[best] = self.regret.get(best, 0.0) + saved
+            if self.regret[best] < self.compile_seconds:
+                best, best_s = alt, ready[alt]
+            else:
+                del self.regret[best]  # it compiles now
         if remember:
             self.gamma = best
         return best, best_s

@@ -330,6 +330,10 @@ class Decoder:
                      tree_mode=self.speculation.tree_sampling)
 
     # ------------------------------------------------------------------ running rounds
+    def has_loop(self, rd: Round, sp, state: DecodeState) -> bool:
+        """Whether `run` has ``rd``'s loop compiled for these shapes."""
+        return (rd, _avals((self.params, self.dparams, sp, state))) in self._compiled
+
     def run(self, rd: Round, sp, state: DecodeState, max_rounds: int) -> tuple[DecodeState, float]:
         """At most ``max_rounds`` rounds of ``rd`` on ``state`` (donated). Returns the new state and
         the seconds spent compiling (0 when the loop was compiled before)."""
@@ -573,13 +577,21 @@ class Decoder:
         gamma = 0
         explore = False
         view = self._host_view(state, prefix_per_row)
+
+        def rounds_left(st):
+            return int(np.max(batch.budget - np.asarray(_host(st.n_out)))) + 1
+
         if spec is not None:
             if self.tree is not None:
                 gamma = self.tree.max_depth
                 stats.update({"tree_nodes": self.tree.num_nodes,
                               "tree_depth": self.tree.max_depth})
             elif spec.gamma == "auto":
-                gamma, predicted = self.costs.choose_gamma(view[1], GAMMA_CANDIDATES)
+                ready = {g for g in (0, *GAMMA_CANDIDATES)
+                         if self.has_loop(self.round(g, greedy=batch.greedy,
+                                                     stop_ids=batch.stop_ids), batch.sp, state)}
+                gamma, predicted = self.costs.choose_gamma(
+                    view[1], GAMMA_CANDIDATES, compiled=ready, steps=rounds_left(state))
                 if gamma == 0 and not self.costs.explored:  # nothing known of the acceptance
                     g, s = self.costs.choose_gamma(view[1], GAMMA_CANDIDATES,
                                                    alpha=EXPLORE_ACCEPTANCE, remember=False)
@@ -589,9 +601,6 @@ class Decoder:
             else:
                 gamma = int(spec.gamma)
             stats["gamma"] = gamma
-
-        def rounds_left(st):
-            return int(np.max(batch.budget - np.asarray(_host(st.n_out)))) + 1
 
         plain_rd = self.round(0, greedy=batch.greedy, stop_ids=batch.stop_ids)
         rd, rounds = plain_rd, rounds_left(state)
@@ -614,6 +623,8 @@ class Decoder:
             state, c = self.run(rd, batch.sp, state, rounds)
             new_view = self._host_view(state, prefix_per_row)
             compile_s += c
+            if c > 0:
+                self.costs.observe_compile(c)
             ran = int(_host(state.steps)) - steps0
             if spec is not None:  # what the cost model learns from
                 self._observe(rd, view[1], new_view[1], ran, time.perf_counter() - t - c)

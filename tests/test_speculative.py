@@ -263,6 +263,34 @@ def test_cost_model_choice():
     assert per_token_acceptance(0.5 + 0.25, 2) == pytest.approx(0.5, abs=1e-6)
 
 
+def test_auto_switches_to_an_uncompiled_gamma_only_when_it_has_paid_for_its_compilation():
+    """With loops compiled for some gammas, `choose_gamma` keeps the best of those while the time
+    an uncompiled better gamma was predicted to save, summed over calls, stays under a loop's
+    compile time; then it switches (once). Without a compile time or a compiled set it picks the
+    best outright."""
+    from jaxspec.speculation import GAMMA_CANDIDATES as G
+    rng = np.random.default_rng()
+    mid = np.full(64, float(rng.uniform(300, 800)))
+    c = _cost_model(span=8)
+    c.alpha = float(rng.uniform(0.6, 0.9))
+    best, best_s = c.choose_gamma(mid, G, remember=False)
+    others = {g: c.choose_gamma(mid, (g,), remember=False)[1] for g in G if g != best}
+    alt = max(others, key=others.get)
+    assert best and others[alt] < best_s
+    steps = int(rng.integers(50, 400))
+    saved = steps * c.plain_time(mid) * (1 / others[alt] - 1 / best_s)
+    calls = int(rng.integers(2, 6))
+    c.observe_compile(saved * (calls - 0.5))
+    c.observe_compile(saved * 0.1)  # (the largest compile time counts)
+    got = [c.choose_gamma(mid, G, remember=False, compiled={0, alt}, steps=steps)[0]
+           for _ in range(calls + 1)]
+    assert got == [alt] * (calls - 1) + [best] + [alt], (got, calls)  # pays once, then again
+    assert c.choose_gamma(mid, G, remember=False, compiled={0, alt, best}, steps=steps)[0] == best
+    fresh = _cost_model(span=8)
+    fresh.alpha = c.alpha
+    assert fresh.choose_gamma(mid, G, compiled={0, alt}, steps=steps)[0] == best  # no compile seen
+
+
 def test_cost_model_learns_from_timed_stretches():
     """Observed times replace the roofline's guess: stretches measured twice as slow as their
     roofline make later predictions of that kind twice as slow; before any round was timed, rounds

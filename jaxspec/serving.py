@@ -228,8 +228,8 @@ class ServingEngine:
         its rows, as on a CPU (SmolLM2-135M on 2 cores: ~70 ms per step for one row, ~140 ms for
         four), and for a block pool on a GPU, whose rows move without their K/V: the attention
         kernel spreads a few rows' keys over the whole GPU only when it is planned for few rows
-        (Qwen2.5-1.5B on an H100, 4 rows of 8k among 64 slots: 3.5 ms per step, 2.4 ms when
-        planned for 4). Each smaller batch compiles in the background the first time and is used
+        (Qwen2.5-1.5B on an H100, 4 rows of 8k among 64 slots: 3.55 ms per step, 2.57 ms as a
+        batch of 4). Each smaller batch compiles in the background the first time and is used
         once ready; no chunk is compacted while a shared context is in use, nor on a mesh.
         Default: on a CPU; on a GPU for a block pool, unless a draft model keeps a full cache
         per row (its rows would be copied).

@@ -1163,8 +1163,9 @@ def add_arguments(p: argparse.ArgumentParser):
                         "shared tokens; default: %(default)s); 'none': never")
     p.add_argument("--compact-rows", choices=("auto", "on", "off"), default="auto",
                    help="while at most half the slots decode, chunks run only their rows (a "
-                        "smaller batch, compiled in the background when first needed); auto "
-                        "(default): on a CPU, where a step costs more with more rows")
+                        "smaller batch, compiled in the background); auto (default): on a CPU, "
+                        "where a step costs more with more rows, and with --page-size on a GPU "
+                        "(the rows move without their K/V)")
     p.add_argument("--shared-rng", action="store_true",
                    help="one PRNG key for the whole batch (no per-request seeds; no vmap)")
     p.add_argument("--host", default="127.0.0.1",

@@ -163,9 +163,11 @@ def _paged_chunk_program(programs, args, config: ModelConfig, impl: str):
     key = ("paged_prefill", config, impl, tree,
            tuple((np.shape(x), np.result_type(x).name) for x in leaves))
     program = programs.get(key)
-    if program is None:
-        program = programs[key] = _prefill_paged_chunk.lower(
-            *args, config=config, impl=impl).compile()
+    if program is None:  # (kept on disk too, for the next process: `compile_cache.executable`)
+        program = programs[key] = compile_cache.executable(
+            _prefill_paged_chunk, tuple(jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic))
+                                        else a for a in args),
+            {"config": config, "impl": impl})
     return program
 
 

@@ -330,9 +330,11 @@ class Decoder:
                      tree_mode=self.speculation.tree_sampling)
 
     # ------------------------------------------------------------------ running rounds
-    def has_loop(self, rd: Round, sp, state: DecodeState) -> bool:
-        """Whether `run` has ``rd``'s loop compiled for these shapes."""
-        return (rd, _avals((self.params, self.dparams, sp, state))) in self._compiled
+    def compiled_gammas(self, gammas, batch: Batch, state: DecodeState) -> set:
+        """The ``gammas`` (0: plain) whose loops `run` has compiled for ``batch`` on ``state``."""
+        avals = _avals((self.params, self.dparams, batch.sp, state))
+        return {g for g in gammas if (self.round(g, greedy=batch.greedy, stop_ids=batch.stop_ids),
+                                      avals) in self._compiled}
 
     def run(self, rd: Round, sp, state: DecodeState, max_rounds: int) -> tuple[DecodeState, float]:
         """At most ``max_rounds`` rounds of ``rd`` on ``state`` (donated). Returns the new state and
@@ -587,9 +589,7 @@ class Decoder:
                 stats.update({"tree_nodes": self.tree.num_nodes,
                               "tree_depth": self.tree.max_depth})
             elif spec.gamma == "auto":
-                ready = {g for g in (0, *GAMMA_CANDIDATES)
-                         if self.has_loop(self.round(g, greedy=batch.greedy,
-                                                     stop_ids=batch.stop_ids), batch.sp, state)}
+                ready = self.compiled_gammas((0, *GAMMA_CANDIDATES), batch, state)
                 gamma, predicted = self.costs.choose_gamma(
                     view[1], GAMMA_CANDIDATES, compiled=ready, steps=rounds_left(state))
                 if gamma == 0 and not self.costs.explored:  # nothing known of the acceptance

@@ -57,6 +57,7 @@ from jaxspec.cache import PrefixLevel, SharedPrefix
 from jaxspec.mesh import (active_mesh, batch_axis, mask_spec, per_shard_attention,
                           per_shard_paged_attention)
 from jaxspec.paged import gather_view, shift_tables
+from jaxspec.retrieval import block_scores, layer_view, retrieved_attention
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
 
@@ -92,6 +93,14 @@ class AttentionPlan:
     # with a block table: a `jaxspec.paged.SharedContext` (the first slots of some rows, copied
     # dense) that a dense attention reads once for all those rows; None: none
     shared: Any = None
+    # a sparse plan's retrieved blocks (`jaxspec.retrieval`): [B, L, K, R] int32 block indices
+    # per row, layer and KV head (-1: none) of ``retrieve_block`` slots each, read besides the
+    # sink and window; None: none
+    retrieved: Any = None
+    retrieve_block: int | None = struct.field(pytree_node=False, default=None)
+    # the forward also returns, per layer, each row's and KV head's largest logit per block of
+    # this many context slots (`jaxspec.retrieval.block_scores`); None: not
+    score_block: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def sparse(self) -> bool:
@@ -328,8 +337,20 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-def _paged_kernel(q, k_pages, v_pages, table, lengths, mask, layer, **kw):
-    return paged_decode_attention(q, k_pages, v_pages, table, lengths, mask, layer=layer, **kw)[0]
+def _with_retrieved(q, k_all, v_all, layer, o, lse, blocks, *, block, sm_scale, table=None):
+    """``o`` (the sparse view's attention, with its ``lse``) merged with the attention over the
+    retrieved blocks (``blocks``: empty, or one [B, K, R] array)."""
+    if not blocks:
+        return o
+    o2, lse2 = retrieved_attention(q, k_all, v_all, layer, blocks[0], block=block,
+                                   sm_scale=sm_scale, block_table=table)
+    return merge_attention_states([o, o2.astype(o.dtype)], [lse, lse2])[0]
+
+
+def _paged_kernel(q, k_pages, v_pages, table, lengths, mask, layer, *blocks, block=None, **kw):
+    o, lse = paged_decode_attention(q, k_pages, v_pages, table, lengths, mask, layer=layer, **kw)
+    return _with_retrieved(q, k_pages, v_pages, layer, o, lse, blocks, block=block,
+                           sm_scale=kw["sm_scale"], table=table)
 
 
 def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
@@ -338,8 +359,18 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
     impl = plan.impl
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
+    blocks = ()  # this layer's retrieved blocks [B, K, R] (a sparse plan's), if any
+    if plan.retrieved is not None:
+        if plan.sparse:
+            r = jax.lax.dynamic_index_in_dim(plan.retrieved, jnp.asarray(layer, jnp.int32),
+                                             axis=1, keepdims=False)
+            if plan.active is not None:
+                r = jnp.where(plan.active[:, None, None], r, -1)
+            blocks = (r,)
+        plan = plan.replace(retrieved=None)
     if plan.active is not None:  # finished rows: no context read (their output is discarded)
         plan = plan.replace(lengths=jnp.where(plan.active, plan.lengths, 0), active=None)
+    rb = plan.retrieve_block
     if plan.block_table is not None:  # a block pool: this layer's blocks of each row, in order
         if plan.prefix is not None:
             raise ValueError("paged caches do not combine with shared-prefix levels")
@@ -350,18 +381,22 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
         if _use_kernel(impl) and plan.sliding_window is None:  # the paged kernel reads the pool
             sink, window = resolve_sparse(plan.sink, plan.window, None)
             fn = functools.partial(_paged_kernel, sink=sink, window=window, sm_scale=sm_scale,
-                                   num_new=plan.new_tokens(q_BTHD.shape[1]),
+                                   num_new=plan.new_tokens(q_BTHD.shape[1]), block=rb,
                                    interpret=True if impl == "interpret" else None)
             return per_shard_paged_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, plan.block_table,
-                                             plan.lengths, plan.mask, layer)
+                                             plan.lengths, plan.mask, layer, extra=blocks)
         k_view = gather_view(k_LBKSD, layer, plan.block_table)[None]
         v_view = gather_view(v_LBKSD, layer, plan.block_table)[None]
+        retrieved = blocks[0][:, None] if blocks else None
         return attend(q_BTHD, k_view, v_view, jnp.int32(0),
-                      plan.replace(block_table=None), sm_scale=sm_scale)
+                      plan.replace(block_table=None, retrieved=retrieved), sm_scale=sm_scale)
     T = q_BTHD.shape[1]
     num_new = plan.new_tokens(T)
     W = plan.sliding_window
     if plan.prefix is not None:  # shared prefix (Hydragen): prefix part + suffix part, merged
+        if blocks:
+            raise ValueError("retrieval (Speculation(retrieve=...)) does not combine with "
+                             "shared-prefix levels; generate without shared_prefix")
         if W is not None:
             raise ValueError("shared prefixes (Hydragen) do not support sliding-window attention: "
                              "generate without shared_prefix for this model")
@@ -371,19 +406,20 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
     if _use_kernel(impl):
         interpret = True if impl == "interpret" else None
 
-        def run_kernel(q, k, v, lengths, mask, layer):
+        def run_kernel(q, k, v, lengths, mask, layer, *blk):
             if W is not None and not sparse:
                 return sliding_window_attention(
                     q, k, v, lengths, mask, layer=layer, sliding_window=W, kernel=decode_kernel,
                     sm_scale=sm_scale, num_new=num_new, interpret=interpret)[0]
             if W is not None and num_new > W:  # a sparse draft: window its new tokens
                 mask = _windowed_new_mask(mask, q.shape[0], T, num_new, W)
-            return decode_kernel(q, k, v, lengths, mask, layer=layer, sink=sink, window=window,
-                                 sm_scale=sm_scale, num_new=num_new, interpret=interpret)[0]
+            o, lse = decode_kernel(q, k, v, lengths, mask, layer=layer, sink=sink, window=window,
+                                   sm_scale=sm_scale, num_new=num_new, interpret=interpret)
+            return _with_retrieved(q, k, v, layer, o, lse, blk, block=rb, sm_scale=sm_scale)
         return per_shard_attention(run_kernel, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths,
-                                   plan.mask, layer)
+                                   plan.mask, layer, extra=blocks if sparse else ())
 
-    def run_xla(q, k_all, v_all, lengths, mask, layer):
+    def run_xla(q, k_all, v_all, lengths, mask, layer, *blk):
         if W is not None and not sparse:  # gathers only the window's slots of this layer
             res = _gathered_window(q, k_all, v_all, lengths, mask, layer=layer, sliding_window=W,
                                    sm_scale=sm_scale, num_new=num_new)
@@ -394,9 +430,41 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
                                      sm_scale=sm_scale, num_new=num_new)[0]
         k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
-        return attention_xla(q, k, v, lengths, mask, sink=sink, window=window,
-                             sm_scale=sm_scale, num_new=num_new, sliding_window=W)[0]
-    return per_shard_attention(run_xla, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer)
+        o, lse = attention_xla(q, k, v, lengths, mask, sink=sink, window=window,
+                               sm_scale=sm_scale, num_new=num_new, sliding_window=W)
+        return _with_retrieved(q, k_all, v_all, layer, o, lse, blk, block=rb, sm_scale=sm_scale)
+    return per_shard_attention(run_xla, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer,
+                               extra=blocks if sparse else ())
+
+
+def context_scores(q_BTHD, k_LBKSD, layer, plan: AttentionPlan):
+    """``[B, K, NB]`` float32: `jaxspec.retrieval.block_scores` of the T queries over each row's
+    context (own cache: a dense stack or a block pool through its tables) in blocks of
+    ``plan.score_block`` slots; per shard under a mesh."""
+    block = int(plan.score_block)
+    lengths = plan.lengths
+    if plan.active is not None:
+        lengths = jnp.where(plan.active, lengths, 0)
+    table = plan.block_table
+
+    def fn(q, k_all, _v, ln, _mask, lay, *tab):
+        k = layer_view(k_all, lay, tab[0] if tab else None)
+        return block_scores(q, k, ln, block=block)
+
+    if table is None:
+        return per_shard_attention(fn, q_BTHD, k_LBKSD, k_LBKSD, lengths, None, layer,
+                                   out_heads=True)
+    mesh = active_mesh()
+    if mesh is None:
+        return fn(q_BTHD, k_LBKSD, None, lengths, None, layer, table)
+    from jax.sharding import PartitionSpec as P
+    b = batch_axis(mesh, q_BTHD.shape[0])
+    pool = P(None, None, "model", None, None)
+    return jax.shard_map(lambda q, k, ln, lay, tab: fn(q, k, None, ln, None, lay, tab),
+                         mesh=mesh, in_specs=(P(b, None, "model", None), pool, P(b), P(),
+                                              P(b, None)),
+                         out_specs=P(b, "model", None), check_vma=False)(
+        q_BTHD, k_LBKSD, lengths, jnp.asarray(layer, jnp.int32), table)
 
 
 CPU_KEY_BLOCK = 128  # keys per block of `blocked_attention`

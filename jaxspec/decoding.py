@@ -38,7 +38,7 @@ from flax import struct
 from jaxspec import sampling
 from jaxspec.cache import KVCache, positions_of
 from jaxspec.config import ModelConfig
-from jaxspec.drafter import plan_on
+from jaxspec.drafter import RetrievalState, plan_on
 from jaxspec.model import forward
 from jaxspec.paged import PagedKVCache, compact_pages
 from jaxspec.tree import TokenTree, compact_path
@@ -188,9 +188,13 @@ class Round:
         D = tree.max_depth
         depths = jnp.asarray(tree.depths, jnp.int32)
         mask = None if chain else jnp.asarray(tree.ancestor_mask)
-        plan = plan_on(state.cache, L, mask=mask, impl=self.impl, active=self.active(state))
-        logits, cache = forward(self.config, params, node_tok, pos0[:, None] + depths[None],
-                                cache, plan)
+        score_block = getattr(self.drafter, "score_block", None)  # a retrieving self-draft's
+        plan = plan_on(state.cache, L, mask=mask, impl=self.impl, active=self.active(state),
+                       score_block=score_block)
+        logits, cache, *scores = forward(self.config, params, node_tok,
+                                         pos0[:, None] + depths[None], cache, plan)
+        if scores:
+            ctx = {**(ctx or {}), "scores": scores[0]}
         acc_nodes = None
         if chain:
             drafts = node_tok[:, 1:]
@@ -301,8 +305,7 @@ def set_rows(state: DecodeState, rows, last, budget, keys, lengths) -> DecodeSta
                        done=state.done.at[rows].set(budget <= 0, mode="drop"),
                        rng=state.rng.at[rows].set(keys, mode="drop"))
     if st.draft is not None:
-        st = st.replace(draft=st.draft.replace(
-            prev=st.draft.prev.at[rows].set(last, mode="drop")))
+        st = st.replace(draft=st.draft.start_rows(rows, last))
     return st
 
 
@@ -328,7 +331,9 @@ def compactable(state: DecodeState) -> bool:
     without a shared context, and a draft model's dense cache if any (no shared prefix)."""
     c = state.cache
     target = type(c) is KVCache or (type(c) is PagedKVCache and c.shared is None)
-    return target and (state.draft is None or type(state.draft.cache) is KVCache)
+    d = state.draft
+    return target and (d is None or isinstance(d, RetrievalState)
+                       or type(d.cache) is KVCache)
 
 
 def _rows_of(f, state: DecodeState, other: DecodeState | None = None):
@@ -354,7 +359,9 @@ def _rows_of(f, state: DecodeState, other: DecodeState | None = None):
         out = out.replace(stats=state.stats.replace(**{
             k: g(lambda s, k=k: getattr(s.stats, k))(0)
             for k in ("spec_rounds", "proposed", "accepted", "committed")}))
-    if state.draft is not None:
+    if isinstance(state.draft, RetrievalState):
+        out = out.replace(draft=state.draft.replace(blocks=g(lambda s: s.draft.blocks)(0)))
+    elif state.draft is not None:
         out = out.replace(draft=state.draft.replace(cache=cache(lambda s: s.draft.cache),
                                                     prev=g(lambda s: s.draft.prev)(0)))
     return out

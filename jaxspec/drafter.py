@@ -41,8 +41,20 @@ from jaxspec.attention import AttentionPlan, plan_for
 from jaxspec.cache import SLOT_ALIGN, KVCache, positions_of, round_up, set_bits
 from jaxspec.config import ModelConfig
 from jaxspec.model import forward
+from jaxspec.retrieval import RETRIEVE_BLOCK, select_blocks
 from jaxspec.tree import compact_path
 
+
+@struct.dataclass
+class RetrievalState:
+    """A retrieving self-draft's state between rounds: the blocks its next drafts read."""
+
+    blocks: jax.Array  # [B, L, K, R] int32 (`jaxspec.retrieval.select_blocks`), -1: none
+
+    def start_rows(self, rows, last):
+        """New sequences in ``rows``: nothing selected yet."""
+        del last
+        return self.replace(blocks=self.blocks.at[rows].set(-1, mode="drop"))
 
 @struct.dataclass
 class DraftState:
@@ -51,6 +63,9 @@ class DraftState:
     cache: KVCache  # the draft's cache; lengths = committed positions it holds
     prev: jax.Array  # [B] committed token at position L - 1 (needed when the draft lags by one)
 
+    def start_rows(self, rows, last):
+        """New sequences in ``rows`` whose draft caches hold their prompts but the last token."""
+        return self.replace(prev=self.prev.at[rows].set(last, mode="drop"))
 
 plan_on = plan_for  # an `AttentionPlan` over a cache (prefix segments, block table)
 
@@ -112,10 +127,14 @@ def _empty_q(rd, B):
 @dataclasses.dataclass(frozen=True)
 class SelfDrafter:
     """The target over the sink + window slots of its own cache (``window=None``: the whole
-    cache, i.e. the target itself: every draft is accepted; for tests)."""
+    cache, i.e. the target itself: every draft is accepted; for tests), and with ``retrieve``
+    also over that many slots in whole blocks of ``retrieve_block`` chosen by the latest
+    verification's attention (`jaxspec.retrieval`)."""
 
     sink: int = 16
     window: int | None = 1008
+    retrieve: int = 0
+    retrieve_block: int = RETRIEVE_BLOCK
 
     kind = "self"
     observes_plain_steps = False  # its draft reads the target's cache: a plain step is no news
@@ -123,23 +142,45 @@ class SelfDrafter:
     @property
     def span(self) -> int | None:
         """Context keys a draft step reads per row (None: all)."""
-        return None if self.window is None else self.sink + self.window
+        return None if self.window is None else self.sink + self.window + self.retrieve
+
+    @property
+    def score_block(self) -> int | None:
+        """Block size of the scores a verification returns for the selection (None: none)."""
+        return self.retrieve_block if self.retrieving else None
+
+    @property
+    def retrieving(self) -> bool:
+        return bool(self.retrieve) and self.window is not None
+
+    def init_state(self, batch: int, config: ModelConfig) -> RetrievalState | None:
+        """The state of ``batch`` rows before any verification (nothing selected)."""
+        if not self.retrieving:
+            return None
+        R = -(-int(self.retrieve) // self.retrieve_block)
+        return RetrievalState(blocks=jnp.full((batch, config.num_layers, config.num_kv_heads, R),
+                                              -1, jnp.int32))
 
     def _sparse(self):
         return (self.sink, self.window) if self.window is not None else (None, None)
+
+    def _plan(self, rd, state, cache, lengths, **kw):
+        if self.retrieving:
+            kw.update(retrieved=state.draft.blocks, retrieve_block=self.retrieve_block)
+        sink, window = self._sparse()
+        return plan_on(cache, lengths, impl=rd.impl, sink=sink, window=window,
+                       active=rd.active(state), **kw)
 
     def chain(self, rd, params, dparams, sp, state, keys):
         """gamma draft steps -> (target cache with the drafts' K/V, drafts [B, g], q, None)."""
         cache = state.cache
         L = cache.lengths
         pos0 = positions_of(cache)
-        sink, window = self._sparse()
 
         def step(carry, i):
             k, v, tok, keys = carry
             keys, sub = sampling.split_rows(keys)
-            plan = plan_on(cache, L + i, impl=rd.impl, sink=sink, window=window,
-                           active=rd.active(state))
+            plan = self._plan(rd, state, cache, L + i)
             c = cache.replace(k=k, v=v)
             logits, c = forward(rd.config, params, tok[:, None], (pos0 + i)[:, None], c, plan)
             d, q = propose(rd, sub, logits[:, 0], sp)
@@ -159,13 +200,11 @@ class SelfDrafter:
         B = L.shape[0]
         anc = jnp.asarray(rd.tree.ancestor_mask)
         depths = jnp.asarray(rd.tree.depths, jnp.int32)
-        sink, window = self._sparse()
         holder = {"cache": cache}
 
         def level_forward(d, a, b, node_tok):
             lo = a if level_only else 0
-            plan = plan_on(cache, L, mask=anc[lo:b, :b], sink=sink, window=window, impl=rd.impl,
-                           active=rd.active(state))
+            plan = self._plan(rd, state, cache, L, mask=anc[lo:b, :b])
             idx = jnp.broadcast_to(jnp.arange(a - lo, b - lo, dtype=jnp.int32), (B, b - a))
             logits, holder["cache"] = forward(rd.config, params, node_tok[:, lo:b],
                                               pos0[:, None] + depths[None, lo:b],
@@ -178,7 +217,14 @@ class SelfDrafter:
         return holder["cache"], node_tok, q_all, None
 
     def after_round(self, rd, dparams, state, new_state, ctx, path, n_acc, acc_nodes):
-        return state.draft
+        """Retrieving: the blocks the verification's scores (``ctx["scores"]``) select for the
+        next round's drafts."""
+        if not self.retrieving:
+            return state.draft
+        blocks = select_blocks(ctx["scores"], state.cache.lengths, new_state.cache.lengths,
+                               sink=self.sink, window=self.window, block=self.retrieve_block,
+                               count=state.draft.blocks.shape[-1])
+        return state.draft.replace(blocks=blocks)
 
     def after_plain(self, rd, dparams, state, new_state):
         return state.draft

@@ -13,6 +13,8 @@ later calls with the same settings pay neither compilation nor measurement again
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxspec import compile_cache
 from jaxspec.model import Model
 from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
@@ -43,8 +45,9 @@ def decoder_for(model: Model, speculation: Speculation | None = None, *,
                             f"got {type(speculation).__name__}")
         s = speculation
         draft = "self" if s.is_self else id(s.draft)
-        spec_key = (draft, s.gamma, s.sink, s.window, _tree_key(s.tree), s.tree_sampling,
-                    s.adaptive)
+        spec_key = (draft, _tree_key(s.tree), *((f.name, getattr(s, f.name))
+                                                 for f in dataclasses.fields(s)
+                                                 if f.name not in ("draft", "tree")))
     key = (spec_key, attn_impl, int(prefill_chunk) if isinstance(prefill_chunk, int) else
            prefill_chunk, id(model.params["embed"]))
     hit = model.decoders.get(key)

@@ -264,50 +264,58 @@ def mask_spec(mask, b):
     return P(b, None, None) if mask.ndim == 3 and mask.shape[0] != 1 else P()
 
 
-def per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer):
-    """``fn(q, k, v, lengths, mask, layer) -> out[B, T, H, D]``, run per shard inside
+def per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer, extra=(),
+                        out_heads: bool = False):
+    """``fn(q, k, v, lengths, mask, layer, *extra) -> out[B, T, H, D]``, run per shard inside
     ``jax.shard_map`` when a ``("data", "model")`` mesh is active (batch over data unless it does
     not divide (`batch_axis`), KV heads and their query heads over model), else called
-    directly."""
+    directly. ``extra``: arrays laid out ``[B, K, ...]`` (per row and KV head). ``out_heads``:
+    ``fn`` returns ``[B, K, ...]`` instead."""
     mesh = active_mesh()
     if mesh is None:
-        return fn(q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer)
+        return fn(q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer, *extra)
     layer = jnp.asarray(layer, jnp.int32)
     b = batch_axis(mesh, q_BTHD.shape[0])
     kv = P(None, b, "model", None, None)
-    args = [q_BTHD, k_LBKSD, v_LBKSD, lengths, layer]
+    args = [q_BTHD, k_LBKSD, v_LBKSD, lengths, layer, *extra]
     specs = [P(b, None, "model", None), kv, kv, P(b), P()]
+    specs += [P(b, "model", *([None] * (x.ndim - 2))) for x in extra]
+    n = len(extra)
     if mask is not None:
         mask = jnp.asarray(mask)
         args.append(mask)
         specs.append(mask_spec(mask, b))
 
-    def body(q, k, v, ln, lay, *m):
-        return fn(q, k, v, ln, m[0] if m else None, lay)
+    def body(q, k, v, ln, lay, *rest):
+        return fn(q, k, v, ln, rest[n] if len(rest) > n else None, lay, *rest[:n])
 
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
-                         out_specs=P(b, None, "model", None), check_vma=False)(*args)
+    out = P(b, "model", None) if out_heads else P(b, None, "model", None)
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=out,
+                         check_vma=False)(*args)
 
 
-def per_shard_paged_attention(fn, q_BTHD, k_pages, v_pages, block_table, lengths, mask, layer):
+def per_shard_paged_attention(fn, q_BTHD, k_pages, v_pages, block_table, lengths, mask, layer,
+                              extra=()):
     """`per_shard_attention` for a paged pool ``[L, NB, K, BS, D]`` read through
     ``block_table[B, MB]``: rows over data (`batch_axis`), KV heads over model, every block on
-    every data shard (`pool_sharding`)."""
+    every data shard (`pool_sharding`); ``extra`` as there."""
     mesh = active_mesh()
     if mesh is None:
-        return fn(q_BTHD, k_pages, v_pages, block_table, lengths, mask, layer)
+        return fn(q_BTHD, k_pages, v_pages, block_table, lengths, mask, layer, *extra)
     layer = jnp.asarray(layer, jnp.int32)
     b = batch_axis(mesh, q_BTHD.shape[0])
     pool = P(None, None, "model", None, None)
-    args = [q_BTHD, k_pages, v_pages, block_table, lengths, layer]
+    args = [q_BTHD, k_pages, v_pages, block_table, lengths, layer, *extra]
     specs = [P(b, None, "model", None), pool, pool, P(b, None), P(b), P()]
+    specs += [P(b, "model", *([None] * (x.ndim - 2))) for x in extra]
+    n = len(extra)
     if mask is not None:
         mask = jnp.asarray(mask)
         args.append(mask)
         specs.append(mask_spec(mask, b))
 
-    def body(q, k, v, table, ln, lay, *m):
-        return fn(q, k, v, table, ln, m[0] if m else None, lay)
+    def body(q, k, v, table, ln, lay, *rest):
+        return fn(q, k, v, table, ln, rest[n] if len(rest) > n else None, lay, *rest[:n])
 
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
                          out_specs=P(b, None, "model", None), check_vma=False)(*args)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.attention import AttentionPlan, attend
+from jaxspec.attention import AttentionPlan, attend, context_scores
 from jaxspec.cache import KVCache, set_bits
 from jaxspec.config import ModelConfig, sliding_window_of  # noqa: F401 (re-exported)
 from jaxspec.paged import write_pages
@@ -143,13 +143,15 @@ class Block(nn.Module):
             names.update({"b_gate": (_init(0.02), (F,)), "b_up": (_init(0.02), (F,)),
                           "b_down": (_init(0.02), (D,))})
         p = {n: self.param(n, init, shape, dt) for n, (init, shape) in names.items()}
-        return layer_forward(c, p, carry, layer, rope, plan), None
+        return layer_forward(c, p, carry, layer, rope, plan)
 
 
 def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPlan):
-    """One decoder layer on ``carry = (x[B, T, D], k_cache, v_cache)``. ``p`` holds the layer's
-    weights, either as stored (wq, wk, wv, w_gate, w_up, ...) or fused by `fuse_layer_params`
-    (wqkv / bqkv and w_gateup: one matmul each instead of three and two)."""
+    """One decoder layer on ``carry = (x[B, T, D], k_cache, v_cache)`` -> ``(carry, scores)``.
+    ``p`` holds the layer's weights, either as stored (wq, wk, wv, w_gate, w_up, ...) or fused by
+    `fuse_layer_params` (wqkv / bqkv and w_gateup: one matmul each instead of three and two).
+    ``scores``: with ``plan.score_block``, the layer's `jaxspec.attention.context_scores`
+    ([B, K, NB]), else None."""
     x, k_cache, v_cache = carry
     B, T, D = x.shape
     H, K, Dh = c.num_heads, c.num_kv_heads, c.head_dim
@@ -188,6 +190,7 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
         v_cache = write_slots(v_cache, layer, b_idx, slots, v)
 
     attn = attend(q, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
+    scores = None if plan.score_block is None else context_scores(q, k_cache, layer, plan)
     o = attn.reshape(B, T, H * Dh).astype(dt) @ p["wo"]
     x = x + (o + p["bo"] if "bo" in p else o)
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
@@ -202,7 +205,7 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
             gate, up = gate + p["b_gate"], up + p["b_up"]
     down = (nn.silu(gate) * up) @ p["w_down"]
     x = x + (down + p["b_down"] if "b_down" in p else down)
-    return x, k_cache, v_cache
+    return (x, k_cache, v_cache), scores
 
 
 def fuse_layer_params(params, *, in_place: bool = False):
@@ -266,14 +269,16 @@ class Transformer(nn.Module):
             length=c.num_layers,
         )
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (x, k, v), _ = Stack(c, dt, name="layers")((x, cache.k, cache.v), layers, rope, plan)
+        (x, k, v), scores = Stack(c, dt, name="layers")((x, cache.k, cache.v), layers, rope,
+                                                        plan)
         cache = cache.replace(k=k, v=v)
         final_norm = self.param("final_norm", nn.initializers.ones, (c.hidden_size,), dt)
         lm_head = None
         if not c.tie_word_embeddings:
             lm_head = self.param("lm_head", _init(c.hidden_size ** -0.5),
                                  (c.hidden_size, c.vocab_size), dt)
-        return lm_logits(c, x, final_norm, embed, lm_head, logits_at), cache
+        logits = lm_logits(c, x, final_norm, embed, lm_head, logits_at)
+        return (logits, cache) if scores is None else (logits, cache, scores)
 
 
 def lm_logits(c: ModelConfig, x, final_norm, embed, lm_head, logits_at=None):
@@ -295,11 +300,15 @@ def _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logi
     x = jnp.take(params["embed"], tokens_BT, axis=0)
     rope = rope_tables(config, positions_BT)
     k, v = cache.k, cache.v
+    scores = []
     for layer, p in enumerate(params["layers"]):
-        x, k, v = layer_forward(config, p, (x, k, v), jnp.int32(layer), rope, plan)
+        (x, k, v), sc = layer_forward(config, p, (x, k, v), jnp.int32(layer), rope, plan)
+        scores.append(sc)
     logits = lm_logits(config, x, params["final_norm"], params["embed"], params.get("lm_head"),
                        logits_at)
-    return logits, cache.replace(k=k, v=v)
+    if plan.score_block is None:
+        return logits, cache.replace(k=k, v=v)
+    return logits, cache.replace(k=k, v=v), jnp.stack(scores)
 
 
 def unstack_layers(params):
@@ -339,7 +348,8 @@ def _unfuse(p):
 
 def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache,
             plan: AttentionPlan, logits_at=None, *, dtype=None):
-    """Functional entry point: ``(logits, cache)`` for params of ``config``.
+    """Functional entry point: ``(logits, cache)`` for params of ``config``; with
+    ``plan.score_block`` ``(logits, cache, scores[L, B, K, NB])`` (`jaxspec.retrieval`).
 
     ``positions_BT`` are the tokens' RoPE positions; ``plan`` says which keys each token sees
     (its context in ``cache``, shared-prefix segments, a sparse view) and where the new K/V go.

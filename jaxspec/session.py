@@ -283,7 +283,8 @@ class Decoder:
         if speculation is not None:
             if draft is None:
                 self.drafter = SelfDrafter(sink=int(speculation.sink), window=None
-                                           if speculation.window is None else int(speculation.window))
+                                           if speculation.window is None else int(speculation.window),
+                                           retrieve=int(speculation.retrieve))
                 span = self.drafter.span
             else:
                 ring = speculation.window is not None
@@ -401,6 +402,10 @@ class Decoder:
         share = None
         if shared_prefix is not None or n != 1:
             token_lists, share = plan_sharing(token_lists, shared_prefix, n, sliding_window=window)
+            if share is not None and getattr(self.drafter, "retrieving", False):
+                raise ValueError("Speculation(retrieve=...) does not combine with shared-prefix "
+                                 "levels (shared_prefix, n > 1): its blocks are chosen from each "
+                                 "row's own cache")
             if share is not None and self.mesh is not None:
                 d = self.mesh.shape["data"]
                 if len(token_lists) % d:
@@ -485,7 +490,9 @@ class Decoder:
             out=jnp.zeros((B, width), jnp.int32), from_draft=jnp.zeros((B, width), bool),
             n_out=jnp.zeros((B,), jnp.int32), budget=jnp.asarray(budget, jnp.int32),
             done=jnp.asarray(np.asarray(budget) <= 0), rng=jnp.asarray(keys),
-            steps=jnp.zeros((), jnp.int32), draft=None, stats=RoundStats.zeros(B))
+            steps=jnp.zeros((), jnp.int32), stats=RoundStats.zeros(B),
+            draft=self.drafter.init_state(B, self.config)
+            if isinstance(self.drafter, SelfDrafter) else None)
 
     # ------------------------------------------------------------------ draft state
     def draft_state(self, token_lists, state: DecodeState) -> DraftState | None:

@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxspec.config import sliding_window_of
 from jaxspec.model import Model
+from jaxspec.retrieval import RETRIEVE_BLOCK
 from jaxspec.tree import TokenTree
 
 GAMMA_CANDIDATES = (1, 2, 3, 4, 5, 6)  # what gamma="auto" chooses from (0: plain decoding)
@@ -45,6 +47,12 @@ class Speculation:
         are rarely accepted, or a batch whose other rows have finished, are decoded plainly
         instead of paying ``gamma`` draft steps per token. Default on. Either kind of round is
         lossless, so the output does not depend on the choice.
+    retrieve: self-speculation only: besides the sink and the window, each draft step also reads
+        this many context slots per row, layer and KV head, in whole blocks of
+        `jaxspec.retrieval.RETRIEVE_BLOCK` (64) slots: the blocks on which the latest
+        verification's queries put the largest logits, refreshed every round
+        (`jaxspec.retrieval`). A multiple of 64; 0 (the default): the sink and window alone.
+        Verification keeps the output lossless whatever the draft reads.
     """
 
     draft: Any = "self"
@@ -54,6 +62,7 @@ class Speculation:
     tree: Any = None
     tree_sampling: str = "without_replacement"
     adaptive: bool = True
+    retrieve: int = 0
 
     @property
     def is_self(self) -> bool:
@@ -113,6 +122,15 @@ def validate(spec: Speculation, model: Model) -> TokenTree | None:
     tree = resolve_tree(spec.tree)
     if tree is not None and g == "auto":
         raise ValueError("gamma='auto' picks a chain length; it cannot be combined with a tree")
+    if not _is_int(spec.retrieve) or spec.retrieve < 0 or spec.retrieve % RETRIEVE_BLOCK:
+        raise ValueError(f"retrieve must be an int >= 0 and a multiple of {RETRIEVE_BLOCK} "
+                         f"(slots in whole blocks), got {spec.retrieve!r}")
+    if spec.retrieve and not (spec.is_self and spec.window is not None):
+        raise ValueError("retrieve applies to self-speculation over a sparse view "
+                         "(draft='self' with a window)")
+    if spec.retrieve and sliding_window_of(model.config) is not None:
+        raise ValueError("retrieve needs a model without sliding-window attention (a draft of "
+                         "such a model already reads at most the model's window)")
     if spec.is_self:
         if spec.window is not None and spec.window + spec.sink == 0:
             raise ValueError("self-speculation needs sink + window > 0 context slots")

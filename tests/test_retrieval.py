@@ -1,0 +1,243 @@
+"""Retrieval for the self-draft (`Speculation(retrieve=N)`, `jaxspec.retrieval`): the block scores,
+the selection and the attention over sink + window + retrieved blocks against brute-force numpy;
+speculation with retrieval is lossless (greedy in float32, and sampling keeps the target's exact
+distribution) on one device, on a mesh and in the paged server; and retrieval is what raises the
+acceptance where the window alone misses the context."""
+
+import itertools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import Speculation
+from jaxspec.attention import AttentionPlan, attend
+from jaxspec.cache import KVCache
+from jaxspec.model import forward
+from jaxspec.retrieval import block_scores, select_blocks
+from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
+from serverkit import served_model
+from test_speculative import _chi2_pvalue
+from tiny import tiny_model
+
+
+def _seed():
+    return random.randrange(1 << 30)
+
+
+# ----------------------------------------------------------------------------- pieces
+def test_block_scores_are_the_largest_logit_per_block():
+    rng = np.random.default_rng(_seed())
+    B, T, K, G, S, D, blk = 3, 2, 2, 3, 40, 8, 8
+    q = rng.standard_normal((B, T, K * G, D)).astype(np.float32)
+    k = rng.standard_normal((B, K, S, D)).astype(np.float32)
+    lengths = np.array([40, 13, 0], np.int32)
+    got = np.asarray(block_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lengths),
+                                  block=blk, sm_scale=0.3))
+    want = np.full((B, K, S // blk), -np.inf)
+    for b, h, s in itertools.product(range(B), range(K), range(S)):
+        if s < lengths[b]:
+            logit = max(0.3 * float(q[b, t, h * G + g] @ k[b, h, s])
+                        for t in range(T) for g in range(G))
+            want[b, h, s // blk] = max(want[b, h, s // blk], logit)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_selection_takes_the_best_eligible_blocks():
+    rng = np.random.default_rng(_seed())
+    L, B, K, n, blk = 2, 4, 3, 10, 8
+    scores = rng.standard_normal((L, B, K, n)).astype(np.float32)
+    verified = np.array([80, 80, 30, 5], np.int32)
+    lengths = verified + np.array([3, 0, 2, 1], np.int32)
+    sink, window, count = 10, 12, 3
+    got = np.asarray(select_blocks(jnp.asarray(scores), jnp.asarray(verified),
+                                   jnp.asarray(lengths), sink=sink, window=window, block=blk,
+                                   count=count))
+    assert got.shape == (B, L, K, count)
+    for l, b, h in itertools.product(range(L), range(B), range(K)):
+        ok = [j for j in range(n) if j * blk >= sink
+              and (j + 1) * blk <= min(verified[b], lengths[b] - window)]
+        best = sorted(ok, key=lambda j: -scores[l, b, h, j])[:count]
+        assert sorted(x for x in got[b, l, h] if x >= 0) == sorted(best)
+        assert list(got[b, l, h]).count(-1) == count - len(best)
+
+
+def _union_attention(q, k, v, lengths, sink, window, blocks, blk, T_new):
+    """float64 numpy: each query over its row's sink, window, retrieved blocks (per KV head)
+    and the causal new tokens."""
+    B, T, H, D = q.shape
+    K = k.shape[1]
+    G = H // K
+    out = np.zeros((B, T, H, D))
+    for b, hq, t in itertools.product(range(B), range(H), range(T)):
+        h, n = hq // G, int(lengths[b])
+        keys = set(range(min(sink, n))) | set(range(max(n - window, sink, 0), n))
+        for j in blocks[b, h]:
+            if j >= 0:
+                keys |= set(range(j * blk, (j + 1) * blk))
+        keys |= {n + j for j in range(T_new - T + t + 1)}
+        idx = sorted(keys)
+        s = np.array([q[b, t, hq] @ k[b, h, i] for i in idx], np.float64) / np.sqrt(D)
+        p = np.exp(s - s.max())
+        out[b, t, hq] = (p / p.sum()) @ v[b, h, idx]
+    return out
+
+
+@pytest.mark.parametrize("impl,paged", [("xla", False), ("interpret", False), ("xla", True),
+                                        ("interpret", True)])
+def test_sparse_view_with_retrieved_blocks_is_attention_over_their_union(impl, paged):
+    rng = np.random.default_rng(_seed())
+    B, T, K, G, S, D, blk, Lyr = 2, 2, 2, 2, 128, 16, 16, 2
+    sink, window = 3, 10
+    lengths = np.array([100, 61], np.int32)
+    q = rng.standard_normal((B, T, K * G, D)).astype(np.float32)
+    k = rng.standard_normal((Lyr, B, K, S, D)).astype(np.float32)
+    v = rng.standard_normal((Lyr, B, K, S, D)).astype(np.float32)
+    blocks = np.full((B, Lyr, K, 3), -1, np.int32)
+    for b, l, h in itertools.product(range(B), range(Lyr), range(K)):
+        ok = [j for j in range(S // blk) if j * blk >= sink
+              and (j + 1) * blk <= lengths[b] - window]
+        pick = rng.choice(ok, size=min(len(ok), int(rng.integers(1, 4))), replace=False)
+        blocks[b, l, h, :len(pick)] = pick
+    layer = 1
+    kw = dict(sink=sink, window=window, impl=impl, retrieved=jnp.asarray(blocks),
+              retrieve_block=blk)
+    if paged:  # the same slots in a shuffled pool of 8-slot pages
+        BS, MB = 8, S // 8
+        perm = rng.permutation(B * MB).astype(np.int32)
+        table = perm.reshape(B, MB)
+        pool_k = np.zeros((Lyr, B * MB, K, BS, D), np.float32)
+        pool_v = np.zeros_like(pool_k)
+        for b, m in itertools.product(range(B), range(MB)):
+            pool_k[:, table[b, m]] = k[:, b, :, m * BS:(m + 1) * BS]
+            pool_v[:, table[b, m]] = v[:, b, :, m * BS:(m + 1) * BS]
+        plan = AttentionPlan(lengths=jnp.asarray(lengths), block_table=jnp.asarray(table), **kw)
+        got = attend(jnp.asarray(q), jnp.asarray(pool_k), jnp.asarray(pool_v), layer, plan)
+    else:
+        plan = AttentionPlan(lengths=jnp.asarray(lengths), **kw)
+        got = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), layer, plan)
+    want = _union_attention(q, k[layer], v[layer], lengths, sink, window, blocks[:, layer], blk,
+                            T)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
+    if not paged:  # without the blocks: a different result (the blocks were read)
+        plain = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), layer,
+                       AttentionPlan(lengths=jnp.asarray(lengths), sink=sink, window=window,
+                                     impl=impl))
+        assert np.abs(np.asarray(plain) - want).max() > 1e-2
+
+
+# ----------------------------------------------------------------------------- lossless
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0, ctx=2048)
+
+
+@pytest.fixture(scope="module")
+def long_prompts():
+    rng = np.random.default_rng(_seed())
+    return [rng.integers(0, 64, size=int(n)).tolist() for n in (300, 5, 420, 200)]
+
+
+@pytest.fixture(scope="module")
+def reference(target, long_prompts):
+    return jaxspec.generate(target, long_prompts, max_new_tokens=48).tokens
+
+
+def test_retrieval_is_lossless_and_raises_the_acceptance(target, long_prompts, reference):
+    """A 16-slot window misses most of the context; 512 retrieved slots cover most of it: the
+    drafts are accepted far more often, and the tokens stay plain greedy decoding's."""
+    acc = {}
+    for r in (0, 512):
+        spec = Speculation(draft="self", gamma=3, sink=0, window=16, adaptive=False, retrieve=r)
+        res = jaxspec.generate(target, long_prompts, max_new_tokens=48, speculation=spec)
+        assert res.tokens == reference
+        acc[r] = res.stats["acceptance_rate"]
+    assert acc[512] > acc[0] + 0.3, acc
+
+
+def test_tree_speculation_with_retrieval_is_lossless(target, long_prompts, reference):
+    spec = Speculation(draft="self", sink=2, window=8, tree=(2, 1, 1), adaptive=False,
+                       retrieve=128)
+    res = jaxspec.generate(target, long_prompts, max_new_tokens=48, speculation=spec)
+    assert res.tokens == reference
+
+
+V = 6
+
+
+def test_sampling_with_retrieval_keeps_the_target_distribution():
+    """Tokens 3 and 4 of 4 come from rounds whose drafts read a retrieved block (gamma 1: the
+    first verification selects it); their joint distribution is the target's, exactly
+    enumerated."""
+    target = tiny_model(seed=1, vocab=V, scale=2.0)
+    prompt = np.random.default_rng(5).integers(0, V, size=136).tolist()
+    n = len(prompt)
+    toks = np.array([prompt + list(c) for c in itertools.product(range(V), repeat=3)])
+    cache = KVCache.create(target.config, len(toks), n + 8, jnp.float32)
+    plan = AttentionPlan(lengths=jnp.zeros((len(toks),), jnp.int32), impl="xla")
+    pos = jnp.broadcast_to(jnp.arange(n + 3, dtype=jnp.int32), toks.shape)
+    logits = np.asarray(forward(target.config, target.params, jnp.asarray(toks), pos, cache,
+                                plan)[0], np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    joint = np.zeros((V, V))  # P(t3, t4)
+    for i, (a, b, c) in enumerate(itertools.product(range(V), repeat=3)):
+        joint[c] += p[i, n - 1, a] * p[i, n, b] * p[i, n + 1, c] * p[i, n + 2]
+    spec = Speculation(draft="self", gamma=1, sink=0, window=4, adaptive=False, retrieve=64)
+    res = jaxspec.generate(target, [prompt] * 4000, max_new_tokens=4, temperature=1.0, seed=11,
+                           speculation=spec)
+    samples = [tuple(t[2:4]) for t in res.tokens]
+    assert _chi2_pvalue(samples, joint) > 1e-3
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices: make test")
+def test_retrieval_on_a_mesh_equals_one_device(long_prompts, reference, target):
+    from jaxspec import sharding as shd
+    model = tiny_model(seed=0, ctx=2048, heads=8, kv_heads=4, hidden=64, head_dim=8)
+    ref = jaxspec.generate(model, long_prompts, max_new_tokens=32).tokens
+    spec = Speculation(draft="self", gamma=3, sink=0, window=16, adaptive=False, retrieve=256)
+    sharded = shd.shard_model(model, jaxspec.make_mesh(2, 4))
+    res = jaxspec.generate(sharded, long_prompts, max_new_tokens=32, speculation=spec)
+    assert res.tokens == ref
+    assert res.stats["acceptance_rate"] > 0
+
+
+def test_the_paged_server_with_retrieval_equals_generate():
+    model = served_model(eos=False)
+    rng = np.random.default_rng(_seed())
+    prompts = [rng.integers(5, 60, size=int(n)).tolist() for n in (70, 9, 55)]
+    ref = jaxspec.generate(model, prompts, max_new_tokens=24).tokens
+    spec = Speculation(draft="self", gamma=3, sink=0, window=6, adaptive=False, retrieve=64)
+    e = ServingEngine(model, max_batch=2, max_len=96, rounds_per_chunk=2, prefill_chunk=16,
+                      page_size=8, speculation=spec).start()
+    try:
+        seqs = [Sequence(p, SamplingOptions(max_tokens=24, temperature=0)) for p in prompts]
+        e.submit(seqs)
+        for s in seqs:
+            assert s.finished.wait(600) and s.error is None, s.error
+        assert [s.tokens for s in seqs] == ref
+    finally:
+        e.stop()
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kw,msg", [
+    (dict(retrieve=100), "multiple of 64"), (dict(retrieve=-64), "retrieve"),
+    (dict(retrieve=64, window=None), "sparse view"),
+])
+def test_bad_retrieval_settings_are_rejected(target, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        jaxspec.generate(target, [[1, 2, 3]], max_new_tokens=4,
+                         speculation=Speculation(**kw, adaptive=False))
+
+
+def test_retrieval_refuses_a_draft_model_and_shared_prefixes(target):
+    with pytest.raises(ValueError, match="self-speculation"):
+        jaxspec.generate(target, [[1, 2, 3]], max_new_tokens=4,
+                         speculation=Speculation(draft=tiny_model(seed=3), retrieve=64))
+    with pytest.raises(ValueError, match="shared-prefix"):
+        jaxspec.generate(target, [[1, 2, 3] * 30, [1, 2, 3] * 30 + [4]], max_new_tokens=4,
+                         shared_prefix=60, speculation=Speculation(retrieve=64))

@@ -112,8 +112,9 @@ def environment() -> dict:
 def parse_variant(text: str, draft=None):
     """A speculation variant by name: ``plain``, ``default`` (``jaxspec.Speculation()``), ``auto``
     (``gamma="auto"``), or settings joined by ``-``: ``gG`` (gamma), ``wW`` / ``wnone``
-    (window), ``sS`` (sink), ``fixed`` (adaptive off), ``tK,K,..`` (a tree), ``draft`` (the
-    ``--draft`` model instead of self-speculation); e.g. ``g4-w496-fixed``."""
+    (window), ``sS`` (sink), ``rR`` (retrieve R slots), ``fixed`` (adaptive off), ``tK,K,..``
+    (a tree), ``draft`` (the ``--draft`` model instead of self-speculation); e.g.
+    ``g4-w496-fixed`` or ``w496-r512``."""
     import jaxspec
     if text == "plain":
         return None
@@ -137,6 +138,8 @@ def parse_variant(text: str, draft=None):
             kw["window"] = None if part[1:] == "none" else int(part[1:])
         elif part[:1] == "s" and part[1:].isdigit():
             kw["sink"] = int(part[1:])
+        elif part[:1] == "r" and part[1:].isdigit():
+            kw["retrieve"] = int(part[1:])
         elif part[:1] == "t":
             kw["tree"] = tuple(int(x) for x in part[1:].split(","))
         else:
@@ -441,7 +444,7 @@ def add_arguments(sub) -> None:
     g.add_argument("--new", type=int, default=256, help="new tokens per row")
     g.add_argument("--seeds", default="1,2,3")
     g.add_argument("--sources", default="shakespeare",
-                   help="text sources (jaxspec.textdata: shakespeare, brotli) or 'random'")
+                   help="text sources (jaxspec.textdata: shakespeare, brotli, sympy) or 'random'")
     g.add_argument("--ignore-eos", action="store_true", help="fixed-length rows")
     g.add_argument("--time-budget-s", type=float, default=None,
                    help="skip the points left after this many seconds")

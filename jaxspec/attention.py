@@ -355,10 +355,13 @@ def _paged_kernel(q, k_pages, v_pages, table, lengths, mask, layer, *blocks, blo
 
 def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
     """Attention of the T queries (the last T of ``plan.new_tokens(T)`` new tokens) of one layer
-    over the stacked cache ``[L, B, K, S, D]``."""
+    over the stacked cache ``[L, B, K, S, D]``; with ``plan.score_block`` ``(out, scores)``
+    (`context_scores`)."""
     impl = plan.impl
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
+    if plan.score_block is not None:
+        return _attend_scored(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)
     blocks = ()  # this layer's retrieved blocks [B, K, R] (a sparse plan's), if any
     if plan.retrieved is not None:
         if plan.sparse:
@@ -437,11 +440,32 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
                                extra=blocks if sparse else ())
 
 
-def context_scores(q_BTHD, k_LBKSD, layer, plan: AttentionPlan):
+def _attend_scored(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
+    """``(out, scores)``: `attend` and `context_scores`. A dense attention over a dense cache on
+    the kernel path computes both in one kernel (it writes each key block's largest logit as it
+    reads the keys); elsewhere the scores are a pass of their own over the keys."""
+    block = int(plan.score_block)
+    plan = plan.replace(score_block=None)
+    if (_use_kernel(plan.impl) and plan.block_table is None and plan.prefix is None
+            and not plan.sparse and plan.sliding_window is None):
+        lengths = plan.lengths if plan.active is None else jnp.where(plan.active, plan.lengths, 0)
+        interpret = True if plan.impl == "interpret" else None
+        num_new = plan.new_tokens(q_BTHD.shape[1])
+
+        def fn(q, k, v, ln, mask, lay):
+            o, _, sc = decode_kernel(q, k, v, ln, mask, layer=lay, sm_scale=sm_scale,
+                                     num_new=num_new, interpret=interpret, score_block=block)
+            return o, sc
+        return per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, plan.mask, layer,
+                                   outs="both")
+    out = attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)
+    return out, context_scores(q_BTHD, k_LBKSD, layer, plan, block=block)
+
+
+def context_scores(q_BTHD, k_LBKSD, layer, plan: AttentionPlan, *, block: int):
     """``[B, K, NB]`` float32: `jaxspec.retrieval.block_scores` of the T queries over each row's
     context (own cache: a dense stack or a block pool through its tables) in blocks of
-    ``plan.score_block`` slots; per shard under a mesh."""
-    block = int(plan.score_block)
+    ``block`` slots; per shard under a mesh."""
     lengths = plan.lengths
     if plan.active is not None:
         lengths = jnp.where(plan.active, lengths, 0)
@@ -453,7 +477,7 @@ def context_scores(q_BTHD, k_LBKSD, layer, plan: AttentionPlan):
 
     if table is None:
         return per_shard_attention(fn, q_BTHD, k_LBKSD, k_LBKSD, lengths, None, layer,
-                                   out_heads=True)
+                                   outs="heads")
     mesh = active_mesh()
     if mesh is None:
         return fn(q_BTHD, k_LBKSD, None, lengths, None, layer, table)

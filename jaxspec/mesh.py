@@ -265,12 +265,13 @@ def mask_spec(mask, b):
 
 
 def per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer, extra=(),
-                        out_heads: bool = False):
+                        outs: str = "tokens"):
     """``fn(q, k, v, lengths, mask, layer, *extra) -> out[B, T, H, D]``, run per shard inside
     ``jax.shard_map`` when a ``("data", "model")`` mesh is active (batch over data unless it does
     not divide (`batch_axis`), KV heads and their query heads over model), else called
-    directly. ``extra``: arrays laid out ``[B, K, ...]`` (per row and KV head). ``out_heads``:
-    ``fn`` returns ``[B, K, ...]`` instead."""
+    directly. ``extra``: arrays laid out ``[B, K, ...]`` (per row and KV head). ``outs``: what
+    ``fn`` returns: ``"tokens"`` (the output), ``"heads"`` (an array ``[B, K, N]`` instead) or
+    ``"both"`` (the two)."""
     mesh = active_mesh()
     if mesh is None:
         return fn(q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer, *extra)
@@ -289,7 +290,8 @@ def per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer, extr
     def body(q, k, v, ln, lay, *rest):
         return fn(q, k, v, ln, rest[n] if len(rest) > n else None, lay, *rest[:n])
 
-    out = P(b, "model", None) if out_heads else P(b, None, "model", None)
+    tok, heads = P(b, None, "model", None), P(b, "model", None)
+    out = {"tokens": tok, "heads": heads, "both": (tok, heads)}[outs]
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=out,
                          check_vma=False)(*args)
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.attention import AttentionPlan, attend, context_scores
+from jaxspec.attention import AttentionPlan, attend
 from jaxspec.cache import KVCache, set_bits
 from jaxspec.config import ModelConfig, sliding_window_of  # noqa: F401 (re-exported)
 from jaxspec.paged import write_pages
@@ -150,8 +150,8 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
     """One decoder layer on ``carry = (x[B, T, D], k_cache, v_cache)`` -> ``(carry, scores)``.
     ``p`` holds the layer's weights, either as stored (wq, wk, wv, w_gate, w_up, ...) or fused by
     `fuse_layer_params` (wqkv / bqkv and w_gateup: one matmul each instead of three and two).
-    ``scores``: with ``plan.score_block``, the layer's `jaxspec.attention.context_scores`
-    ([B, K, NB]), else None."""
+    ``scores``: with ``plan.score_block``, the layer's block scores
+    (`jaxspec.attention.context_scores`, [B, K, NB]), else None."""
     x, k_cache, v_cache = carry
     B, T, D = x.shape
     H, K, Dh = c.num_heads, c.num_kv_heads, c.head_dim
@@ -190,7 +190,9 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
         v_cache = write_slots(v_cache, layer, b_idx, slots, v)
 
     attn = attend(q, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
-    scores = None if plan.score_block is None else context_scores(q, k_cache, layer, plan)
+    scores = None
+    if plan.score_block is not None:  # and each row's largest logit per block of its context
+        attn, scores = attn
     o = attn.reshape(B, T, H * Dh).astype(dt) @ p["wo"]
     x = x + (o + p["bo"] if "bo" in p else o)
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)

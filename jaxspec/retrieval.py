@@ -31,6 +31,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+# the scores: per row, KV head and block, the largest logit of the queries over the block
+from pallas_kernels.reference import block_max_reference as block_scores
+
 from jaxspec.paged import gather_view
 
 RETRIEVE_BLOCK = 64  # context slots per retrieved block (the attention kernels' key block)
@@ -42,29 +45,6 @@ def layer_view(k_LBKSD, layer, block_table=None):
     if block_table is None:
         return jax.lax.dynamic_index_in_dim(k_LBKSD, layer, axis=0, keepdims=False)
     return gather_view(k_LBKSD, layer, block_table)
-
-
-def block_scores(q_BTHD, k_BKSD, lengths, *, block: int, sm_scale=None, mask_queries=None):
-    """``[B, K, ceil(S / block)]`` float32: per row, KV head and block of ``block`` slots, the
-    largest logit of any query head of the group and any of the T queries over the block's
-    context slots (``< lengths``); -inf for a block holding none. ``mask_queries`` [B, T] bool:
-    queries taken into account (default: all)."""
-    B, T, H, D = q_BTHD.shape
-    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
-    G = H // K
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
-    n = -(-S // block)
-    q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
-    s = jnp.einsum("btkgd,bksd->bkgts", q, k_BKSD.astype(jnp.float32)) * sm_scale
-    if mask_queries is not None:
-        s = jnp.where(mask_queries[:, None, None, :, None], s, -jnp.inf)
-    s = jnp.max(s, axis=(2, 3))  # [B, K, S]
-    slot = jnp.arange(S, dtype=jnp.int32)
-    s = jnp.where(slot[None, None, :] < lengths.astype(jnp.int32)[:, None, None], s, -jnp.inf)
-    if n * block != S:
-        s = jnp.pad(s, ((0, 0), (0, 0), (0, n * block - S)), constant_values=-jnp.inf)
-    return jnp.max(s.reshape(B, K, n, block), axis=-1)
 
 
 def select_blocks(scores_LBKN, verified, lengths, *, sink: int, window: int, block: int,

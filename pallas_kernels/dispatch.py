@@ -47,7 +47,8 @@ from . import hopper, tpu
 from .contracts import (check_decode_args, check_prefix_args, layer_slice,
                         prefix_lengths_or_full, resolve_sm_scale)
 from .merge import merge_partials
-from .reference import (check_paged_decode_args, decode_attention_reference,
+from .reference import (block_max_reference, check_paged_decode_args,
+                        decode_attention_reference,
                         paged_decode_reference_impl, prefix_attention_reference,
                         prefix_reference_impl)
 from .triton_core import pltriton
@@ -197,7 +198,7 @@ def _verify_hopper(q, k_cache, v_cache, lengths, tree_mask, layer, *, sm_scale, 
 
 def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
                      sink=None, window=None, sm_scale=None, interpret=None,
-                     block_sizes=None, num_new=None):
+                     block_sizes=None, num_new=None, score_block=None):
     """Decode / verify attention of the last T of T_new new tokens over a ragged KV cache.
 
     Args:
@@ -224,15 +225,35 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
         ``TPUDecodeBlockSizes``, or a ``hopper.HopperBlockSizes`` for the Hopper (Mosaic
         GPU) kernel (dense, bf16/f16; with ``interpret=True`` its CPU interpreter). None
         on a Hopper GPU picks that kernel for >= ``HOPPER_MIN_ROWS_VERIFY`` rows per KV head.
+      score_block: None, or a static int (dense attention only): also return each row's and
+        KV head's largest logit ``q . k * sm_scale`` over the T queries and the G query heads
+        of the group per block of ``score_block`` context slots, ``[B, K, cdiv(S,
+        score_block)]`` float32, -inf for a block without a context slot (the self-draft's
+        retrieval, ``jaxspec.retrieval``). The Triton kernel writes them while it reads the
+        keys; elsewhere ``reference.block_max_reference`` computes them.
 
     Returns:
-      ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``; a query that saw
-      no key gets ``out = 0`` and ``lse = -inf``.
+      ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``, and the scores last with
+      ``score_block``; a query that saw no key gets ``out = 0`` and ``lse = -inf``.
     """
     T_new = check_decode_args(q, k_cache, v_cache, lengths, tree_mask, layer, num_new)
     sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
     route = decode_route(q, k_cache, block_sizes=block_sizes, sink=sink, window=window,
                          interpret=interpret)
+    if score_block is not None:
+        if sink or window:
+            raise ValueError("score_block needs dense attention (no sink / window)")
+        if route.kernel == "triton":
+            return triton_decode_attention(
+                q, k_cache, v_cache, lengths, tree_mask, layer, sink=0, window=0,
+                sm_scale=sm_scale, interpret=bool(interpret), block_sizes=route.block_sizes,
+                on_gpu=route.on_gpu, num_new=T_new, score_block=int(score_block))
+        o, lse = decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer=layer,
+                                  sm_scale=sm_scale, interpret=interpret,
+                                  block_sizes=block_sizes, num_new=T_new)
+        k = k_cache if layer is None else jax.lax.dynamic_index_in_dim(k_cache, layer, 0, False)
+        return o, lse, block_max_reference(q, k, lengths, block=int(score_block),
+                                           sm_scale=sm_scale)
     if route.kernel == "tpu":
         return tpu.tpu_decode_attention(
             q, k_cache, v_cache, lengths, tree_mask, layer=layer, sink=sink, window=window,

@@ -7,6 +7,8 @@
   block pool and per-sequence block tables): each sequence's blocks gathered into a dense
   cache (``gather_pages``), then ``decode_attention_reference``;
 * ``prefix_attention_reference``: shared-prefix attention (Hydragen);
+* ``block_max_reference``: the largest logit per block of context slots (what the decode
+  kernel writes with ``score_block``; the self-draft's retrieval chooses blocks by it);
 * the log-sum-exp merge of partial attentions has one implementation for every path,
   ``merge.merge_stacked``, which is its own reference.
 
@@ -202,3 +204,26 @@ def prefix_attention_reference(q, k_prefix, v_prefix, prefix_lengths=None, *, sm
     k_prefix, v_prefix = layer_slice(k_prefix, v_prefix, layer)
     lengths = prefix_lengths_or_full(prefix_lengths, k_prefix.shape[0], k_prefix.shape[1])
     return prefix_reference_impl(q, k_prefix, v_prefix, lengths, sm_scale=sm_scale)
+
+
+def block_max_reference(q, k_cache, lengths, *, block: int, sm_scale=None, mask_queries=None):
+    """``[B, K, cdiv(S, block)]`` float32: per row, KV head and block of ``block`` slots of
+    ``k_cache`` ``[B, K, S, D]``, the largest logit ``q . k * sm_scale`` of any of the G query
+    heads of the group and any of the T queries of ``q`` ``[B, T, H, D]`` over the block's
+    context slots (``< lengths``); -inf for a block holding none. ``mask_queries`` [B, T]
+    bool: the queries taken into account (default: all)."""
+    B, T, H, D = q.shape
+    K, S = k_cache.shape[1], k_cache.shape[2]
+    G = H // K
+    sm_scale = resolve_sm_scale(sm_scale, D)
+    n = -(-S // block)
+    qf = q.astype(jnp.float32).reshape(B, T, K, G, D)
+    s = jnp.einsum("btkgd,bksd->bkgts", qf, k_cache.astype(jnp.float32)) * sm_scale
+    if mask_queries is not None:
+        s = jnp.where(mask_queries[:, None, None, :, None], s, -jnp.inf)
+    s = jnp.max(s, axis=(2, 3))  # [B, K, S]
+    slot = jnp.arange(S, dtype=jnp.int32)
+    s = jnp.where(slot[None, None, :] < lengths.astype(jnp.int32)[:, None, None], s, -jnp.inf)
+    if n * block != S:
+        s = jnp.pad(s, ((0, 0), (0, 0), (0, n * block - S)), constant_values=-jnp.inf)
+    return jnp.max(s.reshape(B, K, n, block), axis=-1)

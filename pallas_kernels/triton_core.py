@@ -100,13 +100,15 @@ def init_state(rows: int, head_dim: int):
 
 
 def update(state, q, k, v, *, scale_log2: float, score_ok=None, fast_exp: bool,
-           fold_scale: bool = False):
+           fold_scale: bool = False, row_max: bool = False):
     """One online-softmax step of the rows over the keys ``k, v[n, Dp]``.
 
     ``score_ok``: None, or a bool mask broadcastable to ``[rows, n]`` (hidden scores are -inf).
     ``fold_scale``: keep the raw logits and fold the scale into the max and into one
     multiply-add per score before the exp2 (valid for a positive scale, where the row max
     commutes with the scaling); otherwise the logits are scaled first.
+    ``row_max``: also return each row's largest base-2 logit over these keys (-inf where none
+    is visible): ``(state, row_max[rows])``.
     """
     acc, m, l = state
     fold = fold_scale and scale_log2 > 0
@@ -116,10 +118,8 @@ def update(state, q, k, v, *, scale_log2: float, score_ok=None, fast_exp: bool,
         s = s * scale_log2                           # base-2 logits
     if score_ok is not None:
         s = jnp.where(score_ok, s, -jnp.inf)
-    if fold:
-        m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale_log2)
-    else:
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    blk_max = jnp.max(s, axis=1) * scale_log2 if fold else jnp.max(s, axis=1)
+    m_new = jnp.maximum(m, blk_max)
     # A row that has seen no key yet keeps m = -inf; shift by 0 there so that
     # exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -133,6 +133,8 @@ def update(state, q, k, v, *, scale_log2: float, score_ok=None, fast_exp: bool,
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          precision=HIGHEST, preferred_element_type=jnp.float32)
     acc = acc * alpha[:, None] + pv
+    if row_max:
+        return (acc, m_new, l), blk_max
     return acc, m_new, l
 
 
@@ -257,13 +259,16 @@ def use_fast_exp(block_sizes, on_gpu: bool) -> bool:
 
 
 def attention_call(kernel, inputs, extra_shapes, *, kv_shape, num_splits: int, block_q: int,
-                   rows_pad: int, D: int, out_dtype, block_sizes, interpret: bool, name: str):
+                   rows_pad: int, D: int, out_dtype, block_sizes, interpret: bool, name: str,
+                   extra_out=()):
     """The kernels' ``pallas_call``: grid ``(rows_pad / block_q, num_splits, N, K)``.
 
     ``inputs``: ``[layer[1], lengths[N], q_rows[N, K, rows_pad, Dp], k, v, *extra]`` (k/v
     ``kv_shape``, read through whole-array refs of ``head_tile(D)`` lanes; ``extra_shapes``: the
     shapes of the extra inputs, read whole too). Returns ``(o[N, K, rows_pad, D] in out_dtype,
-    lse[N, K, rows_pad] float32)``, the key splits merged.
+    lse[N, K, rows_pad] float32)``, the key splits merged, and after them one array per
+    ``extra_out`` entry ``(jax.ShapeDtypeStruct, BlockSpec)``: further outputs the kernel writes
+    after its ``o`` and ``lse`` refs.
     """
     N, K = inputs[2].shape[:2]
 
@@ -293,16 +298,16 @@ def attention_call(kernel, inputs, extra_shapes, *, kv_shape, num_splits: int, b
         compiler_params = pltriton.CompilerParams(
             num_warps=default_num_warps(block_sizes, block_q),
             num_stages=block_sizes.num_stages)
-    o, lse = pl.pallas_call(
+    o, lse, *extra = pl.pallas_call(
         kernel,
         grid=(rows_pad // block_q, num_splits, N, K),
         in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        out_specs=[*out_specs, *(spec for _, spec in extra_out)],
+        out_shape=[*out_shape, *(shape for shape, _ in extra_out)],
         compiler_params=compiler_params,
         interpret=interpret,
         name=name,
     )(*inputs)
     if num_splits > 1:
         o, lse = merge_stacked(o, lse, axis=2, out_dtype=out_dtype)
-    return o, lse
+    return (o, lse, *extra) if extra_out else (o, lse)

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import triton_core as core
-from .common import LOG2E, cdiv, next_pow2, num_sms
+from .common import LN2, LOG2E, cdiv, next_pow2, num_sms
 from .contracts import (layer_operand, pad_rows, resolve_num_new, rows_to_tokens,
                         tokens_to_rows)
 from .splits import split_range
@@ -95,14 +95,16 @@ class DecodeStatic:
     scale_log2: float
     fast_exp: bool
     D: int          # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
+    rows: int = 0   # query rows T * G (those of a row block past it are padding)
+    block_max: bool = False  # also write each context block's largest logit (dense only)
 
 
 def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: DecodeStatic):
     if c.causal:
         mask_ref = None
-        o_ref, lse_ref = rest
+        o_ref, lse_ref, *blk_ref = rest
     else:
-        mask_ref, o_ref, lse_ref = rest
+        mask_ref, o_ref, lse_ref, *blk_ref = rest
     qi, si, b, h = (pl.program_id(i) for i in range(4))
     bq, bk, bkn = c.block_q, c.block_k, c.block_k_new
 
@@ -121,7 +123,20 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: Decode
                            fast_exp=c.fast_exp)
 
     def context_step(state, start, ok):
-        return step(state, start, bk, ok, None if ok is None else ok[None, :])
+        if not c.block_max:
+            return step(state, start, bk, ok, None if ok is None else ok[None, :])
+        # the block's largest base-2 logit over this program's real rows, into slot block
+        # start / bk (splits own whole blocks: every block is written by one program)
+        idx = (*lead, pl.ds(start, bk), slice(None))
+        k = core.load_rows(k_ref, idx, ok, head_ok)
+        v = core.load_rows(v_ref, idx, ok, head_ok)
+        state, mx = core.update(state, q, k, v, scale_log2=c.scale_log2,
+                                score_ok=None if ok is None else ok[None, :],
+                                fast_exp=c.fast_exp, row_max=True)
+        real = qi * bq + jnp.arange(bq, dtype=jnp.int32) < c.rows
+        blk_ref[0][pl.ds(lax.div(start, bk), 1)] = jnp.max(
+            jnp.where(real, mx, -jnp.inf), keepdims=True)
+        return state
 
     state = core.init_state(bq, q_ref.shape[-1])
 
@@ -198,12 +213,20 @@ def plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_gp
 @functools.partial(
     jax.jit,
     static_argnames=("sink", "window", "sm_scale", "interpret", "block_sizes", "on_gpu",
-                     "num_new"))
+                     "num_new", "score_block"))
 def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window,
-                            sm_scale, interpret, block_sizes, on_gpu, num_new=None):
+                            sm_scale, interpret, block_sizes, on_gpu, num_new=None,
+                            score_block=None):
     """The kernel on checked arguments (``dispatch.decode_attention`` checks them): static
     ``sink``/``window`` ints (0: none), ``sm_scale`` a float, ``on_gpu``: compiled for a GPU
-    (shared-memory fitting, fast exp2) rather than interpreted."""
+    (shared-memory fitting, fast exp2) rather than interpreted. ``score_block`` (dense only):
+    the context is read in blocks of that many slots and the kernel also returns each row's
+    and KV head's largest logit (``q . k * sm_scale``) per block, ``[B, K, cdiv(S,
+    score_block)]`` float32 (-inf for a block past the row's context): ``(out, lse, scores)``."""
+    if score_block is not None:
+        if sink or window:
+            raise ValueError("block scores come from a dense read (no sink / window)")
+        block_sizes = dataclasses.replace(block_sizes, block_k=int(score_block))
     B, T, H, D = q.shape
     T_new = resolve_num_new(T, tree_mask, num_new)
     has_layer = layer is not None
@@ -241,10 +264,25 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
         window=int(window or 0), sparse=bool(sink) or bool(window), causal=causal,
         mask_per_batch=mask_per_batch, has_layer=has_layer,
         scale_log2=float(sm_scale) * LOG2E,
-        fast_exp=core.use_fast_exp(block_sizes, on_gpu), D=D)
-    o, lse = core.attention_call(
+        fast_exp=core.use_fast_exp(block_sizes, on_gpu), D=D, rows=rows,
+        block_max=score_block is not None)
+    extra_out = ()
+    if score_block is not None:
+        if block_k != score_block:
+            raise ValueError(f"block scores per {score_block} slots need key blocks of that "
+                             f"size; the kernel reads {block_k} (shared memory)")
+        n_blk = next_pow2(cdiv(S, block_k))
+        extra_out = ((jax.ShapeDtypeStruct((nq, B, K, n_blk), jnp.float32),
+                      pl.BlockSpec((None, None, None, n_blk), lambda qi, si, n, h: (qi, n, h, 0))),)
+    o, lse, *blk = core.attention_call(
         functools.partial(_decode_kernel, c=static), inputs, extra_shapes,
         kv_shape=k_cache.shape, num_splits=num_splits, block_q=block_q, rows_pad=rows_pad, D=D,
         out_dtype=q.dtype, block_sizes=block_sizes, interpret=interpret,
-        name="jaxspec_decode_attention")
-    return rows_to_tokens(o, lse, B, T, G)
+        name="jaxspec_decode_attention", extra_out=extra_out)
+    o, lse = rows_to_tokens(o, lse, B, T, G)
+    if score_block is None:
+        return o, lse
+    n = cdiv(S, block_k)
+    sc = jnp.max(blk[0], axis=0)[..., :n] * LN2  # base 2 -> natural logits
+    seen = jnp.arange(n, dtype=jnp.int32)[None, :] * block_k < jnp.clip(lengths, 0, S)[:, None]
+    return o, lse, jnp.where(seen[:, None, :], sc, -jnp.inf)

@@ -129,6 +129,41 @@ def test_sparse_view_with_retrieved_blocks_is_attention_over_their_union(impl, p
         assert np.abs(np.asarray(plain) - want).max() > 1e-2
 
 
+@pytest.mark.parametrize("T,tree,split", [(1, False, None), (5, False, 32), (3, True, 48)])
+def test_the_kernel_writes_the_block_scores_while_it_reads(T, tree, split):
+    """The decode kernel with ``score_block`` (interpret mode): the same output and lse as
+    without, and scores equal to the reference's, over key splits, padded query rows, a tree
+    mask and a stacked cache."""
+    from pallas_kernels import DecodeAttentionBlockSizes, decode_attention
+    from pallas_kernels.reference import block_max_reference
+    rng = np.random.default_rng(_seed())
+    B, K, G, S, D, Lyr, blk = 3, 2, 3, 128, 16, 2, 16
+    q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((Lyr, B, K, S, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((Lyr, B, K, S, D)), jnp.float32)
+    lengths = jnp.asarray([100, 37, 0], jnp.int32)
+    # a tree: each node sees itself and some of the nodes before it
+    mask = jnp.asarray((np.tri(T, dtype=bool) & (rng.random((T, T)) < 0.6))
+                       | np.eye(T, dtype=bool)) if tree else None
+    bs = DecodeAttentionBlockSizes(split_size=split)
+    kw = dict(layer=1, interpret=True, block_sizes=bs, sm_scale=0.2)
+    o, lse, sc = decode_attention(q, k, v, lengths, mask, score_block=blk, **kw)
+    o0, lse0 = decode_attention(q, k, v, lengths, mask, **kw)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse0), rtol=1e-5, atol=1e-5)
+    want = block_max_reference(q, k[1], lengths, block=blk, sm_scale=0.2)
+    np.testing.assert_allclose(np.asarray(sc), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_retrieval_through_the_kernels_is_lossless(target, long_prompts, reference):
+    """Interpret mode: the verification's kernel writes the scores, the draft's sparse kernel
+    merges with the retrieved blocks."""
+    spec = Speculation(draft="self", gamma=3, sink=0, window=16, adaptive=False, retrieve=256)
+    res = jaxspec.generate(target, long_prompts, max_new_tokens=12, speculation=spec,
+                           attn_impl="interpret")
+    assert res.tokens == [r[:12] for r in reference]
+
+
 # ----------------------------------------------------------------------------- lossless
 @pytest.fixture(scope="module")
 def target():

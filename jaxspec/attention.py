@@ -416,9 +416,10 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
                     sm_scale=sm_scale, num_new=num_new, interpret=interpret)[0]
             if W is not None and num_new > W:  # a sparse draft: window its new tokens
                 mask = _windowed_new_mask(mask, q.shape[0], T, num_new, W)
-            o, lse = decode_kernel(q, k, v, lengths, mask, layer=layer, sink=sink, window=window,
-                                   sm_scale=sm_scale, num_new=num_new, interpret=interpret)
-            return _with_retrieved(q, k, v, layer, o, lse, blk, block=rb, sm_scale=sm_scale)
+            # retrieved blocks, if any, are read by the kernel in place
+            return decode_kernel(q, k, v, lengths, mask, layer=layer, sink=sink, window=window,
+                                 sm_scale=sm_scale, num_new=num_new, interpret=interpret,
+                                 retrieved=blk[0] if blk else None, retrieve_block=rb)[0]
         return per_shard_attention(run_kernel, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths,
                                    plan.mask, layer, extra=blocks if sparse else ())
 

@@ -26,13 +26,14 @@ The draft is a proposal: whatever it reads, verification keeps the output exactl
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
 
 # the scores: per row, KV head and block, the largest logit of the queries over the block
 from pallas_kernels.reference import block_max_reference as block_scores
+# the draft's attention over the retrieved blocks alone (the kernels read them in place)
+from pallas_kernels.reference import retrieved_attention_reference as retrieved_attention
 
 from jaxspec.paged import gather_view
 
@@ -66,47 +67,3 @@ def select_blocks(scores_LBKN, verified, lengths, *, sink: int, window: int, blo
     if c < count:
         idx = jnp.pad(idx, ((0, 0), (0, 0), (0, 0), (0, count - c)), constant_values=-1)
     return jnp.transpose(idx, (1, 0, 2, 3))
-
-
-def gather_blocks(c_LBKSD, layer, blocks_BKR, block: int, block_table=None):
-    """``[B, K, R * block, D]``: the slots of each row's and KV head's blocks (a -1 block reads
-    slot 0 of the row: masked by the caller). ``c_LBKSD``: a stacked dense cache, or a block
-    pool ``[L, NB, K, BS, D]`` read through ``block_table`` [B, MB]."""
-    B, K, R = blocks_BKR.shape
-    slots = (jnp.maximum(blocks_BKR, 0)[..., None] * block
-             + jnp.arange(block, dtype=jnp.int32)).reshape(B, K, R * block)
-    b = jnp.arange(B, dtype=jnp.int32)[:, None, None]
-    h = jnp.arange(K, dtype=jnp.int32)[None, :, None]
-    if block_table is None:
-        S = c_LBKSD.shape[3]
-        return c_LBKSD[layer, b, h, jnp.minimum(slots, S - 1)]
-    BS = c_LBKSD.shape[3]
-    page = jnp.take_along_axis(block_table, (slots // BS).reshape(B, -1), axis=1)
-    return c_LBKSD[layer, page.reshape(B, K, -1), h, slots % BS]
-
-
-def retrieved_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, blocks_BKR, *, block: int,
-                        sm_scale=None, block_table=None):
-    """``(out [B, T, H, D], lse [B, T, H] float32)`` of the T queries over the keys of their
-    row's selected blocks (``blocks_BKR`` [B, K, R], -1: none), each visible to every query."""
-    B, T, H, D = q_BTHD.shape
-    K = blocks_BKR.shape[1]
-    G = H // K
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
-    k = gather_blocks(k_LBKSD, layer, blocks_BKR, block, block_table).astype(jnp.float32)
-    v = gather_blocks(v_LBKSD, layer, blocks_BKR, block, block_table).astype(jnp.float32)
-    ok = jnp.repeat(blocks_BKR >= 0, block, axis=-1)  # [B, K, N]
-    q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
-    s = jnp.einsum("btkgd,bknd->bkgtn", q, k) * sm_scale
-    s = jnp.where(ok[:, :, None, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m_safe)  # 0 where masked
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    v = jnp.where(ok[..., None], v, 0.0)
-    o = jnp.einsum("bkgtn,bknd->bkgtd", p, v) / jnp.where(den > 0, den, 1.0)
-    lse = jnp.where(den[..., 0] > 0, m_safe[..., 0] + jnp.log(jnp.maximum(den[..., 0], 1e-30)),
-                    -jnp.inf)
-    out = o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
-    return out, lse.transpose(0, 3, 1, 2).reshape(B, T, H)

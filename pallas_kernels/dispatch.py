@@ -48,7 +48,7 @@ from .contracts import (check_decode_args, check_prefix_args, layer_slice,
                         prefix_lengths_or_full, resolve_sm_scale)
 from .merge import merge_partials
 from .reference import (block_max_reference, check_paged_decode_args,
-                        decode_attention_reference,
+                        decode_attention_reference, retrieved_attention_reference,
                         paged_decode_reference_impl, prefix_attention_reference,
                         prefix_reference_impl)
 from .triton_core import pltriton
@@ -198,7 +198,8 @@ def _verify_hopper(q, k_cache, v_cache, lengths, tree_mask, layer, *, sm_scale, 
 
 def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
                      sink=None, window=None, sm_scale=None, interpret=None,
-                     block_sizes=None, num_new=None, score_block=None):
+                     block_sizes=None, num_new=None, score_block=None, retrieved=None,
+                     retrieve_block=None):
     """Decode / verify attention of the last T of T_new new tokens over a ragged KV cache.
 
     Args:
@@ -231,6 +232,12 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
         score_block)]`` float32, -inf for a block without a context slot (the self-draft's
         retrieval, ``jaxspec.retrieval``). The Triton kernel writes them while it reads the
         keys; elsewhere ``reference.block_max_reference`` computes them.
+      retrieved, retrieve_block: with a sparse view (sink / window) only: ``[B, K, R]`` int32
+        block indices (-1: none) per row and KV head, each naming the ``retrieve_block``
+        context slots ``[j * retrieve_block, (j + 1) * retrieve_block)``, visible to every
+        query besides the sink and window; they must lie between the two (disjoint from both).
+        The Triton kernel reads them in place; elsewhere
+        ``reference.retrieved_attention_reference`` attends to them and the parts merge.
 
     Returns:
       ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)``, and the scores last with
@@ -240,6 +247,23 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
     sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
     route = decode_route(q, k_cache, block_sizes=block_sizes, sink=sink, window=window,
                          interpret=interpret)
+    if retrieved is not None:
+        if not (sink or window):
+            raise ValueError("retrieved blocks go with a sparse view (sink / window)")
+        if route.kernel == "triton":
+            return triton_decode_attention(
+                q, k_cache, v_cache, lengths, tree_mask, layer, sink=int(sink or 0),
+                window=int(window or 0), sm_scale=sm_scale, interpret=bool(interpret),
+                block_sizes=route.block_sizes, on_gpu=route.on_gpu, num_new=T_new,
+                retrieved=retrieved, retrieve_block=int(retrieve_block))
+        o, lse = decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer=layer,
+                                  sink=sink, window=window, sm_scale=sm_scale,
+                                  interpret=interpret, block_sizes=block_sizes, num_new=T_new)
+        stack = k_cache.ndim == 5
+        o2, lse2 = retrieved_attention_reference(
+            q, k_cache if stack else k_cache[None], v_cache if stack else v_cache[None],
+            layer if stack else 0, retrieved, block=int(retrieve_block), sm_scale=sm_scale)
+        return merge_partials([o[None], o2[None]], [lse[None], lse2[None]], o.dtype)
     if score_block is not None:
         if sink or window:
             raise ValueError("score_block needs dense attention (no sink / window)")

@@ -9,6 +9,9 @@
 * ``prefix_attention_reference``: shared-prefix attention (Hydragen);
 * ``block_max_reference``: the largest logit per block of context slots (what the decode
   kernel writes with ``score_block``; the self-draft's retrieval chooses blocks by it);
+* ``retrieved_attention_reference``: attention over whole blocks of slots chosen per row and
+  KV head (the retrieved part of a sparse decode with ``retrieved``), in a dense cache or a
+  block pool;
 * the log-sum-exp merge of partial attentions has one implementation for every path,
   ``merge.merge_stacked``, which is its own reference.
 
@@ -227,3 +230,46 @@ def block_max_reference(q, k_cache, lengths, *, block: int, sm_scale=None, mask_
     if n * block != S:
         s = jnp.pad(s, ((0, 0), (0, 0), (0, n * block - S)), constant_values=-jnp.inf)
     return jnp.max(s.reshape(B, K, n, block), axis=-1)
+
+
+def gather_blocks(c_LBKSD, layer, blocks_BKR, block: int, block_table=None):
+    """``[B, K, R * block, D]``: the slots of each row's and KV head's blocks (a -1 block reads
+    slot 0 of the row: masked by the caller). ``c_LBKSD``: a stacked dense cache, or a block
+    pool ``[L, NB, K, BS, D]`` read through ``block_table`` [B, MB]."""
+    B, K, R = blocks_BKR.shape
+    slots = (jnp.maximum(blocks_BKR, 0)[..., None] * block
+             + jnp.arange(block, dtype=jnp.int32)).reshape(B, K, R * block)
+    b = jnp.arange(B, dtype=jnp.int32)[:, None, None]
+    h = jnp.arange(K, dtype=jnp.int32)[None, :, None]
+    if block_table is None:
+        S = c_LBKSD.shape[3]
+        return c_LBKSD[layer, b, h, jnp.minimum(slots, S - 1)]
+    BS = c_LBKSD.shape[3]
+    page = jnp.take_along_axis(block_table, (slots // BS).reshape(B, -1), axis=1)
+    return c_LBKSD[layer, page.reshape(B, K, -1), h, slots % BS]
+
+
+def retrieved_attention_reference(q_BTHD, k_LBKSD, v_LBKSD, layer, blocks_BKR, *, block: int,
+                        sm_scale=None, block_table=None):
+    """``(out [B, T, H, D], lse [B, T, H] float32)`` of the T queries over the keys of their
+    row's selected blocks (``blocks_BKR`` [B, K, R], -1: none), each visible to every query."""
+    B, T, H, D = q_BTHD.shape
+    K = blocks_BKR.shape[1]
+    G = H // K
+    sm_scale = resolve_sm_scale(sm_scale, D)
+    k = gather_blocks(k_LBKSD, layer, blocks_BKR, block, block_table).astype(jnp.float32)
+    v = gather_blocks(v_LBKSD, layer, blocks_BKR, block, block_table).astype(jnp.float32)
+    ok = jnp.repeat(blocks_BKR >= 0, block, axis=-1)  # [B, K, N]
+    q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
+    s = jnp.einsum("btkgd,bknd->bkgtn", q, k) * sm_scale
+    s = jnp.where(ok[:, :, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m_safe)  # 0 where masked
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    v = jnp.where(ok[..., None], v, 0.0)
+    o = jnp.einsum("bkgtn,bknd->bkgtd", p, v) / jnp.where(den > 0, den, 1.0)
+    lse = jnp.where(den[..., 0] > 0, m_safe[..., 0] + jnp.log(jnp.maximum(den[..., 0], 1e-30)),
+                    -jnp.inf)
+    out = o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+    return out, lse.transpose(0, 3, 1, 2).reshape(B, T, H)

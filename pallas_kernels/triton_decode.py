@@ -97,14 +97,14 @@ class DecodeStatic:
     D: int          # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
     rows: int = 0   # query rows T * G (those of a row block past it are padding)
     block_max: bool = False  # also write each context block's largest logit (dense only)
+    n_retrieved: int = 0  # sparse: blocks of block_k slots per row and KV head read besides
 
 
 def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: DecodeStatic):
-    if c.causal:
-        mask_ref = None
-        o_ref, lse_ref, *blk_ref = rest
-    else:
-        mask_ref, o_ref, lse_ref, *blk_ref = rest
+    rest = list(rest)
+    mask_ref = None if c.causal else rest.pop(0)
+    blocks_ref = rest.pop(0) if c.n_retrieved else None
+    o_ref, lse_ref, *blk_ref = rest
     qi, si, b, h = (pl.program_id(i) for i in range(4))
     bq, bk, bkn = c.block_q, c.block_k, c.block_k_new
 
@@ -156,6 +156,19 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: Decode
         shift = b_start - a_end
         state = core.stream_keys(context_step, state, jnp.maximum(v0, a_end) + shift,
                                  jnp.maximum(v1, a_end) + shift, bk)
+    if c.n_retrieved:
+        # retrieved blocks (block indices, -1: none; they lie between the sink and the window):
+        # split si reads its share of them, each one whole block of bk slots in place
+        per = cdiv(c.n_retrieved, c.num_splits)
+        r_lo = jnp.minimum(si * per, c.n_retrieved)
+        r_hi = jnp.minimum(r_lo + per, c.n_retrieved)
+        lanes = jnp.arange(bk, dtype=jnp.int32)
+
+        def retrieved_body(i, st):
+            j = blocks_ref[b, h, i]
+            ok = (lanes >= 0) & (j >= 0)
+            return step(st, jnp.maximum(j, 0) * bk, bk, ok, ok[None, :])
+        state = lax.fori_loop(r_lo, r_hi, retrieved_body, state)
 
     # New tokens (slots length + j, j < T_new): attended by the last split only.
     # Query row r is query t = r // G, i.e. new token t + (T_new - T).
@@ -184,13 +197,14 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: Decode
 
 
 def plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_gpu: bool,
-         itemsize: int = 2, T_new: int | None = None):
+         itemsize: int = 2, T_new: int | None = None, extra_keys: int = 0):
     """Resolves automatic block sizes into concrete static numbers (T: queries, T_new: new
-    keys): ``(block_q, block_k, block_k_new, split_size, num_splits, num_q_blocks)``."""
+    keys; ``extra_keys``: keys a sparse read takes besides sink and window): ``(block_q,
+    block_k, block_k_new, split_size, num_splits, num_q_blocks)``."""
     T_new = T if T_new is None else T_new
     rows = T * G
     sparse = bool(sink) or bool(window)
-    v_max = min(S, (sink or 0) + (window or 0)) if sparse else S
+    v_max = min(S, (sink or 0) + (window or 0) + extra_keys) if sparse else S
     v_max = max(v_max, 1)
     block_q = core.auto_block_q(bs, rows)
     block_k = bs.block_k or (128 if block_q <= 32 and v_max > 4096 else 64)
@@ -213,20 +227,28 @@ def plan(B, K, T, G, S, D, *, sink, window, bs: DecodeAttentionBlockSizes, on_gp
 @functools.partial(
     jax.jit,
     static_argnames=("sink", "window", "sm_scale", "interpret", "block_sizes", "on_gpu",
-                     "num_new", "score_block"))
+                     "num_new", "score_block", "retrieve_block"))
 def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, sink, window,
                             sm_scale, interpret, block_sizes, on_gpu, num_new=None,
-                            score_block=None):
+                            score_block=None, retrieved=None, retrieve_block=None):
     """The kernel on checked arguments (``dispatch.decode_attention`` checks them): static
     ``sink``/``window`` ints (0: none), ``sm_scale`` a float, ``on_gpu``: compiled for a GPU
     (shared-memory fitting, fast exp2) rather than interpreted. ``score_block`` (dense only):
     the context is read in blocks of that many slots and the kernel also returns each row's
     and KV head's largest logit (``q . k * sm_scale``) per block, ``[B, K, cdiv(S,
-    score_block)]`` float32 (-inf for a block past the row's context): ``(out, lse, scores)``."""
+    score_block)]`` float32 (-inf for a block past the row's context): ``(out, lse, scores)``.
+    ``retrieved`` ``[B, K, R]`` int32 (sparse only): per row and KV head R blocks of
+    ``retrieve_block`` slots (block indices, -1: none) read besides the sink and window; they
+    must lie between the two (`jaxspec.retrieval` selects them so)."""
     if score_block is not None:
         if sink or window:
             raise ValueError("block scores come from a dense read (no sink / window)")
         block_sizes = dataclasses.replace(block_sizes, block_k=int(score_block))
+    n_ret = 0 if retrieved is None else int(retrieved.shape[-1])
+    if n_ret:
+        if not (sink or window):
+            raise ValueError("retrieved blocks go with a sparse read (sink / window)")
+        block_sizes = dataclasses.replace(block_sizes, block_k=int(retrieve_block))
     B, T, H, D = q.shape
     T_new = resolve_num_new(T, tree_mask, num_new)
     has_layer = layer is not None
@@ -235,7 +257,11 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
     rows = T * G
     block_q, block_k, block_k_new, split, num_splits, nq = plan(
         B, K, T, G, S, D, sink=sink, window=window, bs=block_sizes, on_gpu=on_gpu,
-        itemsize=jnp.dtype(k_cache.dtype).itemsize, T_new=T_new)
+        itemsize=jnp.dtype(k_cache.dtype).itemsize, T_new=T_new,
+        extra_keys=n_ret * (retrieve_block or 0))
+    if n_ret and block_k != retrieve_block:
+        raise ValueError(f"retrieved blocks of {retrieve_block} slots need key blocks of that "
+                         f"size; the kernel reads {block_k} (shared memory)")
     rows_pad = nq * block_q
 
     q_BKRD = tokens_to_rows(q, K)                                      # rows r = t * G + g
@@ -256,6 +282,9 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
         tm_rows = jnp.pad(tm_rows, ((0, 0), (0, rows_pad - rows), (0, cols_pad - T_new)))
         inputs.append(tm_rows)
         extra_shapes.append(tm_rows.shape)
+    if n_ret:
+        inputs.append(retrieved.astype(jnp.int32))
+        extra_shapes.append(retrieved.shape)
 
     static = DecodeStatic(
         T=T, T_new=T_new, G=G, S=S, block_q=block_q, block_k=block_k, block_k_new=block_k_new,
@@ -265,7 +294,7 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
         mask_per_batch=mask_per_batch, has_layer=has_layer,
         scale_log2=float(sm_scale) * LOG2E,
         fast_exp=core.use_fast_exp(block_sizes, on_gpu), D=D, rows=rows,
-        block_max=score_block is not None)
+        block_max=score_block is not None, n_retrieved=n_ret)
     extra_out = ()
     if score_block is not None:
         if block_k != score_block:

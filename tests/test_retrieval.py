@@ -155,6 +155,26 @@ def test_the_kernel_writes_the_block_scores_while_it_reads(T, tree, split):
     np.testing.assert_allclose(np.asarray(sc), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("split", [None, 16])
+def test_the_sparse_kernel_reads_retrieved_blocks_in_place(split):
+    """The decode kernel with ``retrieved`` (interpret mode, one or several key splits) against
+    the reference route (sparse reference + retrieved reference, merged)."""
+    from pallas_kernels import DecodeAttentionBlockSizes, decode_attention
+    rng = np.random.default_rng(_seed())
+    B, K, G, S, D, blk, T = 2, 2, 2, 128, 16, 16, 3
+    q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
+    lengths = jnp.asarray([110, 50], jnp.int32)
+    blocks = jnp.asarray([[[1, 4, -1], [5, 2, 3]], [[1, -1, -1], [-1, 1, -1]]], jnp.int32)
+    kw = dict(sink=4, window=12, sm_scale=0.3, retrieved=blocks, retrieve_block=blk)
+    got = decode_attention(q, k, v, lengths, interpret=True,
+                           block_sizes=DecodeAttentionBlockSizes(split_size=split), **kw)
+    want = decode_attention(q, k, v, lengths, **kw)  # the CPU route: references, merged
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
 def test_retrieval_through_the_kernels_is_lossless(target, long_prompts, reference):
     """Interpret mode: the verification's kernel writes the scores, the draft's sparse kernel
     merges with the retrieved blocks."""

@@ -118,6 +118,20 @@ def parse_gamma(s: str):
     return g
 
 
+def retrieve_arg(s: str):
+    """``--retrieve``: 'auto' or an int >= 0 (context slots of retrieved blocks per draft step;
+    `jaxspec.Speculation.retrieve`)."""
+    if s.lower() == "auto":
+        return "auto"
+    try:
+        r = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 0, got {s!r}") from None
+    if r < 0:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 0, got {s!r}")
+    return r
+
+
 def window_arg(s: str):
     """``--window``: an int >= 0, or 'none' (a draft model with a full cache instead of a ring)."""
     return int_or_none_arg(s)

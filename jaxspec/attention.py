@@ -397,13 +397,11 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
     num_new = plan.new_tokens(T)
     W = plan.sliding_window
     if plan.prefix is not None:  # shared prefix (Hydragen): prefix part + suffix part, merged
-        if blocks:
-            raise ValueError("retrieval (Speculation(retrieve=...)) does not combine with "
-                             "shared-prefix levels; generate without shared_prefix")
         if W is not None:
             raise ValueError("shared prefixes (Hydragen) do not support sliding-window attention: "
                              "generate without shared_prefix for this model")
-        return attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)
+        return attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale,
+                                  blocks=blocks)
     sink, window = resolve_sparse(plan.sink, plan.window, W)
     sparse = sink is not None or window is not None
     if _use_kernel(impl):
@@ -555,9 +553,11 @@ def blocked_attention(q_BTHD, k_LBKSD, v_LBKSD, lengths, mask=None, *, layer, sm
 
 
 # ----------------------------------------------------------------------------- prefix segments
-def attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
+def attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None,
+                       blocks=()):
     """`attend` when ``plan.prefix`` is set: the own-cache segment plus one segment per prefix
-    level, merged once (per shard under a mesh)."""
+    level, merged once (per shard under a mesh). ``blocks``: a sparse plan's retrieved blocks of
+    the own cache for this layer (empty, or one [B, K, R] array)."""
     pre: SharedPrefix = plan.prefix
     B = q_BTHD.shape[0]
     if sm_scale is None:
@@ -569,7 +569,8 @@ def attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, 
     layer = jnp.asarray(layer, jnp.int32)
     if mesh is None:
         rows = jnp.arange(B, dtype=jnp.int32)
-        return fn(q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, mask, layer, pre, rows, sharded=False)
+        return fn(q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, mask, layer, pre, rows, *blocks,
+                  sharded=False)
     from jax.sharding import PartitionSpec as P
     b = batch_axis(mesh, B)
     kv = P(None, b, "model", None, None)
@@ -577,15 +578,18 @@ def attend_with_prefix(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, 
     pre_spec = SharedPrefix(levels=tuple(PrefixLevel(k=lvl, v=lvl, lengths=P(), start=P())
                                          for _ in pre.levels), offset=P(b))
     args = [q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, layer, pre,
-            jnp.arange(B, dtype=jnp.int32)]
+            jnp.arange(B, dtype=jnp.int32), *blocks]
     specs = [P(b, None, "model", None), kv, kv, P(b), P(), pre_spec, P(b)]
+    specs += [P(b, "model", None)] * len(blocks)
+    n = len(blocks)
     if mask is not None:
         mask = jnp.asarray(mask)
         args.append(mask)
         specs.append(mask_spec(mask, b))
 
-    def body(q, k, v, ln, lay, pr, rows, *m):
-        return fn(q, k, v, ln, m[0] if m else None, lay, pr, rows, sharded=True)
+    def body(q, k, v, ln, lay, pr, rows, *rest):
+        return fn(q, k, v, ln, rest[n] if len(rest) > n else None, lay, pr, rows, *rest[:n],
+                  sharded=True)
 
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
                          out_specs=P(b, None, "model", None), check_vma=False)(*args)
@@ -596,8 +600,8 @@ def _use_kernel(impl: str) -> bool:
         impl == "auto" and jax.default_backend() in ("gpu", "tpu"))
 
 
-def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
-           batch, sharded, num_new):
+def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *blocks, plan,
+           sm_scale, batch, sharded, num_new):
     """Suffix part (decode kernel / jnp, ragged, causal or tree mask) + one `prefix_attention`
     per level, merged by log-sum-exp in one pass: the prefix kernels' key splits come back
     unmerged (``partials=True``) and join the suffix part in the same merge."""
@@ -643,11 +647,12 @@ def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, pl
     return merge_partials(outs, lses, q.dtype)[0]
 
 
-def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, plan, sm_scale,
-            batch, sharded, num_new):
+def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *blocks, plan,
+            sm_scale, batch, sharded, num_new):
     """The StreamingLLM view over [prefix levels | suffix]: positions ``< sink`` and the last
     ``window`` context positions, plus the new tokens. Gathers at most ``sink + window`` slots
-    per level and ``sink + window + T_new`` from the suffix, then one masked softmax."""
+    per level and ``sink + window + T_new`` from the suffix, then one masked softmax; the
+    retrieved blocks of the suffix (``blocks``), if any, merge with it by log-sum-exp."""
     del sharded
     B, T, H, D = q.shape
     sink, window = int(plan.sink or 0), int(plan.window or 0)
@@ -682,7 +687,9 @@ def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *, p
                                _new_token_mask(mask, B, T, num_new)], 2)
     k = jnp.concatenate(keys, 1).transpose(0, 2, 1, 3)  # [B, K, N, D]
     v = jnp.concatenate(vals, 1).transpose(0, 2, 1, 3)
-    return _softmax_attend(q, k, v, visible, sm_scale)[0]
+    o, lse = _softmax_attend(q, k, v, visible, sm_scale)
+    return _with_retrieved(q, k_all, v_all, layer, o, lse, blocks, block=plan.retrieve_block,
+                           sm_scale=sm_scale)
 
 
 

@@ -348,7 +348,7 @@ def bench_steps(args) -> dict:
     gammas = _ints(args.gammas)
     for B, P in _points(args):
         spec = jaxspec.Speculation(sink=args.sink, window=args.window, adaptive=False,
-                                   gamma=max(gammas))
+                                   gamma=max(gammas), retrieve=args.retrieve)
         dec = jaxspec.Decoder(model, spec)
         budget = args.rounds * (max(gammas) + 1) * (args.repeats + 1) * (len(gammas) + 1) + 8
         batch = dec.prepare(make_prompts(model, B, P, 0, "random"), max_new_tokens=budget,
@@ -456,6 +456,7 @@ def add_arguments(sub) -> None:
     s.add_argument("--gammas", default="1,2,4,6")
     s.add_argument("--sink", type=int, default=16)
     s.add_argument("--window", type=int, default=1008)
+    s.add_argument("--retrieve", type=int, default=0, help="retrieved slots per draft step")
     s.add_argument("--rounds", type=int, default=8, help="rounds per timed call")
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--name", default="steps")

@@ -12,7 +12,7 @@ import sys
 
 from jaxspec.args import (check_convert, check_fetch, check_generate, check_serve, dtype_arg, nonneg_float,
                           nonneg_int, parse_gamma, parse_tree, positive_int, probabilities_arg,
-                          require_server_extra, top_p_arg, window_arg)
+                          require_server_extra, retrieve_arg, top_p_arg, window_arg)
 from jaxspec.fetch import FetchError
 from jaxspec.speculation import Speculation
 
@@ -40,7 +40,7 @@ def _cmd_generate(a):
     if a.draft is not None:
         draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype, mesh=mesh)
         spec = jaxspec.Speculation(draft=draft, gamma=a.gamma, sink=a.sink,
-                                   window=a.window,
+                                   window=a.window, retrieve=a.retrieve,
                                    tree=parse_tree(a.tree))
     res = jaxspec.generate(model, a.prompt, max_new_tokens=a.max_new_tokens,
                            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", type=window_arg, default=Speculation.window,
                    help="draft window (StreamingLLM; default %(default)s); 'none': a draft model "
                         "with a full cache")
+    g.add_argument("--retrieve", type=retrieve_arg, default=Speculation.retrieve,
+                   help="--draft self: context slots per draft step read in retrieved blocks "
+                        "chosen by the verification's attention, or 'auto' (default: half "
+                        "of --window where the cache is dense); 0: the window alone")
     g.add_argument("--tree", default=None, help="expansion config, e.g. 1,1,3,1, or a tree file")
     g.add_argument("--tp", type=positive_int, default=None,
                    help="tensor-parallel devices (model axis; default: all the --dp leaves)")

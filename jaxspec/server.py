@@ -47,7 +47,7 @@ from importlib import resources
 from typing import Any
 
 from jaxspec.args import (int_or_none_arg, merge_model_path, mesh_from_args, parse_gamma,
-                          parse_tree, positive_int, window_arg)
+                          parse_tree, positive_int, retrieve_arg, window_arg)
 from jaxspec.serving import (SHARE_MIN_TOKENS, EngineStopped, PromptTooLong, QueueFull,
                              SamplingOptions, Sequence, ServingEngine)
 from jaxspec.speculation import Speculation
@@ -1125,6 +1125,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--window", type=window_arg, default=Speculation.window,
                    help="draft window (StreamingLLM; default %(default)s); 'none': a draft model "
                         "with a full cache")
+    p.add_argument("--retrieve", type=retrieve_arg, default=Speculation.retrieve,
+                   help="--draft self: context slots per draft step read in retrieved blocks "
+                        "chosen by the verification's attention, or 'auto' (default: half "
+                        "of --window where the cache is dense); 0: the window alone")
     p.add_argument("--tree", default=None, help="token-tree expansion config, e.g. 1,1,3,1")
     p.add_argument("--tp", type=positive_int, default=None,
                    help="tensor-parallel devices (model axis; default: all the --dp leaves)")
@@ -1241,7 +1245,7 @@ def build_engine(a) -> tuple[ServingEngine, str]:
     if a.draft is not None:
         draft = a.draft if a.draft == "self" else jaxspec.load(a.draft, dtype=a.dtype, mesh=mesh)
         spec = jaxspec.Speculation(draft=draft, gamma=a.gamma, sink=a.sink,
-                                   window=a.window,
+                                   window=a.window, retrieve=a.retrieve,
                                    tree=parse_tree(a.tree))
     import jax
     cpu = jax.default_backend() == "cpu"

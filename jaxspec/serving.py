@@ -255,7 +255,7 @@ class ServingEngine:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk(page_size is not None)
         self.decoder = dec = Decoder(model, speculation, attn_impl=attn_impl,
-                                     prefill_chunk=prefill_chunk)
+                                     prefill_chunk=prefill_chunk, paged=page_size is not None)
         self.model = dec.model
         self.config = cfg = dec.config
         self.tokenizer = model.tokenizer

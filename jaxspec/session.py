@@ -36,7 +36,8 @@ from jaxspec.cache import SLOT_ALIGN, KVCache, compute_dtype, positions_of, roun
 from jaxspec.config import sliding_window_of
 from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
 from jaxspec.decoding import DecodeState, Round, RoundStats, run_chunk, run_rounds
-from jaxspec.drafter import DraftState, ModelDrafter, SelfDrafter, ring_cache_len, ring_prefill
+from jaxspec.drafter import (DraftState, ModelDrafter, RetrievalState, SelfDrafter, ring_cache_len,
+                             ring_prefill)
 from jaxspec.mesh import (ShardingError, cache_sharding, fetch, pad_batch, pool_sharding, put_batch,
                           use_mesh)
 from jaxspec.model import Model
@@ -243,7 +244,8 @@ class Decoder:
     XLA on CPU). ``prefill_chunk``: tokens per prefill forward."""
 
     def __init__(self, model: Model, speculation: Speculation | None = None, *,
-                 attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 paged: bool = False):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), "
                             f"got {type(model).__name__}")
@@ -282,9 +284,12 @@ class Decoder:
         span = None
         if speculation is not None:
             if draft is None:
-                self.drafter = SelfDrafter(sink=int(speculation.sink), window=None
-                                           if speculation.window is None else int(speculation.window),
-                                           retrieve=int(speculation.retrieve))
+                # a paged cache (the serving engine's) resolves retrieve="auto" to none
+                window, retrieve = speculation.resolved(
+                    paged=paged, sliding=sliding_window_of(model.config) is not None)
+                self.drafter = SelfDrafter(sink=int(speculation.sink),
+                                           window=None if window is None else int(window),
+                                           retrieve=retrieve)
                 span = self.drafter.span
             else:
                 ring = speculation.window is not None
@@ -340,6 +345,10 @@ class Decoder:
     def run(self, rd: Round, sp, state: DecodeState, max_rounds: int) -> tuple[DecodeState, float]:
         """At most ``max_rounds`` rounds of ``rd`` on ``state`` (donated). Returns the new state and
         the seconds spent compiling (0 when the loop was compiled before)."""
+        kept = None
+        if not rd.speculative and isinstance(state.draft, RetrievalState):
+            # a plain step reads no draft state: plain decoding's program runs it
+            kept, state = state.draft, state.replace(draft=None)
         args = (self.params, self.dparams, sp, state)
         key = (rd, _avals(args))
         compiled = self._compiled.get(key)
@@ -353,6 +362,8 @@ class Decoder:
                 t_compile = time.perf_counter() - t
                 self._compiled[key] = compiled
             out = compiled(*args, jnp.int32(max_rounds))
+        if kept is not None:
+            out = out.replace(draft=kept)
         return out, t_compile
 
     def chunk_program(self, rd: Round, sp, state: DecodeState, *, compile: bool = True):
@@ -402,10 +413,6 @@ class Decoder:
         share = None
         if shared_prefix is not None or n != 1:
             token_lists, share = plan_sharing(token_lists, shared_prefix, n, sliding_window=window)
-            if share is not None and getattr(self.drafter, "retrieving", False):
-                raise ValueError("Speculation(retrieve=...) does not combine with shared-prefix "
-                                 "levels (shared_prefix, n > 1): its blocks are chosen from each "
-                                 "row's own cache")
             if share is not None and self.mesh is not None:
                 d = self.mesh.shape["data"]
                 if len(token_lists) % d:

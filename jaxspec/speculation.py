@@ -51,8 +51,12 @@ class Speculation:
         this many context slots per row, layer and KV head, in whole blocks of
         `jaxspec.retrieval.RETRIEVE_BLOCK` (64) slots: the blocks on which the latest
         verification's queries put the largest logits, refreshed every round
-        (`jaxspec.retrieval`). A multiple of 64; 0 (the default): the sink and window alone.
-        Verification keeps the output lossless whatever the draft reads.
+        (`jaxspec.retrieval`). A multiple of 64, 0 (the sink and window alone), or ``"auto"``
+        (the default): about half of ``window``'s keys go to retrieved blocks instead (window
+        1008 -> the last 496 positions + 512 retrieved slots: the same keys per draft step),
+        where the cache is dense; a paged cache (the paged server) keeps the window alone, since
+        its kernel does not read retrieved blocks in place yet. Verification keeps the output
+        lossless whatever the draft reads.
     """
 
     draft: Any = "self"
@@ -62,7 +66,20 @@ class Speculation:
     tree: Any = None
     tree_sampling: str = "without_replacement"
     adaptive: bool = True
-    retrieve: int = 0
+    retrieve: int | str = "auto"
+
+    def resolved(self, *, paged: bool = False, sliding: bool = False) -> tuple[int | None, int]:
+        """``(window, retrieve)`` the self-draft reads with (`retrieve` above): "auto" splits
+        the window where it applies (a dense cache, a model without a sliding window), an int
+        is taken as given."""
+        r = self.retrieve
+        if r != "auto":
+            return self.window, int(r)
+        w = self.window
+        if not self.is_self or w is None or paged or sliding:
+            return w, 0
+        r = int(round(w / 2 / RETRIEVE_BLOCK)) * RETRIEVE_BLOCK
+        return (w - r, r) if r and w - r > 0 else (w, 0)
 
     @property
     def is_self(self) -> bool:
@@ -122,13 +139,14 @@ def validate(spec: Speculation, model: Model) -> TokenTree | None:
     tree = resolve_tree(spec.tree)
     if tree is not None and g == "auto":
         raise ValueError("gamma='auto' picks a chain length; it cannot be combined with a tree")
-    if not _is_int(spec.retrieve) or spec.retrieve < 0 or spec.retrieve % RETRIEVE_BLOCK:
-        raise ValueError(f"retrieve must be an int >= 0 and a multiple of {RETRIEVE_BLOCK} "
-                         f"(slots in whole blocks), got {spec.retrieve!r}")
-    if spec.retrieve and not (spec.is_self and spec.window is not None):
+    r = spec.retrieve
+    if r != "auto" and (not _is_int(r) or r < 0 or r % RETRIEVE_BLOCK):
+        raise ValueError(f"retrieve must be 'auto' or an int >= 0 and a multiple of "
+                         f"{RETRIEVE_BLOCK} (slots in whole blocks), got {r!r}")
+    if r != "auto" and r and not (spec.is_self and spec.window is not None):
         raise ValueError("retrieve applies to self-speculation over a sparse view "
                          "(draft='self' with a window)")
-    if spec.retrieve and sliding_window_of(model.config) is not None:
+    if r != "auto" and r and sliding_window_of(model.config) is not None:
         raise ValueError("retrieve needs a model without sliding-window attention (a draft of "
                          "such a model already reads at most the model's window)")
     if spec.is_self:

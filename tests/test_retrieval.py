@@ -289,10 +289,31 @@ def test_bad_retrieval_settings_are_rejected(target, kw, msg):
                          speculation=Speculation(**kw, adaptive=False))
 
 
-def test_retrieval_refuses_a_draft_model_and_shared_prefixes(target):
+def test_retrieval_refuses_a_draft_model(target):
     with pytest.raises(ValueError, match="self-speculation"):
         jaxspec.generate(target, [[1, 2, 3]], max_new_tokens=4,
                          speculation=Speculation(draft=tiny_model(seed=3), retrieve=64))
-    with pytest.raises(ValueError, match="shared-prefix"):
-        jaxspec.generate(target, [[1, 2, 3] * 30, [1, 2, 3] * 30 + [4]], max_new_tokens=4,
-                         shared_prefix=60, speculation=Speculation(retrieve=64))
+
+
+def test_auto_gives_half_the_window_to_retrieval_where_the_cache_is_dense():
+    assert Speculation().resolved() == (496, 512)
+    assert Speculation(window=200).resolved() == (72, 128)
+    assert Speculation().resolved(paged=True) == (1008, 0)
+    assert Speculation().resolved(sliding=True) == (1008, 0)
+    assert Speculation(window=6).resolved() == (6, 0)  # too small to split
+    assert Speculation(window=None).resolved() == (None, 0)
+    assert Speculation(window=300, retrieve=128).resolved(paged=True) == (300, 128)
+
+
+def test_retrieval_with_a_shared_prefix_is_lossless(target):
+    """The draft reads the prefix's sink and window positions and retrieved blocks of each
+    row's own suffix."""
+    rng = np.random.default_rng(_seed())
+    shared = rng.integers(0, 64, size=150).tolist()
+    prompts = [shared + rng.integers(0, 64, size=int(n)).tolist() for n in (230, 170, 260)]
+    ref = jaxspec.generate(target, prompts, max_new_tokens=32).tokens
+    spec = Speculation(draft="self", gamma=3, sink=4, window=16, adaptive=False, retrieve=128)
+    res = jaxspec.generate(target, prompts, max_new_tokens=32, speculation=spec,
+                           shared_prefix=150)
+    assert res.tokens == ref
+    assert res.stats["shared_prefix_tokens"] == 150

@@ -258,6 +258,11 @@ def test_retrieval_on_a_mesh_equals_one_device(long_prompts, reference, target):
     res = jaxspec.generate(sharded, long_prompts, max_new_tokens=32, speculation=spec)
     assert res.tokens == ref
     assert res.stats["acceptance_rate"] > 0
+    # the kernels per shard (interpret mode): block scores written by the verify kernel, the
+    # blocks read in place by the draft's
+    res = jaxspec.generate(sharded, long_prompts, max_new_tokens=8, speculation=spec,
+                           attn_impl="interpret")
+    assert res.tokens == [r[:8] for r in ref]
 
 
 def test_the_paged_server_with_retrieval_equals_generate():

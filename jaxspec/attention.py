@@ -337,20 +337,21 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-def _with_retrieved(q, k_all, v_all, layer, o, lse, blocks, *, block, sm_scale, table=None):
+def _with_retrieved(q, k_all, v_all, layer, o, lse, blocks, *, block, sm_scale):
     """``o`` (the sparse view's attention, with its ``lse``) merged with the attention over the
     retrieved blocks (``blocks``: empty, or one [B, K, R] array)."""
     if not blocks:
         return o
     o2, lse2 = retrieved_attention(q, k_all, v_all, layer, blocks[0], block=block,
-                                   sm_scale=sm_scale, block_table=table)
+                                   sm_scale=sm_scale)
     return merge_attention_states([o, o2.astype(o.dtype)], [lse, lse2])[0]
 
 
 def _paged_kernel(q, k_pages, v_pages, table, lengths, mask, layer, *blocks, block=None, **kw):
-    o, lse = paged_decode_attention(q, k_pages, v_pages, table, lengths, mask, layer=layer, **kw)
-    return _with_retrieved(q, k_pages, v_pages, layer, o, lse, blocks, block=block,
-                           sm_scale=kw["sm_scale"], table=table)
+    # retrieved blocks, if any, are read by the kernel through the table
+    return paged_decode_attention(q, k_pages, v_pages, table, lengths, mask, layer=layer,
+                                  retrieved=blocks[0] if blocks else None,
+                                  retrieve_block=block, **kw)[0]
 
 
 def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
@@ -445,15 +446,20 @@ def _attend_scored(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_s
     reads the keys); elsewhere the scores are a pass of their own over the keys."""
     block = int(plan.score_block)
     plan = plan.replace(score_block=None)
-    if (_use_kernel(plan.impl) and plan.block_table is None and plan.prefix is None
+    if (_use_kernel(plan.impl) and plan.prefix is None and plan.shared is None
             and not plan.sparse and plan.sliding_window is None):
         lengths = plan.lengths if plan.active is None else jnp.where(plan.active, plan.lengths, 0)
-        interpret = True if plan.impl == "interpret" else None
-        num_new = plan.new_tokens(q_BTHD.shape[1])
+        kw = dict(sm_scale=sm_scale, num_new=plan.new_tokens(q_BTHD.shape[1]),
+                  interpret=True if plan.impl == "interpret" else None, score_block=block)
+        if plan.block_table is not None:  # through the block tables
+            def paged(q, k, v, table, ln, mask, lay):
+                o, _, sc = paged_decode_attention(q, k, v, table, ln, mask, layer=lay, **kw)
+                return o, sc
+            return per_shard_paged_attention(paged, q_BTHD, k_LBKSD, v_LBKSD, plan.block_table,
+                                             lengths, plan.mask, layer, outs="both")
 
         def fn(q, k, v, ln, mask, lay):
-            o, _, sc = decode_kernel(q, k, v, ln, mask, layer=lay, sm_scale=sm_scale,
-                                     num_new=num_new, interpret=interpret, score_block=block)
+            o, _, sc = decode_kernel(q, k, v, ln, mask, layer=lay, **kw)
             return o, sc
         return per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, plan.mask, layer,
                                    outs="both")

@@ -290,17 +290,22 @@ def per_shard_attention(fn, q_BTHD, k_LBKSD, v_LBKSD, lengths, mask, layer, extr
     def body(q, k, v, ln, lay, *rest):
         return fn(q, k, v, ln, rest[n] if len(rest) > n else None, lay, *rest[:n])
 
-    tok, heads = P(b, None, "model", None), P(b, "model", None)
-    out = {"tokens": tok, "heads": heads, "both": (tok, heads)}[outs]
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=out,
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=_out_specs(outs, b),
                          check_vma=False)(*args)
 
 
+def _out_specs(outs: str, b):
+    """Specs of what a per-shard attention returns: its output ``[B, T, H, D]``, an array
+    ``[B, K, N]`` per row and KV head, or both."""
+    tok, heads = P(b, None, "model", None), P(b, "model", None)
+    return {"tokens": tok, "heads": heads, "both": (tok, heads)}[outs]
+
+
 def per_shard_paged_attention(fn, q_BTHD, k_pages, v_pages, block_table, lengths, mask, layer,
-                              extra=()):
+                              extra=(), outs: str = "tokens"):
     """`per_shard_attention` for a paged pool ``[L, NB, K, BS, D]`` read through
     ``block_table[B, MB]``: rows over data (`batch_axis`), KV heads over model, every block on
-    every data shard (`pool_sharding`); ``extra`` as there."""
+    every data shard (`pool_sharding`); ``extra`` and ``outs`` as there."""
     mesh = active_mesh()
     if mesh is None:
         return fn(q_BTHD, k_pages, v_pages, block_table, lengths, mask, layer, *extra)
@@ -320,4 +325,4 @@ def per_shard_paged_attention(fn, q_BTHD, k_pages, v_pages, block_table, lengths
         return fn(q, k, v, table, ln, rest[n] if len(rest) > n else None, lay, *rest[:n])
 
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
-                         out_specs=P(b, None, "model", None), check_vma=False)(*args)
+                         out_specs=_out_specs(outs, b), check_vma=False)(*args)

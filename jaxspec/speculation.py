@@ -54,9 +54,9 @@ class Speculation:
         (`jaxspec.retrieval`). A multiple of 64, 0 (the sink and window alone), or ``"auto"``
         (the default): about half of ``window``'s keys go to retrieved blocks instead (window
         1008 -> the last 496 positions + 512 retrieved slots: the same keys per draft step),
-        where the cache is dense; a paged cache (the paged server) keeps the window alone, since
-        its kernel does not read retrieved blocks in place yet. Verification keeps the output
-        lossless whatever the draft reads.
+        where the cache is dense; a paged cache (the paged server) keeps the window alone (its
+        kernel path is not measured on a GPU yet; an explicit value runs there). Verification
+        keeps the output lossless whatever the draft reads.
     """
 
     draft: Any = "self"

@@ -48,7 +48,7 @@ from .contracts import (check_decode_args, check_prefix_args, layer_slice,
                         prefix_lengths_or_full, resolve_sm_scale)
 from .merge import merge_partials
 from .reference import (block_max_reference, check_paged_decode_args,
-                        decode_attention_reference, retrieved_attention_reference,
+                        decode_attention_reference, gather_pages, retrieved_attention_reference,
                         paged_decode_reference_impl, prefix_attention_reference,
                         prefix_reference_impl)
 from .triton_core import pltriton
@@ -298,7 +298,8 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
 
 def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask=None, *,
                            layer=None, sink=None, window=None, sm_scale=None, num_new=None,
-                           interpret=None, block_sizes=None):
+                           interpret=None, block_sizes=None, score_block=None, retrieved=None,
+                           retrieve_block=None):
     """``decode_attention`` over a paged K/V cache: a block pool read through block tables.
 
     Args:
@@ -321,12 +322,38 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask=
     Returns:
       ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)`` exactly as
       ``decode_attention`` over the dense cache the tables describe; a query that saw no key
-      gets ``out = 0`` and ``lse = -inf``.
+      gets ``out = 0`` and ``lse = -inf``. ``score_block`` and ``retrieved`` /
+      ``retrieve_block``: as ``decode_attention``'s (slots are logical slots); the scores come
+      last.
     """
     T_new = check_paged_decode_args(q, k_pages, v_pages, block_table, lengths, tree_mask, layer,
                                     num_new)
     sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
     route = paged_decode_route(q, k_pages, block_sizes=block_sizes, interpret=interpret)
+    if retrieved is not None or score_block is not None:
+        if (retrieved is not None) != bool(sink or window):
+            raise ValueError("retrieved blocks go with a sparse view (sink / window), block "
+                             "scores with a dense one")
+        if route.kernel == "triton":
+            return triton_paged_decode_attention(
+                q, k_pages, v_pages, block_table, lengths, tree_mask, layer,
+                sink=int(sink or 0), window=int(window or 0), sm_scale=sm_scale,
+                interpret=bool(interpret), block_sizes=route.block_sizes, on_gpu=route.on_gpu,
+                num_new=T_new, score_block=score_block, retrieved=retrieved,
+                retrieve_block=retrieve_block)
+        o, lse = paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask,
+                                        layer=layer, sink=sink, window=window,
+                                        sm_scale=sm_scale, num_new=T_new, interpret=interpret,
+                                        block_sizes=block_sizes)
+        pool = k_pages if k_pages.ndim == 5 else k_pages[None]
+        lay = layer if k_pages.ndim == 5 else 0
+        if score_block is not None:
+            return o, lse, block_max_reference(q, gather_pages(pool, block_table, lay), lengths,
+                                               block=int(score_block), sm_scale=sm_scale)
+        o2, lse2 = retrieved_attention_reference(
+            q, pool, v_pages if v_pages.ndim == 5 else v_pages[None], lay, retrieved,
+            block=int(retrieve_block), sm_scale=sm_scale, block_table=block_table)
+        return merge_partials([o[None], o2[None]], [lse[None], lse2[None]], o.dtype)
     if route.kernel == "reference":
         return paged_decode_reference_impl(q, k_pages, v_pages, block_table, lengths, tree_mask,
                                            layer, sink=int(sink or 0), window=int(window or 0),

@@ -153,6 +153,54 @@ def stream_keys(step, state, lo, hi, block: int):
     return lax.fori_loop(0, has_tail, tail_body, state)
 
 
+def scored_step(step, blk_ref, state, start, ok, *, block: int, real_rows):
+    """``step`` over the context keys ``[start, start + block)`` (``ok``: None, or the keys
+    visible) that also writes the block's largest base-2 logit over the ``real_rows`` of the
+    program's query tile into ``blk_ref[start / block]``. ``step(state, start, size, load_ok,
+    score_ok, row_max=True)`` returns ``(state, row_max)``. Splits own whole blocks, so every
+    block is written by one program."""
+    state, mx = step(state, start, block, ok, None if ok is None else ok[None, :], row_max=True)
+    blk_ref[pl.ds(lax.div(start, block), 1)] = jnp.max(jnp.where(real_rows, mx, -jnp.inf),
+                                                       keepdims=True)
+    return state
+
+
+def block_max_output(nq: int, N: int, K: int, S: int, block: int):
+    """The ``extra_out`` entry of ``attention_call`` for block maxima: ``[nq, N, K, n]``
+    float32 (n: the next power of 2 of ``cdiv(S, block)``), one row of blocks per program."""
+    n = next_pow2(-(-S // block))
+    return (jax.ShapeDtypeStruct((nq, N, K, n), jnp.float32),
+            pl.BlockSpec((None, None, None, n), lambda qi, si, b, h: (qi, b, h, 0)))
+
+
+def block_max_result(blk, lengths, S: int, block: int):
+    """``[N, K, cdiv(S, block)]`` natural-log logits from the kernel's base-2 block maxima
+    (``block_max_output``): the max over row blocks, -inf for a block past a row's context
+    (never written)."""
+    n = -(-S // block)
+    sc = jnp.max(blk, axis=0)[..., :n] * LN2
+    seen = jnp.arange(n, dtype=jnp.int32)[None, :] * block < jnp.clip(lengths, 0, S)[:, None]
+    return jnp.where(seen[:, None, :], sc, -jnp.inf)
+
+
+def stream_retrieved(step, state, blocks_ref, b, h, si, *, count: int, num_splits: int,
+                     block: int):
+    """Split ``si``'s share of ``count`` retrieved blocks of row ``b`` and KV head ``h``
+    (``blocks_ref[b, h, i]``: a block index, -1 for none), each the ``block`` slots
+    ``[j * block, (j + 1) * block)`` read whole by ``step(state, start, size, load_ok,
+    score_ok)``."""
+    per = -(-count // num_splits)
+    lo = jnp.minimum(si * per, count)
+    hi = jnp.minimum(lo + per, count)
+    lanes = jnp.arange(block, dtype=jnp.int32)
+
+    def body(i, st):
+        j = blocks_ref[b, h, i]
+        ok = (lanes >= 0) & (j >= 0)
+        return step(st, jnp.maximum(j, 0) * block, block, ok, ok[None, :])
+    return lax.fori_loop(lo, hi, body, state)
+
+
 def stream_keys_from(step, state, lo, hi, first, block: int):
     """``stream_keys`` over ``[lo, hi)`` with the keys below ``first`` hidden, where ``lo`` is
     a tile boundary at most one ``block`` below ``first`` (or at / past it): a head block that

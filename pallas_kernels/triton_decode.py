@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import triton_core as core
-from .common import LN2, LOG2E, cdiv, next_pow2, num_sms
+from .common import LOG2E, cdiv, next_pow2, num_sms
 from .contracts import (layer_operand, pad_rows, resolve_num_new, rows_to_tokens,
                         tokens_to_rows)
 from .splits import split_range
@@ -112,7 +112,7 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: Decode
     lead = (layer_ref[0], b, h) if c.has_layer else (b, h)
     q, head_ok = core.load_queries(q_ref, k_ref.dtype, c.D)      # [bq, Dp]
 
-    def step(state, start, size, load_ok, score_ok):
+    def step(state, start, size, load_ok, score_ok, row_max=False):
         """One online-softmax step over slots [start, start + size)."""
         idx = (*lead, pl.ds(start, size), slice(None))
         # masked where needed: rows outside the range come back as 0 (no NaN), as do lanes
@@ -120,23 +120,15 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: Decode
         k = core.load_rows(k_ref, idx, load_ok, head_ok)
         v = core.load_rows(v_ref, idx, load_ok, head_ok)
         return core.update(state, q, k, v, scale_log2=c.scale_log2, score_ok=score_ok,
-                           fast_exp=c.fast_exp)
+                           fast_exp=c.fast_exp, row_max=row_max)
+
+    real_rows = qi * bq + jnp.arange(bq, dtype=jnp.int32) < c.rows
 
     def context_step(state, start, ok):
-        if not c.block_max:
-            return step(state, start, bk, ok, None if ok is None else ok[None, :])
-        # the block's largest base-2 logit over this program's real rows, into slot block
-        # start / bk (splits own whole blocks: every block is written by one program)
-        idx = (*lead, pl.ds(start, bk), slice(None))
-        k = core.load_rows(k_ref, idx, ok, head_ok)
-        v = core.load_rows(v_ref, idx, ok, head_ok)
-        state, mx = core.update(state, q, k, v, scale_log2=c.scale_log2,
-                                score_ok=None if ok is None else ok[None, :],
-                                fast_exp=c.fast_exp, row_max=True)
-        real = qi * bq + jnp.arange(bq, dtype=jnp.int32) < c.rows
-        blk_ref[0][pl.ds(lax.div(start, bk), 1)] = jnp.max(
-            jnp.where(real, mx, -jnp.inf), keepdims=True)
-        return state
+        if c.block_max:  # and the block's largest logit (its real query rows)
+            return core.scored_step(step, blk_ref[0], state, start, ok, block=bk,
+                                    real_rows=real_rows)
+        return step(state, start, bk, ok, None if ok is None else ok[None, :])
 
     state = core.init_state(bq, q_ref.shape[-1])
 
@@ -156,19 +148,9 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: Decode
         shift = b_start - a_end
         state = core.stream_keys(context_step, state, jnp.maximum(v0, a_end) + shift,
                                  jnp.maximum(v1, a_end) + shift, bk)
-    if c.n_retrieved:
-        # retrieved blocks (block indices, -1: none; they lie between the sink and the window):
-        # split si reads its share of them, each one whole block of bk slots in place
-        per = cdiv(c.n_retrieved, c.num_splits)
-        r_lo = jnp.minimum(si * per, c.n_retrieved)
-        r_hi = jnp.minimum(r_lo + per, c.n_retrieved)
-        lanes = jnp.arange(bk, dtype=jnp.int32)
-
-        def retrieved_body(i, st):
-            j = blocks_ref[b, h, i]
-            ok = (lanes >= 0) & (j >= 0)
-            return step(st, jnp.maximum(j, 0) * bk, bk, ok, ok[None, :])
-        state = lax.fori_loop(r_lo, r_hi, retrieved_body, state)
+    if c.n_retrieved:  # retrieved blocks (between the sink and the window), read in place
+        state = core.stream_retrieved(step, state, blocks_ref, b, h, si, count=c.n_retrieved,
+                                      num_splits=c.num_splits, block=bk)
 
     # New tokens (slots length + j, j < T_new): attended by the last split only.
     # Query row r is query t = r // G, i.e. new token t + (T_new - T).
@@ -300,9 +282,7 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
         if block_k != score_block:
             raise ValueError(f"block scores per {score_block} slots need key blocks of that "
                              f"size; the kernel reads {block_k} (shared memory)")
-        n_blk = next_pow2(cdiv(S, block_k))
-        extra_out = ((jax.ShapeDtypeStruct((nq, B, K, n_blk), jnp.float32),
-                      pl.BlockSpec((None, None, None, n_blk), lambda qi, si, n, h: (qi, n, h, 0))),)
+        extra_out = (core.block_max_output(nq, B, K, S, block_k),)
     o, lse, *blk = core.attention_call(
         functools.partial(_decode_kernel, c=static), inputs, extra_shapes,
         kv_shape=k_cache.shape, num_splits=num_splits, block_q=block_q, rows_pad=rows_pad, D=D,
@@ -311,7 +291,4 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
     o, lse = rows_to_tokens(o, lse, B, T, G)
     if score_block is None:
         return o, lse
-    n = cdiv(S, block_k)
-    sc = jnp.max(blk[0], axis=0)[..., :n] * LN2  # base 2 -> natural logits
-    seen = jnp.arange(n, dtype=jnp.int32)[None, :] * block_k < jnp.clip(lengths, 0, S)[:, None]
-    return o, lse, jnp.where(seen[:, None, :], sc, -jnp.inf)
+    return o, lse, core.block_max_result(blk[0], lengths, S, block_k)

@@ -78,6 +78,9 @@ class PagedStatic:
     scale_log2: float
     fast_exp: bool
     D: int
+    rows: int = 0   # query rows T * G (those of a row block past it are padding)
+    block_max: bool = False  # also write each context block's largest logit (dense only)
+    n_retrieved: int = 0  # sparse: blocks of block_k slots per row and KV head read besides
 
     @property
     def S(self) -> int:
@@ -87,11 +90,10 @@ class PagedStatic:
 
 def _paged_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, table_ref, *rest,
                   c: PagedStatic):
-    if c.causal:
-        mask_ref = None
-        o_ref, lse_ref = rest
-    else:
-        mask_ref, o_ref, lse_ref = rest
+    rest = list(rest)
+    mask_ref = None if c.causal else rest.pop(0)
+    blocks_ref = rest.pop(0) if c.n_retrieved else None
+    o_ref, lse_ref, *blk_ref = rest
     qi, si, b, h = (pl.program_id(i) for i in range(4))
     bq, bk, bkn = c.block_q, c.block_k, c.block_k_new
 
@@ -99,7 +101,7 @@ def _paged_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, table_ref, *rest,
     layer = layer_ref[0] if c.has_layer else None
     q, head_ok = core.load_queries(q_ref, k_ref.dtype, c.D)      # [bq, Dp]
 
-    def step(state, start, size, load_ok, score_ok):
+    def step(state, start, size, load_ok, score_ok, row_max=False):
         """One online-softmax step over logical slots [start, start + size) (part of one
         page or whole pages)."""
         idx = core.page_tile_index(table_ref, b, start, size, page_size=c.page_size,
@@ -110,9 +112,14 @@ def _paged_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, table_ref, *rest,
         k = core.load_rows(k_ref, idx, load_ok, head_ok)
         v = core.load_rows(v_ref, idx, load_ok, head_ok)
         return core.update(state, q, k, v, scale_log2=c.scale_log2, score_ok=score_ok,
-                           fast_exp=c.fast_exp)
+                           fast_exp=c.fast_exp, row_max=row_max)
+
+    real_rows = qi * bq + jnp.arange(bq, dtype=jnp.int32) < c.rows
 
     def context_step(state, start, ok):
+        if c.block_max:  # and the block's largest logit (its real query rows)
+            return core.scored_step(step, blk_ref[0], state, start, ok, block=bk,
+                                    real_rows=real_rows)
         return step(state, start, bk, ok, None if ok is None else ok[None, :])
 
     state = core.init_state(bq, q_ref.shape[-1])
@@ -136,6 +143,9 @@ def _paged_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, table_ref, *rest,
         shift = b_tile - a_pad
         state = core.stream_keys_from(context_step, state, jnp.maximum(v0, a_pad) + shift,
                                       jnp.maximum(v1, a_pad) + shift, b_start, bk)
+    if c.n_retrieved:  # retrieved blocks (between the sink and the window), read in place
+        state = core.stream_retrieved(step, state, blocks_ref, b, h, si, count=c.n_retrieved,
+                                      num_splits=c.num_splits, block=bk)
 
     # New tokens (slots length + j, j < T_new): attended by the last split only, in tiles of
     # bkn slots from the one holding slot `length`. Query row r is query t = r // G, i.e. new
@@ -167,8 +177,9 @@ def _paged_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, table_ref, *rest,
 
 def plan(B, K, T, G, D, page_size, max_blocks, *, sink, window,
          bs: DecodeAttentionBlockSizes, on_gpu: bool, itemsize: int = 2,
-         T_new: int | None = None):
-    """Concrete static tiling of the paged kernel (T: queries, T_new: new keys):
+         T_new: int | None = None, extra_keys: int = 0):
+    """Concrete static tiling of the paged kernel (T: queries, T_new: new keys; ``extra_keys``:
+    keys a sparse read takes besides sink and window):
     ``(block_q, block_k, block_k_new, split_size, num_splits, num_q_blocks)``. Raises a
     ValueError for a page size that is neither a power of 2 nor a multiple of 16 (no key tile
     fits it) and where a key tile neither divides the page size nor is a multiple of it (see
@@ -195,8 +206,8 @@ def plan(B, K, T, G, D, page_size, max_blocks, *, sink, window,
     core.check_page_tiles(page_size, block_k=block_k, block_k_new=block_k_new)
     num_q_blocks = cdiv(rows, block_q)
     # the longest virtual context (sink padded to a tile, window from its tile's start)
-    v_max = min(S + 2 * block_k, round_up(sink or 0, block_k) + (window or 0) + block_k) \
-        if sparse else S
+    v_max = min(S + 2 * block_k, round_up(sink or 0, block_k) + (window or 0) + block_k
+                + extra_keys) if sparse else S
     v_max = max(v_max, 1)
     if bs.split_size is not None:
         split = bs.split_size
@@ -215,13 +226,25 @@ def plan(B, K, T, G, D, page_size, max_blocks, *, sink, window,
 @functools.partial(
     jax.jit,
     static_argnames=("sink", "window", "sm_scale", "interpret", "block_sizes", "on_gpu",
-                     "num_new"))
+                     "num_new", "score_block", "retrieve_block"))
 def triton_paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask, layer,
                                   *, sink, window, sm_scale, interpret, block_sizes, on_gpu,
-                                  num_new=None):
+                                  num_new=None, score_block=None, retrieved=None,
+                                  retrieve_block=None):
     """The kernel on checked arguments (``dispatch.paged_decode_attention`` checks them):
     static ``sink``/``window`` ints (0: none), ``sm_scale`` a float, ``on_gpu``: compiled for
-    a GPU (shared-memory fitting, fast exp2) rather than interpreted."""
+    a GPU (shared-memory fitting, fast exp2) rather than interpreted. ``score_block`` and
+    ``retrieved`` / ``retrieve_block``: as ``triton_decode_attention``'s (block scores of a
+    dense read; retrieved blocks of a sparse one, read through the table)."""
+    if score_block is not None:
+        if sink or window:
+            raise ValueError("block scores come from a dense read (no sink / window)")
+        block_sizes = dataclasses.replace(block_sizes, block_k=int(score_block))
+    n_ret = 0 if retrieved is None else int(retrieved.shape[-1])
+    if n_ret:
+        if not (sink or window):
+            raise ValueError("retrieved blocks go with a sparse read (sink / window)")
+        block_sizes = dataclasses.replace(block_sizes, block_k=int(retrieve_block))
     B, T, H, D = q.shape
     T_new = resolve_num_new(T, tree_mask, num_new)
     has_layer = layer is not None
@@ -231,7 +254,12 @@ def triton_paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tre
     rows = T * G
     block_q, block_k, block_k_new, split, num_splits, nq = plan(
         B, K, T, G, D, BS, MB, sink=sink, window=window, bs=block_sizes, on_gpu=on_gpu,
-        itemsize=jnp.dtype(k_pages.dtype).itemsize, T_new=T_new)
+        itemsize=jnp.dtype(k_pages.dtype).itemsize, T_new=T_new,
+        extra_keys=n_ret * (retrieve_block or 0))
+    want = score_block if score_block is not None else (retrieve_block if n_ret else None)
+    if want is not None and block_k != want:
+        raise ValueError(f"blocks of {want} slots (scores / retrieval) need key tiles of that "
+                         f"size; the kernel reads {block_k} (shared memory)")
     rows_pad = nq * block_q
 
     q_BKRD = tokens_to_rows(q, K)                                      # rows r = t * G + g
@@ -256,6 +284,9 @@ def triton_paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tre
                                     (block_k_new, cols - block_k_new - T_new)))
         inputs.append(tm_rows)
         extra_shapes.append(tm_rows.shape)
+    if n_ret:
+        inputs.append(retrieved.astype(jnp.int32))
+        extra_shapes.append(retrieved.shape)
 
     static = PagedStatic(
         T=T, T_new=T_new, G=G, page_size=BS, max_blocks=MB, num_blocks=NB, block_q=block_q,
@@ -264,10 +295,16 @@ def triton_paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tre
         window=int(window or 0), sparse=bool(sink) or bool(window), causal=causal,
         mask_per_batch=mask_per_batch, mask_pad=block_k_new, has_layer=has_layer,
         scale_log2=float(sm_scale) * LOG2E,
-        fast_exp=core.use_fast_exp(block_sizes, on_gpu), D=D)
-    o, lse = core.attention_call(
+        fast_exp=core.use_fast_exp(block_sizes, on_gpu), D=D, rows=rows,
+        block_max=score_block is not None, n_retrieved=n_ret)
+    S = MB * BS
+    extra_out = () if score_block is None else (core.block_max_output(nq, B, K, S, block_k),)
+    o, lse, *blk = core.attention_call(
         functools.partial(_paged_kernel, c=static), inputs, extra_shapes,
         kv_shape=k_pages.shape, num_splits=num_splits, block_q=block_q, rows_pad=rows_pad, D=D,
         out_dtype=q.dtype, block_sizes=block_sizes, interpret=interpret,
-        name="jaxspec_paged_decode_attention")
-    return rows_to_tokens(o, lse, B, T, G)
+        name="jaxspec_paged_decode_attention", extra_out=extra_out)
+    o, lse = rows_to_tokens(o, lse, B, T, G)
+    if score_block is None:
+        return o, lse
+    return o, lse, core.block_max_result(blk[0], lengths, S, block_k)

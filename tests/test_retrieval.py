@@ -4,6 +4,7 @@ speculation with retrieval is lossless (greedy in float32, and sampling keeps th
 distribution) on one device, on a mesh and in the paged server; and retrieval is what raises the
 acceptance where the window alone misses the context."""
 
+import functools
 import itertools
 import random
 
@@ -175,6 +176,38 @@ def test_the_sparse_kernel_reads_retrieved_blocks_in_place(split):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("page", [8, 32])
+def test_the_paged_kernel_reads_blocks_and_writes_scores(page):
+    """The paged kernel (interpret mode, several key splits) through shuffled block tables:
+    retrieved blocks read in place and block scores written, against the dense references."""
+    from pallas_kernels import (DecodeAttentionBlockSizes, decode_attention,
+                                paged_decode_attention)
+    rng = np.random.default_rng(_seed())
+    B, K, G, S, D, blk, T = 2, 2, 2, 128, 16, 16, 3
+    q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), jnp.float32)
+    k = rng.standard_normal((B, K, S, D)).astype(np.float32)
+    v = rng.standard_normal((B, K, S, D)).astype(np.float32)
+    MB = S // page
+    table = rng.permutation(B * MB).astype(np.int32).reshape(B, MB)
+    pk = np.zeros((B * MB, K, page, D), np.float32)
+    pv = np.zeros_like(pk)
+    for b, m in itertools.product(range(B), range(MB)):
+        pk[table[b, m]] = k[b, :, m * page:(m + 1) * page]
+        pv[table[b, m]] = v[b, :, m * page:(m + 1) * page]
+    lengths = jnp.asarray([110, 50], jnp.int32)
+    blocks = jnp.asarray([[[1, 4, -1], [5, 2, 3]], [[1, -1, -1], [-1, 1, -1]]], jnp.int32)
+    bs = DecodeAttentionBlockSizes(split_size=32)
+    paged = functools.partial(paged_decode_attention, q, jnp.asarray(pk), jnp.asarray(pv),
+                              jnp.asarray(table), lengths, sm_scale=0.3, interpret=True,
+                              block_sizes=bs)
+    dense = functools.partial(decode_attention, q, jnp.asarray(k), jnp.asarray(v), lengths,
+                              sm_scale=0.3)
+    for kw in (dict(sink=4, window=12, retrieved=blocks, retrieve_block=blk),
+               dict(score_block=blk)):
+        for g, w in zip(paged(**kw), dense(**kw)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
 def test_retrieval_through_the_kernels_is_lossless(target, long_prompts, reference):
     """Interpret mode: the verification's kernel writes the scores, the draft's sparse kernel
     merges with the retrieved blocks."""
@@ -265,14 +298,16 @@ def test_retrieval_on_a_mesh_equals_one_device(long_prompts, reference, target):
     assert res.tokens == [r[:8] for r in ref]
 
 
-def test_the_paged_server_with_retrieval_equals_generate():
+@pytest.mark.parametrize("page_size", [8, None])
+def test_the_server_with_retrieval_equals_generate(page_size):
+    """Paged and dense slots: rows start, finish and are reused with their selections reset."""
     model = served_model(eos=False)
     rng = np.random.default_rng(_seed())
     prompts = [rng.integers(5, 60, size=int(n)).tolist() for n in (70, 9, 55)]
     ref = jaxspec.generate(model, prompts, max_new_tokens=24).tokens
     spec = Speculation(draft="self", gamma=3, sink=0, window=6, adaptive=False, retrieve=64)
     e = ServingEngine(model, max_batch=2, max_len=96, rounds_per_chunk=2, prefill_chunk=16,
-                      page_size=8, speculation=spec).start()
+                      page_size=page_size, speculation=spec).start()
     try:
         seqs = [Sequence(p, SamplingOptions(max_tokens=24, temperature=0)) for p in prompts]
         e.submit(seqs)

@@ -14,6 +14,11 @@ from jaxspec.speculation import Speculation
 
 __version__ = "0.1.0"
 
+# the key of kept executables names the code imported now (files edited later do not count)
+from jaxspec import compile_cache as _compile_cache  # noqa: E402
+
+_compile_cache._source_hash()
+
 
 def __getattr__(name):  # lazy: keep `import jaxspec` light
     if name == "fetch":

@@ -116,7 +116,8 @@ _exec_dir: Path | None = None
 
 def _source_hash() -> str:
     """One hash of jaxspec's and pallas_kernels' source files (a program is what its code makes
-    it: any change to them is a new key)."""
+    it: any change to them is a new key). Taken when `jaxspec` is imported, so it describes the
+    code this process runs even if the files change while it runs."""
     global _code_hash
     if _code_hash is None:
         import hashlib

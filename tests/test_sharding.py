@@ -95,13 +95,13 @@ class _Spy:
 
         def spy(dec, rd, sp, state, max_rounds):
             self.cache = state.cache.k.sharding
-            if state.draft is not None:
+            if getattr(state.draft, "cache", None) is not None:  # a draft model's
                 self.draft_cache = state.draft.cache.k.sharding
             return run(dec, rd, sp, state, max_rounds)
 
-        def spy_attn(fn, *args):
+        def spy_attn(fn, *args, **kw):
             self.active.append(shd.active_mesh() is not None)
-            return per_shard(fn, *args)
+            return per_shard(fn, *args, **kw)
         monkeypatch.setattr(Decoder, "run", spy)
         monkeypatch.setattr(attention, "per_shard_attention", spy_attn)
 

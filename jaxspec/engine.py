@@ -92,7 +92,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     (compiling loops this call needed: zero on later calls with the same shapes),
     ``decode_seconds`` (decoding only), ``tokens_per_second`` (new tokens / decode seconds),
     ``target_steps``; with speculation ``gamma``, ``acceptance_rate``, ``tokens_per_step`` and
-    ``plain_steps``.
+    ``plain_steps``, and with self-speculation ``draft_view`` (the sink, window and retrieved
+    slots each draft step reads: what ``retrieve="auto"`` resolved to).
     """
     dec = decoder_for(model, speculation, attn_impl=attn_impl, prefill_chunk=prefill_chunk)
     batch = dec.prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,

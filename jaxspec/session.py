@@ -693,6 +693,9 @@ class Decoder:
             proposed, accepted = int(np.asarray(rs.proposed).sum()), int(np.asarray(rs.accepted).sum())
             row_steps = int(rows_steps.sum())
             stats["plain_steps"] = int(rs.plain_steps)
+            if isinstance(self.drafter, SelfDrafter):  # what the self-draft reads
+                stats["draft_view"] = {"sink": self.drafter.sink, "window": self.drafter.window,
+                                       "retrieve": self.drafter.retrieve}
             stats["acceptance_rate"] = accepted / proposed if proposed else 0.0
             # tokens per target step a row took part in (a plain step commits one token)
             plain_tokens = new - int(rows_tok.sum())

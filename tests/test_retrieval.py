@@ -242,8 +242,11 @@ def test_retrieval_is_lossless_and_raises_the_acceptance(target, long_prompts, r
         spec = Speculation(draft="self", gamma=3, sink=0, window=16, adaptive=False, retrieve=r)
         res = jaxspec.generate(target, long_prompts, max_new_tokens=48, speculation=spec)
         assert res.tokens == reference
+        assert res.stats["draft_view"] == {"sink": 0, "window": 16, "retrieve": r}
         acc[r] = res.stats["acceptance_rate"]
     assert acc[512] > acc[0] + 0.3, acc
+    res = jaxspec.generate(target, long_prompts, max_new_tokens=8, speculation=Speculation())
+    assert res.stats["draft_view"] == {"sink": 16, "window": 496, "retrieve": 512}
 
 
 def test_tree_speculation_with_retrieval_is_lossless(target, long_prompts, reference):

@@ -105,31 +105,28 @@ def parse_tree(s: str | None):
         return s  # a tree file from `jaxspec tree-search`
 
 
+def _int_or_auto(s: str, least: int):
+    """'auto', or an int >= ``least``."""
+    if s.lower() == "auto":
+        return "auto"
+    try:
+        v = int(s)
+    except ValueError:
+        v = least - 1
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be an int >= {least} or 'auto', got {s!r}")
+    return v
+
+
 def parse_gamma(s: str):
     """``--gamma``: an int >= 1 or 'auto'."""
-    if s == "auto":
-        return s
-    try:
-        g = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {s!r}") from None
-    if g < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {s!r}")
-    return g
+    return _int_or_auto(s, 1)
 
 
 def retrieve_arg(s: str):
     """``--retrieve``: 'auto' or an int >= 0 (context slots of retrieved blocks per draft step;
     `jaxspec.Speculation.retrieve`)."""
-    if s.lower() == "auto":
-        return "auto"
-    try:
-        r = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 0, got {s!r}") from None
-    if r < 0:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 0, got {s!r}")
-    return r
+    return _int_or_auto(s, 0)
 
 
 def window_arg(s: str):

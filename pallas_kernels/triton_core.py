@@ -19,6 +19,10 @@ sequence's slot axis) and paged (``page_tile_index``: a block pool ``[(L,) NB, K
 block table; a tile starts on a multiple of its size and is part of one page or whole pages,
 ``check_page_tiles``). ``stream_keys_from`` streams an aligned key
 range whose first keys are hidden (a paged kernel's sparse window starting inside a tile).
+The self-draft's retrieval (``jaxspec.retrieval``) adds two pieces both kernels share:
+``scored_step`` (a context block that also writes its largest logit; ``block_max_output`` /
+``block_max_result`` around it) and ``stream_retrieved`` (a split's share of per-row block
+indices, each block read whole, in place).
 
 These are plain Python functions called while the kernel body is traced: they emit the ops
 in place, so sharing them costs nothing at run time.
@@ -30,6 +34,8 @@ The launch. Both kernels plan their tiles the same way (``auto_block_q``, ``fit_
 merged by log-sum-exp.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +169,30 @@ def scored_step(step, blk_ref, state, start, ok, *, block: int, real_rows):
     blk_ref[pl.ds(lax.div(start, block), 1)] = jnp.max(jnp.where(real_rows, mx, -jnp.inf),
                                                        keepdims=True)
     return state
+
+
+def block_options(block_sizes, *, sink, window, score_block, retrieved, retrieve_block):
+    """``(block_sizes, retrieved blocks per row and head)`` for a kernel call: block scores (a
+    dense read) and retrieved blocks (a sparse one) need key tiles of exactly their block."""
+    if score_block is not None:
+        if sink or window:
+            raise ValueError("block scores come from a dense read (no sink / window)")
+        block_sizes = dataclasses.replace(block_sizes, block_k=int(score_block))
+    n_ret = 0 if retrieved is None else int(retrieved.shape[-1])
+    if n_ret:
+        if not (sink or window):
+            raise ValueError("retrieved blocks go with a sparse read (sink / window)")
+        block_sizes = dataclasses.replace(block_sizes, block_k=int(retrieve_block))
+    return block_sizes, n_ret
+
+
+def check_block_tile(block_k: int, *, score_block, n_retrieved: int, retrieve_block):
+    """Raises where the planned key tile is not the scores' / retrieved blocks' size (shared
+    memory made the plan halve it)."""
+    want = score_block if score_block is not None else (retrieve_block if n_retrieved else None)
+    if want is not None and block_k != want:
+        raise ValueError(f"blocks of {want} slots (scores / retrieval) need key tiles of that "
+                         f"size; the kernel reads {block_k} (shared memory)")
 
 
 def block_max_output(nq: int, N: int, K: int, S: int, block: int):

@@ -222,15 +222,9 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
     ``retrieved`` ``[B, K, R]`` int32 (sparse only): per row and KV head R blocks of
     ``retrieve_block`` slots (block indices, -1: none) read besides the sink and window; they
     must lie between the two (`jaxspec.retrieval` selects them so)."""
-    if score_block is not None:
-        if sink or window:
-            raise ValueError("block scores come from a dense read (no sink / window)")
-        block_sizes = dataclasses.replace(block_sizes, block_k=int(score_block))
-    n_ret = 0 if retrieved is None else int(retrieved.shape[-1])
-    if n_ret:
-        if not (sink or window):
-            raise ValueError("retrieved blocks go with a sparse read (sink / window)")
-        block_sizes = dataclasses.replace(block_sizes, block_k=int(retrieve_block))
+    block_sizes, n_ret = core.block_options(block_sizes, sink=sink, window=window,
+                                            score_block=score_block, retrieved=retrieved,
+                                            retrieve_block=retrieve_block)
     B, T, H, D = q.shape
     T_new = resolve_num_new(T, tree_mask, num_new)
     has_layer = layer is not None
@@ -241,9 +235,8 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
         B, K, T, G, S, D, sink=sink, window=window, bs=block_sizes, on_gpu=on_gpu,
         itemsize=jnp.dtype(k_cache.dtype).itemsize, T_new=T_new,
         extra_keys=n_ret * (retrieve_block or 0))
-    if n_ret and block_k != retrieve_block:
-        raise ValueError(f"retrieved blocks of {retrieve_block} slots need key blocks of that "
-                         f"size; the kernel reads {block_k} (shared memory)")
+    core.check_block_tile(block_k, score_block=score_block, n_retrieved=n_ret,
+                          retrieve_block=retrieve_block)
     rows_pad = nq * block_q
 
     q_BKRD = tokens_to_rows(q, K)                                      # rows r = t * G + g
@@ -279,9 +272,6 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
         block_max=score_block is not None, n_retrieved=n_ret)
     extra_out = ()
     if score_block is not None:
-        if block_k != score_block:
-            raise ValueError(f"block scores per {score_block} slots need key blocks of that "
-                             f"size; the kernel reads {block_k} (shared memory)")
         extra_out = (core.block_max_output(nq, B, K, S, block_k),)
     o, lse, *blk = core.attention_call(
         functools.partial(_decode_kernel, c=static), inputs, extra_shapes,

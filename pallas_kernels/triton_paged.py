@@ -236,15 +236,9 @@ def triton_paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tre
     a GPU (shared-memory fitting, fast exp2) rather than interpreted. ``score_block`` and
     ``retrieved`` / ``retrieve_block``: as ``triton_decode_attention``'s (block scores of a
     dense read; retrieved blocks of a sparse one, read through the table)."""
-    if score_block is not None:
-        if sink or window:
-            raise ValueError("block scores come from a dense read (no sink / window)")
-        block_sizes = dataclasses.replace(block_sizes, block_k=int(score_block))
-    n_ret = 0 if retrieved is None else int(retrieved.shape[-1])
-    if n_ret:
-        if not (sink or window):
-            raise ValueError("retrieved blocks go with a sparse read (sink / window)")
-        block_sizes = dataclasses.replace(block_sizes, block_k=int(retrieve_block))
+    block_sizes, n_ret = core.block_options(block_sizes, sink=sink, window=window,
+                                            score_block=score_block, retrieved=retrieved,
+                                            retrieve_block=retrieve_block)
     B, T, H, D = q.shape
     T_new = resolve_num_new(T, tree_mask, num_new)
     has_layer = layer is not None
@@ -256,10 +250,8 @@ def triton_paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tre
         B, K, T, G, D, BS, MB, sink=sink, window=window, bs=block_sizes, on_gpu=on_gpu,
         itemsize=jnp.dtype(k_pages.dtype).itemsize, T_new=T_new,
         extra_keys=n_ret * (retrieve_block or 0))
-    want = score_block if score_block is not None else (retrieve_block if n_ret else None)
-    if want is not None and block_k != want:
-        raise ValueError(f"blocks of {want} slots (scores / retrieval) need key tiles of that "
-                         f"size; the kernel reads {block_k} (shared memory)")
+    core.check_block_tile(block_k, score_block=score_block, n_retrieved=n_ret,
+                          retrieve_block=retrieve_block)
     rows_pad = nq * block_q
 
     q_BKRD = tokens_to_rows(q, K)                                      # rows r = t * G + g

@@ -51,7 +51,7 @@ from .reference import (block_max_reference, check_paged_decode_args,
                         decode_attention_reference, gather_pages, retrieved_attention_reference,
                         paged_decode_reference_impl, prefix_attention_reference,
                         prefix_reference_impl)
-from .triton_core import pltriton
+from .triton_core import BlockTileError, pltriton
 from .triton_decode import DecodeAttentionBlockSizes, triton_decode_attention
 from .triton_decode import GPU_DEFAULTS as DECODE_GPU_DEFAULTS
 from .triton_paged import triton_paged_decode_attention
@@ -251,11 +251,14 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
         if not (sink or window):
             raise ValueError("retrieved blocks go with a sparse view (sink / window)")
         if route.kernel == "triton":
-            return triton_decode_attention(
-                q, k_cache, v_cache, lengths, tree_mask, layer, sink=int(sink or 0),
-                window=int(window or 0), sm_scale=sm_scale, interpret=bool(interpret),
-                block_sizes=route.block_sizes, on_gpu=route.on_gpu, num_new=T_new,
-                retrieved=retrieved, retrieve_block=int(retrieve_block))
+            try:
+                return triton_decode_attention(
+                    q, k_cache, v_cache, lengths, tree_mask, layer, sink=int(sink or 0),
+                    window=int(window or 0), sm_scale=sm_scale, interpret=bool(interpret),
+                    block_sizes=route.block_sizes, on_gpu=route.on_gpu, num_new=T_new,
+                    retrieved=retrieved, retrieve_block=int(retrieve_block))
+            except BlockTileError:  # the tile does not fit: the sparse kernel + the reference
+                pass
         o, lse = decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer=layer,
                                   sink=sink, window=window, sm_scale=sm_scale,
                                   interpret=interpret, block_sizes=block_sizes, num_new=T_new)
@@ -268,10 +271,13 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
         if sink or window:
             raise ValueError("score_block needs dense attention (no sink / window)")
         if route.kernel == "triton":
-            return triton_decode_attention(
-                q, k_cache, v_cache, lengths, tree_mask, layer, sink=0, window=0,
-                sm_scale=sm_scale, interpret=bool(interpret), block_sizes=route.block_sizes,
-                on_gpu=route.on_gpu, num_new=T_new, score_block=int(score_block))
+            try:
+                return triton_decode_attention(
+                    q, k_cache, v_cache, lengths, tree_mask, layer, sink=0, window=0,
+                    sm_scale=sm_scale, interpret=bool(interpret), block_sizes=route.block_sizes,
+                    on_gpu=route.on_gpu, num_new=T_new, score_block=int(score_block))
+            except BlockTileError:  # the tile does not fit: the kernel + the reference's scores
+                pass
         o, lse = decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer=layer,
                                   sm_scale=sm_scale, interpret=interpret,
                                   block_sizes=block_sizes, num_new=T_new)
@@ -335,12 +341,15 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask=
             raise ValueError("retrieved blocks go with a sparse view (sink / window), block "
                              "scores with a dense one")
         if route.kernel == "triton":
-            return triton_paged_decode_attention(
-                q, k_pages, v_pages, block_table, lengths, tree_mask, layer,
-                sink=int(sink or 0), window=int(window or 0), sm_scale=sm_scale,
-                interpret=bool(interpret), block_sizes=route.block_sizes, on_gpu=route.on_gpu,
-                num_new=T_new, score_block=score_block, retrieved=retrieved,
-                retrieve_block=retrieve_block)
+            try:
+                return triton_paged_decode_attention(
+                    q, k_pages, v_pages, block_table, lengths, tree_mask, layer,
+                    sink=int(sink or 0), window=int(window or 0), sm_scale=sm_scale,
+                    interpret=bool(interpret), block_sizes=route.block_sizes,
+                    on_gpu=route.on_gpu, num_new=T_new, score_block=score_block,
+                    retrieved=retrieved, retrieve_block=retrieve_block)
+            except BlockTileError:  # the tile does not fit: the kernel + the references
+                pass
         o, lse = paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask,
                                         layer=layer, sink=sink, window=window,
                                         sm_scale=sm_scale, num_new=T_new, interpret=interpret,

@@ -186,13 +186,17 @@ def block_options(block_sizes, *, sink, window, score_block, retrieved, retrieve
     return block_sizes, n_ret
 
 
+class BlockTileError(ValueError):
+    """The key tile a kernel plans is not the size that block scores / retrieved blocks need."""
+
+
 def check_block_tile(block_k: int, *, score_block, n_retrieved: int, retrieve_block):
-    """Raises where the planned key tile is not the scores' / retrieved blocks' size (shared
-    memory made the plan halve it)."""
+    """Raises `BlockTileError` where the planned key tile is not the scores' / retrieved blocks'
+    size (shared memory made the plan halve it: large head dims)."""
     want = score_block if score_block is not None else (retrieve_block if n_retrieved else None)
     if want is not None and block_k != want:
-        raise ValueError(f"blocks of {want} slots (scores / retrieval) need key tiles of that "
-                         f"size; the kernel reads {block_k} (shared memory)")
+        raise BlockTileError(f"blocks of {want} slots (scores / retrieval) need key tiles of "
+                             f"that size; the kernel reads {block_k} (shared memory)")
 
 
 def block_max_output(nq: int, N: int, K: int, S: int, block: int):

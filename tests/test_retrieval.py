@@ -208,6 +208,34 @@ def test_the_paged_kernel_reads_blocks_and_writes_scores(page):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
+def test_a_kernel_tile_that_does_not_fit_falls_back_to_the_references(monkeypatch):
+    """Where shared memory makes the plan halve the key tile (large head dims on a GPU), the
+    scores and the retrieved blocks come from the references instead of an error."""
+    from pallas_kernels import decode_attention, triton_core
+    rng = np.random.default_rng(_seed())
+    B, K, G, S, D = 2, 2, 2, 128, 16
+    q = jnp.asarray(rng.standard_normal((B, 2, K * G, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
+    lengths = jnp.asarray([100, 60], jnp.int32)
+    blocks = jnp.asarray([[[1, 3], [2, -1]], [[1, -1], [-1, 2]]], jnp.int32)
+    cases = (dict(score_block=16), dict(sink=4, window=8, retrieved=blocks, retrieve_block=16))
+    want = [decode_attention(q, k, v, lengths, interpret=True, **kw) for kw in cases]
+
+    refused = []
+
+    def too_big(block_k, **kw):
+        refused.append(block_k)
+        raise triton_core.BlockTileError("planned tile halved")
+    monkeypatch.setattr(triton_core, "check_block_tile", too_big)
+    jax.clear_caches()  # trace the kernel calls again
+    for kw, w in zip(cases, want):
+        got = decode_attention(q, k, v, lengths, interpret=True, **kw)
+        for g, x in zip(got, w):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=1e-5, atol=1e-5)
+    assert len(refused) == 2
+
+
 def test_retrieval_through_the_kernels_is_lossless(target, long_prompts, reference):
     """Interpret mode: the verification's kernel writes the scores, the draft's sparse kernel
     merges with the retrieved blocks."""

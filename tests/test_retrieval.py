@@ -224,9 +224,10 @@ def test_a_kernel_tile_that_does_not_fit_falls_back_to_the_references(monkeypatc
 
     refused = []
 
-    def too_big(block_k, **kw):
-        refused.append(block_k)
-        raise triton_core.BlockTileError("planned tile halved")
+    def too_big(block_k, *, score_block, n_retrieved, retrieve_block):
+        if score_block is not None or n_retrieved:
+            refused.append(block_k)
+            raise triton_core.BlockTileError("planned tile halved")
     monkeypatch.setattr(triton_core, "check_block_tile", too_big)
     jax.clear_caches()  # trace the kernel calls again
     for kw, w in zip(cases, want):

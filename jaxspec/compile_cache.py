@@ -34,6 +34,8 @@ import os
 import threading
 from pathlib import Path
 
+from pallas_kernels import hopper
+
 log = logging.getLogger(__name__)
 
 #: Programs that compile faster than this are not written to the cache (jax's default is 1 s;
@@ -205,6 +207,8 @@ def executable(fn, args: tuple, static: dict | None = None, compiler_options: di
 
                 from jax.experimental import serialize_executable
 
+                if jax.devices()[0].platform == "gpu":  # kernels' runtimes before loading
+                    hopper.load_runtime()
                 payload, in_tree, out_tree = pickle.loads(path.read_bytes())
                 # on the one device it was compiled for (by default jax loads an executable
                 # for every device of the backend: a host with several fails to run it)

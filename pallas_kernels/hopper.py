@@ -112,6 +112,14 @@ def has_mosaic_gpu() -> bool:
 
 plgpu = _MosaicGPU()
 
+
+def load_runtime() -> None:
+    """Imports Mosaic GPU where this kernel can run: a compiled program that calls it (an
+    executable loaded from disk, `jaxspec.compile_cache`) needs the runtime symbols that the
+    import loads, and a process that has not traced the kernel yet has not imported it."""
+    if available():
+        plgpu.kernel  # noqa: B018 - the attribute access imports the module
+
 CONSUMERS = 2
 
 

@@ -278,6 +278,21 @@ def test_retrieval_is_lossless_and_raises_the_acceptance(target, long_prompts, r
     assert res.stats["draft_view"] == {"sink": 16, "window": 496, "retrieve": 512}
 
 
+def test_adaptive_stretches_keep_the_selection_across_plain_steps(target, long_prompts,
+                                                                   reference, monkeypatch):
+    """Speculative stretches and plain ones in turn: a plain stretch runs plain decoding's
+    program on the state without its selection and puts the selection back."""
+    from jaxspec.session import Decoder
+    from test_adaptive import _policy
+    monkeypatch.setattr(Decoder, "next_round", _policy(["spec", "plain", "spec", "plain",
+                                                        "plain", "spec"], rounds=3))
+    spec = Speculation(gamma=3, sink=0, window=16, retrieve=256, adaptive=True)
+    res = jaxspec.generate(target, long_prompts, max_new_tokens=48, speculation=spec)
+    assert res.tokens == reference
+    assert 0 < res.stats["plain_steps"] < res.stats["target_steps"]
+    assert res.stats["acceptance_rate"] > 0
+
+
 def test_tree_speculation_with_retrieval_is_lossless(target, long_prompts, reference):
     spec = Speculation(draft="self", sink=2, window=8, tree=(2, 1, 1), adaptive=False,
                        retrieve=128)

@@ -337,13 +337,14 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-def _with_retrieved(q, k_all, v_all, layer, o, lse, blocks, *, block, sm_scale):
+def _with_retrieved(q, k_all, v_all, layer, o, lse, blocks, *, block, sm_scale, lo, hi):
     """``o`` (the sparse view's attention, with its ``lse``) merged with the attention over the
-    retrieved blocks (``blocks``: empty, or one [B, K, R] array)."""
+    retrieved blocks (``blocks``: empty, or one [B, K, R] array), of whose slots those in
+    ``[lo, hi)`` count (between the sink and the window, [B] each)."""
     if not blocks:
         return o
     o2, lse2 = retrieved_attention(q, k_all, v_all, layer, blocks[0], block=block,
-                                   sm_scale=sm_scale)
+                                   sm_scale=sm_scale, lo=lo, hi=hi)
     return merge_attention_states([o, o2.astype(o.dtype)], [lse, lse2])[0]
 
 
@@ -435,7 +436,9 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
         o, lse = attention_xla(q, k, v, lengths, mask, sink=sink, window=window,
                                sm_scale=sm_scale, num_new=num_new, sliding_window=W)
-        return _with_retrieved(q, k_all, v_all, layer, o, lse, blk, block=rb, sm_scale=sm_scale)
+        lo = jnp.minimum(int(sink or 0), lengths)
+        return _with_retrieved(q, k_all, v_all, layer, o, lse, blk, block=rb, sm_scale=sm_scale,
+                               lo=lo, hi=jnp.maximum(lengths - int(window or 0), lo))
     return per_shard_attention(run_xla, q_BTHD, k_LBKSD, v_LBKSD, plan.lengths, plan.mask, layer,
                                extra=blocks if sparse else ())
 
@@ -694,8 +697,9 @@ def _sparse(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *blo
     k = jnp.concatenate(keys, 1).transpose(0, 2, 1, 3)  # [B, K, N, D]
     v = jnp.concatenate(vals, 1).transpose(0, 2, 1, 3)
     o, lse = _softmax_attend(q, k, v, visible, sm_scale)
+    lo = jnp.clip(sink - off, 0, lengths)  # the suffix's sink slots (a short prefix's)
     return _with_retrieved(q, k_all, v_all, layer, o, lse, blocks, block=plan.retrieve_block,
-                           sm_scale=sm_scale)
+                           sm_scale=sm_scale, lo=lo, hi=jnp.maximum(lengths - window, lo))
 
 
 

@@ -11,14 +11,14 @@ verification and holds for the next round's draft steps.
   tokens over the block's context slots. The verification forward returns them per layer
   (`jaxspec.model.forward` with ``plan.score_block``).
 - **Selection** (`select_blocks`): per row, layer and KV head the ``R / block`` best blocks among
-  those lying wholly in ``[sink, min(verified, lengths - window))``: the context that both the
-  verification scored and the sink and window do not cover. The window moves right as a row
-  grows and the sink stays, so a selected block never overlaps either later: the three segments
-  stay disjoint and merge exactly by log-sum-exp. Fewer eligible blocks than asked (a short
-  context): the rest are -1 and read nothing.
-- **Attention** (`retrieved_attention`): every query of a draft forward sees every key of its
-  row's selected blocks (they lie before its window); the result merges with the sink + window
-  part by log-sum-exp.
+  those reaching into ``[sink, min(verified, lengths - window))``: the context that both the
+  verification scored and the sink and window do not cover. Fewer eligible blocks than asked (a
+  short context): the rest are -1 and read nothing.
+- **Attention** (`retrieved_attention`, and the kernels in place): every query of a draft
+  forward sees the keys of its row's selected blocks that lie between the sink and the window
+  of that forward (a block may reach into either, whose keys are counted there, and the window
+  moves right as the row grows), so the three segments stay disjoint and merge exactly by
+  log-sum-exp.
 
 The draft is a proposal: whatever it reads, verification keeps the output exactly the target's
 (greedy tokens, or the target's distribution when sampling).
@@ -51,14 +51,14 @@ def layer_view(k_LBKSD, layer, block_table=None):
 def select_blocks(scores_LBKN, verified, lengths, *, sink: int, window: int, block: int,
                   count: int):
     """``[B, L, K, count]`` int32: the ``count`` highest-scoring blocks per row, layer and KV head
-    among those wholly in ``[sink, min(verified, lengths - window))`` (``verified``: the context
-    the scores cover, ``lengths``: the context the next drafts start from; both [B]); -1 where
-    fewer are eligible."""
+    among those reaching into ``[sink, min(verified, lengths - window))`` (``verified``: the
+    context the scores cover, ``lengths``: the context the next drafts start from; both [B]); -1
+    where fewer are eligible."""
     L, B, K, n = scores_LBKN.shape
     j = jnp.arange(n, dtype=jnp.int32)
-    lo = -(-int(sink) // block)
+    lo = int(sink) // block  # the first block reaching past the sink
     hi = jnp.minimum(verified.astype(jnp.int32), lengths.astype(jnp.int32) - int(window))
-    hi = jnp.floor_divide(jnp.maximum(hi, 0), block)  # [B]: blocks j < hi end by then
+    hi = -jnp.floor_divide(-jnp.maximum(hi, 0), block)  # [B]: blocks j < hi start before it
     ok = (j[None, :] >= lo) & (j[None, :] < hi[:, None])  # [B, n]
     s = jnp.where(ok[None, :, None, :], scores_LBKN.astype(jnp.float32), -jnp.inf)
     c = min(int(count), n)

@@ -196,6 +196,12 @@ def _verify_hopper(q, k_cache, v_cache, lengths, tree_mask, layer, *, sm_scale, 
                                    interpret=interpret)
 
 
+def _between(lengths, sink, window):
+    """Per row, the context slots ``[lo, hi)`` between a sparse view's sink and its window."""
+    lo = jax.numpy.minimum(int(sink or 0), lengths)
+    return lo, jax.numpy.maximum(lengths - int(window or 0), lo)
+
+
 def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None,
                      sink=None, window=None, sm_scale=None, interpret=None,
                      block_sizes=None, num_new=None, score_block=None, retrieved=None,
@@ -263,9 +269,11 @@ def decode_attention(q, k_cache, v_cache, lengths, tree_mask=None, *, layer=None
                                   sink=sink, window=window, sm_scale=sm_scale,
                                   interpret=interpret, block_sizes=block_sizes, num_new=T_new)
         stack = k_cache.ndim == 5
+        lo, hi = _between(lengths, sink, window)
         o2, lse2 = retrieved_attention_reference(
             q, k_cache if stack else k_cache[None], v_cache if stack else v_cache[None],
-            layer if stack else 0, retrieved, block=int(retrieve_block), sm_scale=sm_scale)
+            layer if stack else 0, retrieved, block=int(retrieve_block), sm_scale=sm_scale,
+            lo=lo, hi=hi)
         return merge_partials([o[None], o2[None]], [lse[None], lse2[None]], o.dtype)
     if score_block is not None:
         if sink or window:
@@ -359,9 +367,10 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask=
         if score_block is not None:
             return o, lse, block_max_reference(q, gather_pages(pool, block_table, lay), lengths,
                                                block=int(score_block), sm_scale=sm_scale)
+        lo, hi = _between(lengths, sink, window)
         o2, lse2 = retrieved_attention_reference(
             q, pool, v_pages if v_pages.ndim == 5 else v_pages[None], lay, retrieved,
-            block=int(retrieve_block), sm_scale=sm_scale, block_table=block_table)
+            block=int(retrieve_block), sm_scale=sm_scale, block_table=block_table, lo=lo, hi=hi)
         return merge_partials([o[None], o2[None]], [lse[None], lse2[None]], o.dtype)
     if route.kernel == "reference":
         return paged_decode_reference_impl(q, k_pages, v_pages, block_table, lengths, tree_mask,

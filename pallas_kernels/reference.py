@@ -250,16 +250,23 @@ def gather_blocks(c_LBKSD, layer, blocks_BKR, block: int, block_table=None):
 
 
 def retrieved_attention_reference(q_BTHD, k_LBKSD, v_LBKSD, layer, blocks_BKR, *, block: int,
-                        sm_scale=None, block_table=None):
+                                  sm_scale=None, block_table=None, lo=None, hi=None):
     """``(out [B, T, H, D], lse [B, T, H] float32)`` of the T queries over the keys of their
-    row's selected blocks (``blocks_BKR`` [B, K, R], -1: none), each visible to every query."""
+    row's selected blocks (``blocks_BKR`` [B, K, R], -1: none), each visible to every query.
+    ``lo`` / ``hi`` ([B] or scalars, None: no bound): only a block's slots in ``[lo, hi)`` count
+    (what lies between a sparse view's sink and its window)."""
     B, T, H, D = q_BTHD.shape
-    K = blocks_BKR.shape[1]
+    K, R = blocks_BKR.shape[1:]
     G = H // K
     sm_scale = resolve_sm_scale(sm_scale, D)
     k = gather_blocks(k_LBKSD, layer, blocks_BKR, block, block_table).astype(jnp.float32)
     v = gather_blocks(v_LBKSD, layer, blocks_BKR, block, block_table).astype(jnp.float32)
     ok = jnp.repeat(blocks_BKR >= 0, block, axis=-1)  # [B, K, N]
+    slot = (blocks_BKR[..., None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(B, K, -1)
+    if lo is not None:
+        ok &= slot >= jnp.reshape(jnp.asarray(lo, jnp.int32), (-1, 1, 1))
+    if hi is not None:
+        ok &= slot < jnp.reshape(jnp.asarray(hi, jnp.int32), (-1, 1, 1))
     q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
     s = jnp.einsum("btkgd,bknd->bkgtn", q, k) * sm_scale
     s = jnp.where(ok[:, :, None, None, :], s, -jnp.inf)

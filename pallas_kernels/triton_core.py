@@ -218,21 +218,23 @@ def block_max_result(blk, lengths, S: int, block: int):
 
 
 def stream_retrieved(step, state, blocks_ref, b, h, si, *, count: int, num_splits: int,
-                     block: int):
+                     block: int, lo, hi):
     """Split ``si``'s share of ``count`` retrieved blocks of row ``b`` and KV head ``h``
     (``blocks_ref[b, h, i]``: a block index, -1 for none), each the ``block`` slots
     ``[j * block, (j + 1) * block)`` read whole by ``step(state, start, size, load_ok,
-    score_ok)``."""
+    score_ok)``, of which the slots in ``[lo, hi)`` count (between the sink and the window: a
+    block may reach into either, whose keys are read there)."""
     per = -(-count // num_splits)
-    lo = jnp.minimum(si * per, count)
-    hi = jnp.minimum(lo + per, count)
+    first = jnp.minimum(si * per, count)
+    last = jnp.minimum(first + per, count)
     lanes = jnp.arange(block, dtype=jnp.int32)
 
     def body(i, st):
         j = blocks_ref[b, h, i]
-        ok = (lanes >= 0) & (j >= 0)
-        return step(st, jnp.maximum(j, 0) * block, block, ok, ok[None, :])
-    return lax.fori_loop(lo, hi, body, state)
+        start = jnp.maximum(j, 0) * block
+        ok = (j >= 0) & (start + lanes >= lo) & (start + lanes < hi)
+        return step(st, start, block, ok, ok[None, :])
+    return lax.fori_loop(first, last, body, state)
 
 
 def stream_keys_from(step, state, lo, hi, first, block: int):

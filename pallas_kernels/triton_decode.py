@@ -150,7 +150,7 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: Decode
                                  jnp.maximum(v1, a_end) + shift, bk)
     if c.n_retrieved:  # retrieved blocks (between the sink and the window), read in place
         state = core.stream_retrieved(step, state, blocks_ref, b, h, si, count=c.n_retrieved,
-                                      num_splits=c.num_splits, block=bk)
+                                      num_splits=c.num_splits, block=bk, lo=a_end, hi=b_start)
 
     # New tokens (slots length + j, j < T_new): attended by the last split only.
     # Query row r is query t = r // G, i.e. new token t + (T_new - T).

@@ -59,8 +59,8 @@ def test_selection_takes_the_best_eligible_blocks():
                                    count=count))
     assert got.shape == (B, L, K, count)
     for l, b, h in itertools.product(range(L), range(B), range(K)):
-        ok = [j for j in range(n) if j * blk >= sink
-              and (j + 1) * blk <= min(verified[b], lengths[b] - window)]
+        ok = [j for j in range(n) if (j + 1) * blk > sink
+              and j * blk < min(verified[b], lengths[b] - window)]
         best = sorted(ok, key=lambda j: -scores[l, b, h, j])[:count]
         assert sorted(x for x in got[b, l, h] if x >= 0) == sorted(best)
         assert list(got[b, l, h]).count(-1) == count - len(best)
@@ -77,8 +77,8 @@ def _union_attention(q, k, v, lengths, sink, window, blocks, blk, T_new):
         h, n = hq // G, int(lengths[b])
         keys = set(range(min(sink, n))) | set(range(max(n - window, sink, 0), n))
         for j in blocks[b, h]:
-            if j >= 0:
-                keys |= set(range(j * blk, (j + 1) * blk))
+            if j >= 0:  # a block's context slots (those past the context are the new tokens')
+                keys |= set(range(j * blk, min((j + 1) * blk, n)))
         keys |= {n + j for j in range(T_new - T + t + 1)}
         idx = sorted(keys)
         s = np.array([q[b, t, hq] @ k[b, h, i] for i in idx], np.float64) / np.sqrt(D)
@@ -99,8 +99,9 @@ def test_sparse_view_with_retrieved_blocks_is_attention_over_their_union(impl, p
     v = rng.standard_normal((Lyr, B, K, S, D)).astype(np.float32)
     blocks = np.full((B, Lyr, K, 3), -1, np.int32)
     for b, l, h in itertools.product(range(B), range(Lyr), range(K)):
-        ok = [j for j in range(S // blk) if j * blk >= sink
-              and (j + 1) * blk <= lengths[b] - window]
+        # blocks reaching into [sink, lengths - window) (into the sink or window too)
+        ok = [j for j in range(S // blk) if (j + 1) * blk > sink
+              and j * blk < lengths[b] - window]
         pick = rng.choice(ok, size=min(len(ok), int(rng.integers(1, 4))), replace=False)
         blocks[b, l, h, :len(pick)] = pick
     layer = 1
@@ -167,7 +168,8 @@ def test_the_sparse_kernel_reads_retrieved_blocks_in_place(split):
     k = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
     lengths = jnp.asarray([110, 50], jnp.int32)
-    blocks = jnp.asarray([[[1, 4, -1], [5, 2, 3]], [[1, -1, -1], [-1, 1, -1]]], jnp.int32)
+    # blocks reaching into the sink (0) or the window (6; 2 for the second row) count once
+    blocks = jnp.asarray([[[0, 4, 6], [5, 2, 3]], [[1, -1, -1], [-1, 2, -1]]], jnp.int32)
     kw = dict(sink=4, window=12, sm_scale=0.3, retrieved=blocks, retrieve_block=blk)
     got = decode_attention(q, k, v, lengths, interpret=True,
                            block_sizes=DecodeAttentionBlockSizes(split_size=split), **kw)
@@ -195,7 +197,7 @@ def test_the_paged_kernel_reads_blocks_and_writes_scores(page):
         pk[table[b, m]] = k[b, :, m * page:(m + 1) * page]
         pv[table[b, m]] = v[b, :, m * page:(m + 1) * page]
     lengths = jnp.asarray([110, 50], jnp.int32)
-    blocks = jnp.asarray([[[1, 4, -1], [5, 2, 3]], [[1, -1, -1], [-1, 1, -1]]], jnp.int32)
+    blocks = jnp.asarray([[[0, 4, 6], [5, 2, 3]], [[1, -1, -1], [-1, 2, -1]]], jnp.int32)
     bs = DecodeAttentionBlockSizes(split_size=32)
     paged = functools.partial(paged_decode_attention, q, jnp.asarray(pk), jnp.asarray(pv),
                               jnp.asarray(table), lengths, sm_scale=0.3, interpret=True,

@@ -45,7 +45,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from pallas_kernels import (decode_attention as decode_kernel, merge_attention_states,

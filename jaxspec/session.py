@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import compile_cache, sampling
-from jaxspec.cache import SLOT_ALIGN, KVCache, compute_dtype, positions_of, round_up
+from jaxspec.cache import SLOT_ALIGN, KVCache, compute_dtype, round_up
 from jaxspec.config import sliding_window_of
 from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
 from jaxspec.decoding import DecodeState, Round, RoundStats, run_chunk, run_rounds

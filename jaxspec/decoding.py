@@ -188,9 +188,9 @@ class Round:
         D = tree.max_depth
         depths = jnp.asarray(tree.depths, jnp.int32)
         mask = None if chain else jnp.asarray(tree.ancestor_mask)
-        score_block = getattr(self.drafter, "score_block", None)  # a retrieving self-draft's
+        # a retrieving self-draft's selection comes from this verification's block scores
         plan = plan_on(state.cache, L, mask=mask, impl=self.impl, active=self.active(state),
-                       score_block=score_block)
+                       score_block=self.drafter.score_block)
         logits, cache, *scores = forward(self.config, params, node_tok,
                                          pos0[:, None] + depths[None], cache, plan)
         if scores:

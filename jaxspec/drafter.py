@@ -56,6 +56,7 @@ class RetrievalState:
         del last
         return self.replace(blocks=self.blocks.at[rows].set(-1, mode="drop"))
 
+
 @struct.dataclass
 class DraftState:
     """A separate draft model's state between rounds."""
@@ -66,6 +67,7 @@ class DraftState:
     def start_rows(self, rows, last):
         """New sequences in ``rows`` whose draft caches hold their prompts but the last token."""
         return self.replace(prev=self.prev.at[rows].set(last, mode="drop"))
+
 
 plan_on = plan_for  # an `AttentionPlan` over a cache (prefix segments, block table)
 
@@ -243,6 +245,11 @@ class ModelDrafter:
 
     kind = "model"
     observes_plain_steps = True  # its own cache catches up with each plain step's token
+    score_block = None  # its verification needs no block scores
+
+    def init_state(self, batch: int, config: ModelConfig) -> None:
+        """No state before the draft cache is prefilled (`jaxspec.session.Decoder.draft_state`)."""
+        return None
 
     @property
     def span(self) -> int | None:

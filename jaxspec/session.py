@@ -336,19 +336,28 @@ class Decoder:
                      tree_mode=self.speculation.tree_sampling)
 
     # ------------------------------------------------------------------ running rounds
+    @staticmethod
+    def _loop_state(rd: Round, state: DecodeState):
+        """``(the state rd's loop runs on, the draft state kept aside)``: a plain step reads no
+        self-draft selection, so plain decoding's program runs it without one."""
+        if not rd.speculative and isinstance(state.draft, RetrievalState):
+            return state.replace(draft=None), state.draft
+        return state, None
+
     def compiled_gammas(self, gammas, batch: Batch, state: DecodeState) -> set:
         """The ``gammas`` (0: plain) whose loops `run` has compiled for ``batch`` on ``state``."""
-        avals = _avals((self.params, self.dparams, batch.sp, state))
-        return {g for g in gammas if (self.round(g, greedy=batch.greedy, stop_ids=batch.stop_ids),
-                                      avals) in self._compiled}
+        out = set()
+        for g in gammas:
+            rd = self.round(g, greedy=batch.greedy, stop_ids=batch.stop_ids)
+            st, _ = self._loop_state(rd, state)
+            if (rd, _avals((self.params, self.dparams, batch.sp, st))) in self._compiled:
+                out.add(g)
+        return out
 
     def run(self, rd: Round, sp, state: DecodeState, max_rounds: int) -> tuple[DecodeState, float]:
         """At most ``max_rounds`` rounds of ``rd`` on ``state`` (donated). Returns the new state and
         the seconds spent compiling (0 when the loop was compiled before)."""
-        kept = None
-        if not rd.speculative and isinstance(state.draft, RetrievalState):
-            # a plain step reads no draft state: plain decoding's program runs it
-            kept, state = state.draft, state.replace(draft=None)
+        state, kept = self._loop_state(rd, state)
         args = (self.params, self.dparams, sp, state)
         key = (rd, _avals(args))
         compiled = self._compiled.get(key)
@@ -498,8 +507,7 @@ class Decoder:
             n_out=jnp.zeros((B,), jnp.int32), budget=jnp.asarray(budget, jnp.int32),
             done=jnp.asarray(np.asarray(budget) <= 0), rng=jnp.asarray(keys),
             steps=jnp.zeros((), jnp.int32), stats=RoundStats.zeros(B),
-            draft=self.drafter.init_state(B, self.config)
-            if isinstance(self.drafter, SelfDrafter) else None)
+            draft=None if self.drafter is None else self.drafter.init_state(B, self.config))
 
     # ------------------------------------------------------------------ draft state
     def draft_state(self, token_lists, state: DecodeState) -> DraftState | None:

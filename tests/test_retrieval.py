@@ -295,6 +295,21 @@ def test_adaptive_stretches_keep_the_selection_across_plain_steps(target, long_p
     assert res.stats["acceptance_rate"] > 0
 
 
+def test_a_compiled_plain_loop_is_found_for_a_state_with_a_selection(target, long_prompts):
+    """Plain stretches run plain decoding's program on the state without its selection; the
+    compiled-loop check gamma="auto" relies on looks that program up the same way."""
+    from jaxspec.drafter import RetrievalState
+    from jaxspec.session import Decoder
+    dec = Decoder(target, Speculation(gamma=2, sink=0, window=16, retrieve=128))
+    batch = dec.prepare(long_prompts, max_new_tokens=8)
+    assert isinstance(batch.state.draft, RetrievalState)
+    assert dec.compiled_gammas((0, 2), batch, batch.state) == set()
+    plain = dec.round(0, greedy=batch.greedy, stop_ids=batch.stop_ids)
+    st, _ = dec.run(plain, batch.sp, batch.state, 2)
+    assert isinstance(st.draft, RetrievalState)  # put back
+    assert dec.compiled_gammas((0, 2), batch, st) == {0}
+
+
 def test_tree_speculation_with_retrieval_is_lossless(target, long_prompts, reference):
     spec = Speculation(draft="self", sink=2, window=8, tree=(2, 1, 1), adaptive=False,
                        retrieve=128)

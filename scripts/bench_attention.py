@@ -230,6 +230,10 @@ def main():
   p.add_argument("--extra", action="store_true",
                  help="instead of the main table: small-batch long-context decode (flash-decoding "
                       "splits) and prefill chunks, vs peers")
+  p.add_argument("--retrieval", action="store_true",
+                 help="instead of the main table: the self-draft's retrieved blocks (sparse view + "
+                      "blocks, dense and paged) against a dense read of as many keys, and the "
+                      "cost of the verify kernel's block scores and of the selection")
   p.add_argument("--verbose", action="store_true")
   args = p.parse_args()
 
@@ -262,6 +266,9 @@ def main():
 
   if args.extra:
     run_extra(args, results)
+    return
+  if args.retrieval:
+    run_retrieval(args, results)
     return
 
   B, K, G, D, S = 64, 8, 4, 128, 8192
@@ -390,16 +397,122 @@ def run_extra(args, results):
     write_extra(results, args.out)
 
 
+def retrieval_step(bs=None, paged=None, **kw):
+  """One sparse / scored kernel call per loop index (lengths move with it); ``paged``: a page
+  size (the same K/V through a shuffled block table)."""
+  from pallas_kernels import paged_decode_attention
+
+  def step(i, q, k, v, lengths, *extra):
+    if paged:
+      out = paged_decode_attention(q, k, v, extra[0], lengths - (i % 2), block_sizes=bs, **kw)
+    else:
+      out = decode_attention(q, k, v, lengths - (i % 2), block_sizes=bs, **kw)
+    return sum(jnp.ravel(x)[0].astype(jnp.float32) for x in out)
+  return step
+
+
+def to_pages(k, v, page, seed=0):
+  B, K, S, D = k.shape
+  MB = S // page
+  table = np.random.default_rng(seed).permutation(B * MB).astype(np.int32).reshape(B, MB)
+  order = jnp.asarray(np.argsort(table.reshape(-1)))
+
+  def pool(c):
+    return c.reshape(B, K, MB, page, D).transpose(0, 2, 1, 3, 4).reshape(B * MB, K, page,
+                                                                          D)[order]
+  return pool(k), pool(v), jnp.asarray(table)
+
+
+def run_retrieval(args, results):
+  """The self-draft's retrieval (Qwen2.5-1.5B's heads: K=2, G=6, D=128; B=64, S=32768, bf16):
+  the sparse kernel over sink 16 + window 496 + 512 retrieved slots (8 blocks of 64) against the
+  same 1024 keys read densely and against sink 16 + window 1008; the verify kernel with and
+  without block scores; the selection (top-8 of 512 blocks per row, layer and KV head)."""
+  from jaxspec.retrieval import select_blocks
+  B, K, G, D, S, blk, R = 64, 2, 6, 128, 32768, 64, 8
+  results["title"] = "The self-draft's retrieved blocks: kernels and selection (diagnostic)"
+  results["shape"] = (f"K={K}, G={G}, D={D}, bf16, B={B}; lengths random in [S-2048, S-T]; "
+                      f"retrieved: {R} blocks of {blk} per row and KV head")
+  out = results["extra"]
+  rng = np.random.default_rng(3)
+  for T in (1, 5):
+    lengths = rng.integers(S - 2048, S - T + 1, size=B)
+    q, k, v, L = make_case(B, T, K, G, D, S, lengths, seed=500 + T)
+    hi = (lengths - 496) // blk
+    sel = np.stack([[rng.choice(np.arange(1, h), R, replace=False) for _ in range(K)]
+                    for h in hi]).astype(np.int32)
+    sel = jnp.asarray(sel)
+    nb = kv_bytes(np.full(B, 1024), T, K, D, 2)
+    base = dict(section="draft view, 1024 keys", B=B, T=T, S=S, kv_bytes=nb)
+    try_time(f"sparse 16+496 + 8x64 retrieved T={T}", retrieval_step(
+        sink=16, window=496, retrieved=sel, retrieve_block=blk), (q, k, v, L, sel), nb, args,
+             out, dict(base, impl="sink 16 + window 496 + 512 retrieved"))
+    try_time(f"sparse 16+1008 T={T}", retrieval_step(sink=16, window=1008), (q, k, v, L), nb,
+             args, out, dict(base, impl="sink 16 + window 1008"))
+    for page in (16, 64):
+      pk, pv, table = to_pages(k, v, page)
+      try_time(f"paged{page} 16+496 + retrieved T={T}", retrieval_step(
+          paged=page, sink=16, window=496, retrieved=sel, retrieve_block=blk),
+               (q, pk, pv, L, table), nb, args, out,
+               dict(base, impl=f"paged (pages of {page}): 16 + 496 + 512 retrieved"))
+      try_time(f"paged{page} 16+1008 T={T}", retrieval_step(paged=page, sink=16, window=1008),
+               (q, pk, pv, L, table), nb, args, out,
+               dict(base, impl=f"paged (pages of {page}): 16 + 1008"))
+      del pk, pv
+    del k, v
+    S3 = 1024 + T
+    q3, k3, v3, _ = make_case(B, T, K, G, D, S3, np.zeros(B), seed=600 + T)
+    L3 = jnp.full((B,), 1024, jnp.int32)
+    try_time(f"dense 1024 keys T={T}", retrieval_step(), (q3, k3, v3, L3), nb, args, out,
+             dict(base, impl="dense read of 1024 keys"))
+    del q3, k3, v3
+    write_extra(results, args.out)
+  # the verify kernel over the whole context, with and without the block scores
+  T = 5
+  lengths = rng.integers(S - 2048, S - T + 1, size=B)
+  q, k, v, L = make_case(B, T, K, G, D, S, lengths, seed=700)
+  nb = kv_bytes(lengths, T, K, D, 2)
+  base = dict(section="verify, whole context", B=B, T=T, S=S, kv_bytes=nb)
+  try_time("verify T=5", retrieval_step(), (q, k, v, L), nb, args, out,
+           dict(base, impl="verify"))
+  try_time("verify T=5 + block scores", retrieval_step(score_block=blk), (q, k, v, L), nb,
+           args, out, dict(base, impl="verify + block scores (64)"))
+  for page in (16, 64):
+    pk, pv, table = to_pages(k, v, page)
+    try_time(f"paged{page} verify T=5", retrieval_step(paged=page), (q, pk, pv, L, table), nb,
+             args, out, dict(base, impl=f"paged (pages of {page}) verify"))
+    try_time(f"paged{page} verify T=5 + scores", retrieval_step(paged=page, score_block=blk),
+             (q, pk, pv, L, table), nb, args, out,
+             dict(base, impl=f"paged (pages of {page}) verify + block scores"))
+    del pk, pv
+  del q, k, v
+  # the selection of a whole round: 28 layers' scores
+  Lyr, n = 28, S // blk
+  sc = jax.random.normal(jax.random.key(9), (Lyr, B, K, n), jnp.float32)
+  ver = jnp.asarray(lengths, jnp.int32)
+
+  def select(i, sc, ver):
+    idx = select_blocks(sc + i.astype(jnp.float32), ver, ver + 5, sink=16, window=496,
+                        block=blk, count=R)
+    return idx[0, 0, 0, 0]
+  try_time("select_blocks (28 layers)", select, (sc, ver), 0, args, out,
+           dict(section="selection per round", B=B, T=0, S=S, kv_bytes=0,
+                impl="select_blocks, 28 layers, top 8 of 512"))
+  write_extra(results, args.out)
+
+
+
 def write_extra(results, out):
   os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
   with open(out + ".json", "w") as f:
     json.dump(results, f, indent=1)
   env, c = results["env"], results["ceiling"]
-  lines = ["# Decode attention: small batch / long context and prefill chunks", "",
+  title = results.get("title", "Decode attention: small batch / long context and prefill chunks")
+  lines = [f"# {title}", "",
            f"- device: {env['device']} ({env['num_sms']} SMs), jax {env['jax']}",
            f"- command: `{env['command']}`",
            f"- copy ceiling {c['copy_TBps']:.3f} TB/s, read-only {c['read_TBps']:.3f} TB/s",
-           "- K=8, G=4, D=128, bf16; decode lengths random in [S/2, S-T]", "",
+           f"- {results.get('shape', 'K=8, G=4, D=128, bf16; decode lengths random in [S/2, S-T]')}", "",
            "| section | B | T | S | implementation | time (us) | KV TB/s | TFLOP/s |",
            "|---|---|---|---|---|---|---|---|"]
   for r in results["extra"]:

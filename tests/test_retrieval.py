@@ -421,3 +421,87 @@ def test_retrieval_with_a_shared_prefix_is_lossless(target):
                            shared_prefix=150)
     assert res.tokens == ref
     assert res.stats["shared_prefix_tokens"] == 150
+
+
+# ----------------------------------------------------------------------------- compiled (GPU)
+def _reference_route(q, k, v, lengths, mask=None, *, sm_scale, score_block=None, sink=None,
+                     window=None, retrieved=None, retrieve_block=None, T_new=None):
+    """What the kernels must compute, from the references alone (dense cache [B, K, S, D])."""
+    from pallas_kernels.dispatch import _between
+    from pallas_kernels.merge import merge_partials
+    from pallas_kernels.reference import (block_max_reference, decode_attention_reference,
+                                          retrieved_attention_reference)
+    o, lse = decode_attention_reference(q, k, v, lengths, mask, sink=sink, window=window,
+                                        sm_scale=sm_scale, num_new=T_new)
+    if score_block is not None:
+        return o, lse, block_max_reference(q, k, lengths, block=score_block, sm_scale=sm_scale)
+    if retrieved is None:
+        return o, lse
+    lo, hi = _between(lengths, sink, window)
+    o2, lse2 = retrieved_attention_reference(q, k[None], v[None], 0, retrieved,
+                                             block=retrieve_block, sm_scale=sm_scale, lo=lo,
+                                             hi=hi)
+    return merge_partials([o[None], o2[None]], [lse[None], lse2[None]], o.dtype)
+
+
+def _no_fallback(monkeypatch):
+    """The dispatch may not quietly fall back to the references: the kernels must do it."""
+    from pallas_kernels import dispatch
+
+    def refuse(*a, **k):
+        raise AssertionError("fell back to a reference")
+    for name in ("block_max_reference", "retrieved_attention_reference"):
+        monkeypatch.setattr(dispatch, name, refuse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T,tree", [(1, False), (5, False), (6, True)])
+def test_retrieval_kernels_compiled_gpu(T, tree, dtype, monkeypatch):
+    """The compiled Triton kernels at the real model's head shape (G 6, D 128, 64-slot blocks):
+    block scores written by the verify kernel, retrieved blocks read by the sparse draft
+    kernel, dense and through shuffled page tables, against the references."""
+    from pallas_kernels import decode_attention, paged_decode_attention
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _no_fallback(monkeypatch)
+    rng = np.random.default_rng(_seed())
+    B, K, G, S, D, blk = 4, 2, 6, 4096, 128, 64
+    dt = jnp.dtype(dtype)
+    q = jnp.asarray(rng.standard_normal((B, T, K * G, D)), dt)
+    k = jnp.asarray(rng.standard_normal((B, K, S, D)), dt)
+    v = jnp.asarray(rng.standard_normal((B, K, S, D)), dt)
+    lengths = np.array([4000, 1500, 3001, 0], np.int32) - T  # the new tokens' K/V are in
+    lengths = jnp.asarray(np.maximum(lengths, 0))
+    mask = jnp.asarray((np.tri(T, dtype=bool) & (rng.random((T, T)) < 0.6))
+                       | np.eye(T, dtype=bool)) if tree else None
+    sink, window, R = 16, 496, 8
+    sel = np.full((B, K, R), -1, np.int32)
+    for b, h in itertools.product(range(B), range(K)):
+        hi = max(int(lengths[b]) - window, 0) // blk
+        pick = rng.permutation(np.arange(0, hi + 1))[:R]  # a block may reach into sink/window
+        sel[b, h, :len(pick)] = pick
+    sel = jnp.asarray(sel)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    sm = 1 / np.sqrt(D)
+    cases = (dict(score_block=blk),
+             dict(sink=sink, window=window, retrieved=sel, retrieve_block=blk))
+    for kw in cases:
+        want = _reference_route(q, k, v, lengths, mask, sm_scale=sm, T_new=T, **kw)
+        got = decode_attention(q, k, v, lengths, mask, sm_scale=sm, **kw)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                       rtol=tol, atol=tol)
+        for page in (16, 64):
+            MB = S // page
+            table = rng.permutation(B * MB).astype(np.int32).reshape(B, MB)
+            order = np.argsort(table.reshape(-1))
+            pk = k.reshape(B, K, MB, page, D).transpose(0, 2, 1, 3, 4).reshape(B * MB, K,
+                                                                                 page, D)[order]
+            pv = v.reshape(B, K, MB, page, D).transpose(0, 2, 1, 3, 4).reshape(B * MB, K,
+                                                                                 page, D)[order]
+            got = paged_decode_attention(q, pk, pv, jnp.asarray(table), lengths, mask,
+                                         sm_scale=sm, **kw)
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(np.asarray(g, np.float32),
+                                           np.asarray(w, np.float32), rtol=tol, atol=tol)

@@ -611,14 +611,18 @@ class Decoder:
                 stats.update({"tree_nodes": self.tree.num_nodes,
                               "tree_depth": self.tree.max_depth})
             elif spec.gamma == "auto":
-                ready = self.compiled_gammas((0, *GAMMA_CANDIDATES), batch, state)
-                gamma, predicted = self.costs.choose_gamma(
-                    view[1], GAMMA_CANDIDATES, compiled=ready, steps=rounds_left(state))
-                if gamma == 0 and not self.costs.explored:  # nothing known of the acceptance
-                    g, s = self.costs.choose_gamma(view[1], GAMMA_CANDIDATES,
-                                                   alpha=EXPLORE_ACCEPTANCE, remember=False)
-                    if g:
-                        gamma, explore = g, True
+                if self.costs.explored:
+                    ready = self.compiled_gammas((0, *GAMMA_CANDIDATES), batch, state)
+                    gamma, predicted = self.costs.choose_gamma(
+                        view[1], GAMMA_CANDIDATES, compiled=ready, steps=rounds_left(state))
+                else:
+                    # nothing known of the acceptance: the gamma that pays for a good draft, and
+                    # a first stretch that measures it. (The prior would pick a short chain that
+                    # later calls keep, as a longer one needs its own compilation: measured on
+                    # an H200, gamma 2 where the drafts' 0.9-0.95 acceptance wants 4.)
+                    gamma, predicted = self.costs.choose_gamma(
+                        view[1], GAMMA_CANDIDATES, alpha=EXPLORE_ACCEPTANCE)
+                    explore = gamma > 0
                 stats.update({"auto_alpha": self.costs.alpha, "predicted_speedup": predicted})
             else:
                 gamma = int(spec.gamma)

@@ -106,15 +106,16 @@ def init_state(rows: int, head_dim: int):
 
 
 def update(state, q, k, v, *, scale_log2: float, score_ok=None, fast_exp: bool,
-           fold_scale: bool = False, row_max: bool = False):
+           fold_scale: bool = False, row_max: int = 0):
     """One online-softmax step of the rows over the keys ``k, v[n, Dp]``.
 
     ``score_ok``: None, or a bool mask broadcastable to ``[rows, n]`` (hidden scores are -inf).
     ``fold_scale``: keep the raw logits and fold the scale into the max and into one
     multiply-add per score before the exp2 (valid for a positive scale, where the row max
     commutes with the scaling); otherwise the logits are scaled first.
-    ``row_max``: also return each row's largest base-2 logit over these keys (-inf where none
-    is visible): ``(state, row_max[rows])``.
+    ``row_max`` (m > 0): also return, for each of m equal parts of these keys, each row's
+    largest base-2 logit over that part (-inf where none is visible): ``(state, [row_max[rows]]
+    * m)``.
     """
     acc, m, l = state
     fold = fold_scale and scale_log2 > 0
@@ -124,6 +125,7 @@ def update(state, q, k, v, *, scale_log2: float, score_ok=None, fast_exp: bool,
         s = s * scale_log2                           # base-2 logits
     if score_ok is not None:
         s = jnp.where(score_ok, s, -jnp.inf)
+    s_max = s
     blk_max = jnp.max(s, axis=1) * scale_log2 if fold else jnp.max(s, axis=1)
     m_new = jnp.maximum(m, blk_max)
     # A row that has seen no key yet keeps m = -inf; shift by 0 there so that
@@ -139,8 +141,16 @@ def update(state, q, k, v, *, scale_log2: float, score_ok=None, fast_exp: bool,
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          precision=HIGHEST, preferred_element_type=jnp.float32)
     acc = acc * alpha[:, None] + pv
+    if row_max == 1:
+        return (acc, m_new, l), [blk_max]
     if row_max:
-        return (acc, m_new, l), blk_max
+        n = s.shape[1]
+        part = lax.div(jnp.arange(n, dtype=jnp.int32), n // row_max)
+        parts = [jnp.max(jnp.where((part == j)[None, :], s_max, -jnp.inf), axis=1)
+                 for j in range(row_max)]
+        if fold:
+            parts = [x * scale_log2 for x in parts]
+        return (acc, m_new, l), parts
     return acc, m_new, l
 
 
@@ -159,25 +169,31 @@ def stream_keys(step, state, lo, hi, block: int):
     return lax.fori_loop(0, has_tail, tail_body, state)
 
 
-def scored_step(step, blk_ref, state, start, ok, *, block: int, real_rows):
-    """``step`` over the context keys ``[start, start + block)`` (``ok``: None, or the keys
-    visible) that also writes the block's largest base-2 logit over the ``real_rows`` of the
-    program's query tile into ``blk_ref[start / block]``. ``step(state, start, size, load_ok,
-    score_ok, row_max=True)`` returns ``(state, row_max)``. Splits own whole blocks, so every
-    block is written by one program."""
-    state, mx = step(state, start, block, ok, None if ok is None else ok[None, :], row_max=True)
-    blk_ref[pl.ds(lax.div(start, block), 1)] = jnp.max(jnp.where(real_rows, mx, -jnp.inf),
-                                                       keepdims=True)
+def scored_step(step, blk_ref, state, start, ok, *, block: int, tile: int, real_rows):
+    """``step`` over the context keys ``[start, start + tile)`` (``ok``: None, or the keys
+    visible) that also writes the largest base-2 logit over the ``real_rows`` of the program's
+    query tile of each of its ``tile / block`` blocks into ``blk_ref[start / block + j]``.
+    ``step(state, start, size, load_ok, score_ok, row_max=m)`` returns ``(state, [row_max] *
+    m)``. Splits own whole tiles, so every block is written by one program."""
+    m = tile // block
+    state, mx = step(state, start, tile, ok, None if ok is None else ok[None, :], row_max=m)
+    first = lax.div(start, block)
+    for j in range(m):
+        blk_ref[pl.ds(first + j, 1)] = jnp.max(jnp.where(real_rows, mx[j], -jnp.inf),
+                                               keepdims=True)
     return state
 
 
 def block_options(block_sizes, *, sink, window, score_block, retrieved, retrieve_block):
     """``(block_sizes, retrieved blocks per row and head)`` for a kernel call: block scores (a
-    dense read) and retrieved blocks (a sparse one) need key tiles of exactly their block."""
+    dense read) need key tiles of a multiple of their block (each tile writes the maxima of the
+    blocks it holds; with a split size of the caller's, tiles of exactly one block, so that
+    splits own whole blocks), retrieved blocks (a sparse read) tiles of exactly their block."""
     if score_block is not None:
         if sink or window:
             raise ValueError("block scores come from a dense read (no sink / window)")
-        block_sizes = dataclasses.replace(block_sizes, block_k=int(score_block))
+        if block_sizes.split_size is not None:
+            block_sizes = dataclasses.replace(block_sizes, block_k=int(score_block))
     n_ret = 0 if retrieved is None else int(retrieved.shape[-1])
     if n_ret:
         if not (sink or window):
@@ -193,16 +209,19 @@ class BlockTileError(ValueError):
 def check_block_tile(block_k: int, *, score_block, n_retrieved: int, retrieve_block):
     """Raises `BlockTileError` where the planned key tile is not the scores' / retrieved blocks'
     size (shared memory made the plan halve it: large head dims)."""
-    want = score_block if score_block is not None else (retrieve_block if n_retrieved else None)
-    if want is not None and block_k != want:
-        raise BlockTileError(f"blocks of {want} slots (scores / retrieval) need key tiles of "
+    if score_block is not None and block_k % score_block:
+        raise BlockTileError(f"block scores of {score_block} slots need key tiles of a multiple "
+                             f"of that size; the kernel reads {block_k} (shared memory)")
+    if score_block is None and n_retrieved and block_k != retrieve_block:
+        raise BlockTileError(f"retrieved blocks of {retrieve_block} slots need key tiles of "
                              f"that size; the kernel reads {block_k} (shared memory)")
 
 
-def block_max_output(nq: int, N: int, K: int, S: int, block: int):
+def block_max_output(nq: int, N: int, K: int, S: int, block: int, tile: int):
     """The ``extra_out`` entry of ``attention_call`` for block maxima: ``[nq, N, K, n]``
-    float32 (n: the next power of 2 of ``cdiv(S, block)``), one row of blocks per program."""
-    n = next_pow2(-(-S // block))
+    float32 (n: the next power of 2 of the blocks in ``cdiv(S, tile)`` key tiles), one row of
+    blocks per program."""
+    n = next_pow2(-(-S // tile) * (tile // block))
     return (jax.ShapeDtypeStruct((nq, N, K, n), jnp.float32),
             pl.BlockSpec((None, None, None, n), lambda qi, si, b, h: (qi, b, h, 0)))
 

@@ -97,6 +97,7 @@ class DecodeStatic:
     D: int          # the head dim (the tiles hold head_tile(D) lanes; those past D masked)
     rows: int = 0   # query rows T * G (those of a row block past it are padding)
     block_max: bool = False  # also write each context block's largest logit (dense only)
+    score_block: int = 0  # ... per block of this many slots (block_k: a multiple)
     n_retrieved: int = 0  # sparse: blocks of block_k slots per row and KV head read besides
 
 
@@ -126,8 +127,8 @@ def _decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, *rest, c: Decode
 
     def context_step(state, start, ok):
         if c.block_max:  # and the block's largest logit (its real query rows)
-            return core.scored_step(step, blk_ref[0], state, start, ok, block=bk,
-                                    real_rows=real_rows)
+            return core.scored_step(step, blk_ref[0], state, start, ok,
+                                    block=c.score_block, tile=bk, real_rows=real_rows)
         return step(state, start, bk, ok, None if ok is None else ok[None, :])
 
     state = core.init_state(bq, q_ref.shape[-1])
@@ -269,10 +270,10 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
         mask_per_batch=mask_per_batch, has_layer=has_layer,
         scale_log2=float(sm_scale) * LOG2E,
         fast_exp=core.use_fast_exp(block_sizes, on_gpu), D=D, rows=rows,
-        block_max=score_block is not None, n_retrieved=n_ret)
+        block_max=score_block is not None, score_block=int(score_block or 0), n_retrieved=n_ret)
     extra_out = ()
     if score_block is not None:
-        extra_out = (core.block_max_output(nq, B, K, S, block_k),)
+        extra_out = (core.block_max_output(nq, B, K, S, score_block, block_k),)
     o, lse, *blk = core.attention_call(
         functools.partial(_decode_kernel, c=static), inputs, extra_shapes,
         kv_shape=k_cache.shape, num_splits=num_splits, block_q=block_q, rows_pad=rows_pad, D=D,
@@ -281,4 +282,4 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, tree_mask, layer, *, s
     o, lse = rows_to_tokens(o, lse, B, T, G)
     if score_block is None:
         return o, lse
-    return o, lse, core.block_max_result(blk[0], lengths, S, block_k)
+    return o, lse, core.block_max_result(blk[0], lengths, S, score_block)

@@ -481,6 +481,9 @@ def run_retrieval(args, results):
     pk, pv, table = to_pages(k, v, page)
     try_time(f"paged{page} verify T=5", retrieval_step(paged=page), (q, pk, pv, L, table), nb,
              args, out, dict(base, impl=f"paged (pages of {page}) verify"))
+    try_time(f"paged{page} verify T=5 block_k=64", retrieval_step(
+        DecodeAttentionBlockSizes(block_k=64), paged=page), (q, pk, pv, L, table), nb, args,
+             out, dict(base, impl=f"paged (pages of {page}) verify, 64-key tiles"))
     try_time(f"paged{page} verify T=5 + scores", retrieval_step(paged=page, score_block=blk),
              (q, pk, pv, L, table), nb, args, out,
              dict(base, impl=f"paged (pages of {page}) verify + block scores"))

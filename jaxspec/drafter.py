@@ -41,7 +41,7 @@ from jaxspec.attention import AttentionPlan, plan_for
 from jaxspec.cache import SLOT_ALIGN, KVCache, positions_of, round_up, set_bits
 from jaxspec.config import ModelConfig
 from jaxspec.model import forward
-from jaxspec.retrieval import RETRIEVE_BLOCK, select_blocks
+from jaxspec.retrieval import RETRIEVE_BLOCK, select_blocks, with_recent
 from jaxspec.tree import compact_path
 
 
@@ -168,7 +168,9 @@ class SelfDrafter:
 
     def _plan(self, rd, state, cache, lengths, **kw):
         if self.retrieving:
-            kw.update(retrieved=state.draft.blocks, retrieve_block=self.retrieve_block)
+            blocks = with_recent(state.draft.blocks, state.cache.lengths, sink=self.sink,
+                                 window=self.window, block=self.retrieve_block)
+            kw.update(retrieved=blocks, retrieve_block=self.retrieve_block)
         sink, window = self._sparse()
         return plan_on(cache, lengths, impl=rd.impl, sink=sink, window=window,
                        active=rd.active(state), **kw)

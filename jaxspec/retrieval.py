@@ -13,7 +13,9 @@ verification and holds for the next round's draft steps.
 - **Selection** (`select_blocks`): per row, layer and KV head the ``R / block`` best blocks among
   those reaching into ``[sink, min(verified, lengths - window))``: the context that both the
   verification scored and the sink and window do not cover. Fewer eligible blocks than asked (a
-  short context): the rest are -1 and read nothing.
+  short context): the rest are -1 and read nothing. Before a row's first verification (a new
+  sequence) nothing is selected: its drafts then read the blocks just before the window
+  (`with_recent`), i.e. the StreamingLLM view of ``window + R`` recent slots.
 - **Attention** (`retrieved_attention`, and the kernels in place): every query of a draft
   forward sees the keys of its row's selected blocks that lie between the sink and the window
   of that forward (a block may reach into either, whose keys are counted there, and the window
@@ -67,3 +69,16 @@ def select_blocks(scores_LBKN, verified, lengths, *, sink: int, window: int, blo
     if c < count:
         idx = jnp.pad(idx, ((0, 0), (0, 0), (0, 0), (0, count - c)), constant_values=-1)
     return jnp.transpose(idx, (1, 0, 2, 3))
+
+
+def with_recent(blocks_BLKR, lengths, *, sink: int, window: int, block: int):
+    """``blocks_BLKR`` [B, L, K, R] where a row, layer and KV head has something selected; where
+    nothing is (all -1: no verification has scored the row yet), the R blocks just before the
+    window of context ``lengths`` [B] (newest first; -1 past the sink), so that a new row's first
+    drafts read a window of about ``window + R * block`` recent slots rather than ``window``."""
+    R = blocks_BLKR.shape[-1]
+    hi = -jnp.floor_divide(-jnp.maximum(lengths.astype(jnp.int32) - int(window), 0), block)
+    j = hi[:, None] - 1 - jnp.arange(R, dtype=jnp.int32)[None, :]  # [B, R]
+    recent = jnp.where(j >= int(sink) // block, j, -1)
+    empty = jnp.all(blocks_BLKR < 0, axis=-1, keepdims=True)  # [B, L, K, 1]
+    return jnp.where(empty, recent[:, None, None, :], blocks_BLKR)

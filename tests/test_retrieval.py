@@ -248,6 +248,44 @@ def test_retrieval_through_the_kernels_is_lossless(target, long_prompts, referen
     assert res.tokens == [r[:12] for r in reference]
 
 
+def test_rows_with_nothing_selected_read_the_blocks_before_the_window():
+    from jaxspec.retrieval import with_recent
+    rng = np.random.default_rng(_seed())
+    B, L, K, R, blk, sink, window = 5, 3, 2, 3, 8, 10, 20
+    blocks = rng.integers(0, 9, size=(B, L, K, R)).astype(np.int32)
+    blocks[0] = -1  # a new row
+    blocks[1, 2, 1] = -1  # one layer and head of a row with nothing eligible scored
+    blocks[2, 0, 0, 1:] = -1  # fewer blocks than asked: kept as they are
+    blocks[4] = -1
+    lengths = np.array([100, 75, 60, 90, 25], np.int32)  # row 4: nothing past the sink
+    got = np.asarray(with_recent(jnp.asarray(blocks), jnp.asarray(lengths), sink=sink,
+                                 window=window, block=blk))
+    want = blocks.copy()
+    for b, l, k in itertools.product(range(B), range(L), range(K)):
+        if (blocks[b, l, k] < 0).all():
+            end = max(lengths[b] - window, 0)  # eligible slots [sink, end): newest blocks first
+            js = [j for j in range(-(-end // blk) - 1, -1, -1) if (j + 1) * blk > sink][:R]
+            want[b, l, k] = js + [-1] * (R - len(js))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_new_rows_first_drafts_read_the_recent_view(target):
+    """Before any verification, window 16 + two retrieved blocks of 64 read what a window of 144
+    reads (prompts whose length less 16 is a multiple of 64): the first round's drafts are the
+    same, so is their acceptance; the window of 16 alone gives another."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 64, size=16 + 64 * int(k)).tolist()
+               for k in rng.integers(3, 7, size=24)]
+    acc = {}
+    for name, kw in (("retrieve", dict(window=16, retrieve=128)),
+                     ("window", dict(window=144, retrieve=0)),
+                     ("short", dict(window=16, retrieve=0))):
+        spec = Speculation(draft="self", gamma=1, sink=0, adaptive=False, **kw)
+        res = jaxspec.generate(target, prompts, max_new_tokens=2, speculation=spec)
+        acc[name] = res.stats["acceptance_rate"]
+    assert acc["retrieve"] == acc["window"] != acc["short"], acc
+
+
 # ----------------------------------------------------------------------------- lossless
 @pytest.fixture(scope="module")
 def target():

@@ -401,3 +401,98 @@ def test_swapping_a_piece_back_breaks_invariance(monkeypatch, piece):
         if seen:
             break
     assert seen, f"swapping the {piece} back changed nothing: the bitwise tests are vacuous"
+
+
+# ----------------------------------------------------------------------------- generate, bitwise
+NEW = 14
+
+
+@pytest.fixture(scope="module")
+def texts():
+    rng = np.random.default_rng(7)
+    p = _prompts(rng, [37])[0]
+    others = _prompts(rng, [5, 80, 150, 12, 61])
+    return p, others
+
+
+@pytest.fixture(scope="module")
+def alone(model, texts):
+    return jaxspec.generate(model, [texts[0]], max_new_tokens=NEW, batch_invariant=True).tokens[0]
+
+
+@pytest.mark.parametrize("where,chunk", [((1, 3), 16), ((4, 6), 7), ((0, 1), 512)])
+def test_generate_row_does_not_depend_on_batch_or_chunking(model, texts, alone, where, chunk):
+    """The prompt at row ``where[0]`` of a batch of ``where[1]`` (other prompts of other lengths:
+    other padding, another cache capacity), prefilled in chunks of ``chunk``: its tokens are the
+    ones it gets alone."""
+    p, others = texts
+    at, B = where
+    rows = others[:at] + [p] + others[at:B - 1]
+    res = jaxspec.generate(model, rows, max_new_tokens=NEW, prefill_chunk=chunk,
+                           batch_invariant=True)
+    assert res.tokens[at] == alone
+
+
+@pytest.fixture(scope="module")
+def draft(model):
+    """A separate draft model with the target's weights: its proposals are often accepted, so
+    most tokens come from positions past the first of a verification."""
+    return jaxspec.Model(config=model.config, params=model.params)
+
+
+SPECS = {
+    "self": lambda d: Speculation(gamma=3, sink=4, window=16, adaptive=False),
+    "self-tree": lambda d: Speculation(tree=[2, 2, 1], sink=4, window=16, adaptive=False),
+    "draft": lambda d: Speculation(draft=d, gamma=4, window=None, adaptive=False),
+    "draft-ring": lambda d: Speculation(draft=d, gamma=2, sink=4, window=12, adaptive=False),
+    "draft-tree": lambda d: Speculation(draft=d, tree=[3, 1, 1], window=None, adaptive=False),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_speculative_equals_plain_bitwise(model, draft, texts, alone, kind):
+    """Greedy speculation in bfloat16 gives exactly the plain tokens, for every row of a ragged
+    batch (the verification computes each token as a one-token step does)."""
+    p, others = texts
+    rows = [others[1], p, others[0]]
+    plain = jaxspec.generate(model, rows, max_new_tokens=NEW, batch_invariant=True).tokens
+    assert plain[1] == alone
+    res = jaxspec.generate(model, rows, max_new_tokens=NEW, speculation=SPECS[kind](draft),
+                           batch_invariant=True)
+    assert res.tokens == plain
+    assert res.stats["target_steps"] < NEW  # speculation ran (several tokens per step)
+
+
+def test_shared_prefix_decodes_unshared_with_the_same_tokens(model):
+    rng = np.random.default_rng(8)
+    pre = _prompts(rng, [40])[0]
+    rows = [pre + s for s in _prompts(rng, [3, 9, 20])]
+    alone = [jaxspec.generate(model, [r], max_new_tokens=NEW, batch_invariant=True).tokens[0]
+             for r in rows]
+    res = jaxspec.generate(model, rows, max_new_tokens=NEW, shared_prefix="auto",
+                           batch_invariant=True)
+    assert res.tokens == alone
+    assert "shared_prefix_tokens" not in res.stats  # nothing was shared
+    res = jaxspec.generate(model, rows[:2], max_new_tokens=NEW, n=2, batch_invariant=True)
+    assert res.tokens == [alone[0], alone[0], alone[1], alone[1]]
+
+
+def test_generate_with_the_pallas_matmul_in_the_interpreter(model, texts):
+    """``attn_impl="interpret"``: the Pallas matmul kernel (the GPU's) in the interpreter; a row's
+    tokens alone and in a batch, plain and speculative, are the same."""
+    p, others = texts
+    kw = dict(max_new_tokens=6, attn_impl="interpret", batch_invariant=True)
+    a = jaxspec.generate(model, [p], **kw).tokens[0]
+    b = jaxspec.generate(model, [others[0], p], **kw).tokens[1]
+    c = jaxspec.generate(model, [others[0], p], speculation=SPECS["self"](None), **kw).tokens[1]
+    assert a == b == c
+
+
+def test_bad_settings_are_refused(model):
+    with pytest.raises(TypeError, match="batch_invariant"):
+        jaxspec.generate(model, [[1, 2]], max_new_tokens=2, batch_invariant="yes")
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    sharded = jaxspec.Model(config=model.config, params=model.params, mesh=mesh)
+    with pytest.raises(NotImplementedError, match="sharded"):
+        jaxspec.generate(sharded, [[1, 2]], max_new_tokens=2, batch_invariant=True)

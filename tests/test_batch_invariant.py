@@ -496,3 +496,36 @@ def test_bad_settings_are_refused(model):
     sharded = jaxspec.Model(config=model.config, params=model.params, mesh=mesh)
     with pytest.raises(NotImplementedError, match="sharded"):
         jaxspec.generate(sharded, [[1, 2]], max_new_tokens=2, batch_invariant=True)
+
+
+# ----------------------------------------------------------------------------- the serving engine
+@pytest.mark.parametrize("paged", [False, True])
+def test_serving_engine_tokens_equal_generate_alone(model, texts, paged):
+    """Requests submitted together to a batch-invariant engine (slots decoding side by side,
+    self-speculation, a paged pool with prefix caching) get the tokens each prompt gets alone
+    from `jaxspec.generate`."""
+    from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
+    p, others = texts
+    prompts = [p, others[1], p[:20] + others[3], others[4]]
+    alone = [jaxspec.generate(model, [q], max_new_tokens=NEW, batch_invariant=True).tokens[0]
+             for q in prompts]
+    engine = ServingEngine(model, max_batch=3, max_len=256, rounds_per_chunk=3, prefill_chunk=16,
+                           speculation=Speculation(gamma=3, sink=4, window=16, retrieve=0),
+                           page_size=16 if paged else None, warmup_prefill=0,
+                           batch_invariant=True).start()
+    try:
+        seqs = [Sequence(q, SamplingOptions(max_tokens=NEW, temperature=0)) for q in prompts]
+        engine.submit(seqs)
+        for s in seqs:
+            assert s.finished.wait(300)
+        assert [s.tokens for s in seqs] == alone
+    finally:
+        engine.stop()
+
+
+def test_command_line_flags():
+    from jaxspec.cli import build_parser
+    p = build_parser()
+    for cmd in (["generate", "ckpt", "--prompt", "x"], ["serve", "--model", "ckpt"]):
+        assert p.parse_args(cmd + ["--batch-invariant"]).batch_invariant is True
+        assert p.parse_args(cmd).batch_invariant is False

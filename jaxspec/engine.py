@@ -80,7 +80,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     (fixed-length runs, e.g. benchmarks). ``speculation``: a `jaxspec.Speculation` for
     speculative decoding (lossless: same tokens as greedy, same distribution when sampling; in
     bfloat16 the rounding of a step depends on its shapes, so tokens may part where two logits
-    are within rounding of each other: exact equality holds in float32).
+    are within rounding of each other: exact equality holds in float32, or with
+    ``batch_invariant=True``).
 
     ``n``: samples per prompt (results are prompt-major: prompt i's samples at ``i*n .. i*n+n-1``).
     ``shared_prefix`` (Hydragen, `jaxspec.prefix`): ``"auto"`` shares the longest prefix common

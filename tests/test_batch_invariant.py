@@ -543,3 +543,28 @@ def test_command_line_flags():
     for cmd in (["generate", "ckpt", "--prompt", "x"], ["serve", "--model", "ckpt"]):
         assert p.parse_args(cmd + ["--batch-invariant"]).batch_invariant is True
         assert p.parse_args(cmd).batch_invariant is False
+
+
+ARCHS = {
+    "sliding-window": dict(model_type="mistral", sliding_window=24),
+    "qwen3-tied": dict(model_type="qwen3", attention_bias=True, tie_word_embeddings=True),
+    "llama-biases": dict(attention_bias=True, mlp_bias=True),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_other_architectures(texts, arch):
+    """A sliding attention window (the invariant attention's window bound), Qwen3's per-head
+    norms with a tied LM head, Llama's biases: a row alone == in a batch == speculative."""
+    import dataclasses
+    from jaxspec.model import init_params
+    from tiny import tiny_config
+    cfg = dataclasses.replace(tiny_config(vocab=VOCAB, hidden=64, heads=4, kv_heads=2,
+                                          head_dim=16, layers=2), **ARCHS[arch])
+    m = jaxspec.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(2), dtype=BF16))
+    p, others = texts
+    alone = jaxspec.generate(m, [p], max_new_tokens=NEW, batch_invariant=True).tokens[0]
+    rows = [others[1], others[0], p]
+    res = jaxspec.generate(m, rows, max_new_tokens=NEW, prefill_chunk=16, batch_invariant=True,
+                           speculation=Speculation(gamma=3, sink=4, window=8, adaptive=False))
+    assert res.tokens[2] == alone

@@ -35,10 +35,10 @@ from jaxspec import compile_cache, sampling
 from jaxspec.cache import SLOT_ALIGN, KVCache, compute_dtype, round_up
 from jaxspec.config import sliding_window_of
 from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
-from jaxspec.invariant import invariant_impl, is_invariant
 from jaxspec.decoding import DecodeState, Round, RoundStats, run_chunk, run_rounds
 from jaxspec.drafter import (DraftState, ModelDrafter, RetrievalState, SelfDrafter, ring_cache_len,
                              ring_prefill)
+from jaxspec.invariant import invariant_impl, is_invariant
 from jaxspec.mesh import (ShardingError, cache_sharding, fetch, pad_batch, pool_sharding, put_batch,
                           use_mesh)
 from jaxspec.model import Model
@@ -254,7 +254,7 @@ class Decoder:
             raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), "
                             f"got {type(model).__name__}")
         mesh = model.mesh
-        self.batch_invariant = bool(batch_invariant)
+        self.batch_invariant = bool(batch_invariant) or is_invariant(attn_impl)
         if self.batch_invariant:
             if mesh is not None:
                 raise NotImplementedError(
@@ -262,8 +262,6 @@ class Decoder:
                     "product reduces across devices in an order of its own): load the model "
                     "without a mesh")
             attn_impl = invariant_impl(attn_impl)
-        elif is_invariant(attn_impl):
-            self.batch_invariant = True
         draft = None
         self.tree: TokenTree | None = None
         if speculation is not None:

@@ -158,13 +158,15 @@ def test_invariant_matmul_is_correct(which, K, N):
 
 @pytest.mark.parametrize("which", sorted(MM_IMPLS))
 def test_invariant_matmul_row_does_not_depend_on_the_batch(which):
+    _check_matmul_rows(MM_IMPLS[which])
+
+
+def _check_matmul_rows(fn, K=192, N=160):
     """A row gives the same bits alone, at any place of batches of any size (1 .. 3 tiles),
     whatever the other rows hold; float32 output, where any reordering would show."""
     rng = np.random.default_rng(1)
-    K, N = 192, 160
     w = jnp.asarray(rng.normal(size=(K, N)) / np.sqrt(K), BF16)
     row = jnp.asarray(rng.normal(size=(1, K)), BF16)
-    fn = MM_IMPLS[which]
     ref = np.asarray(fn(row, w, jnp.float32))[0]
     for M in (2, 5, 16, 17, 40):
         X = jnp.asarray(rng.normal(size=(M, K)), BF16)
@@ -568,3 +570,24 @@ def test_other_architectures(texts, arch):
     res = jaxspec.generate(m, rows, max_new_tokens=NEW, prefill_chunk=16, batch_invariant=True,
                            speculation=Speculation(gamma=3, sink=4, window=8, adaptive=False))
     assert res.tokens[2] == alone
+
+
+@pytest.mark.gpu
+def test_on_the_gpu(model):
+    """The same bitwise checks on a GPU: the Triton matmul compiled (model-sized shapes too), the
+    `jnp` attention and the model under XLA's GPU backend."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    triton = lambda x, w, dt=None: invariant_matmul(x, w, out_dtype=dt)  # noqa: E731
+    _check_matmul_rows(triton)
+    _check_matmul_rows(triton, K=1536, N=8960)
+    for dtype in (BF16, jnp.float32):
+        for a, b in _attention_cases(dtype, 0):
+            assert np.array_equal(a, b)
+    for a, b in _norm_cases(invariant.rms_norm):
+        assert np.array_equal(a, b)
+    fwd = _forward_fn(model.config)
+    alone, in_batch = _row_alone_vs_batch(model, 0, fwd)
+    assert np.array_equal(alone, in_batch)
+    ver, steps = _verify_vs_steps(model, 0, fwd)
+    assert np.array_equal(ver, steps)

@@ -408,7 +408,8 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
                 "decode without shared_prefix (generate does so itself with batch_invariant)")
         if not plan.sparse:  # the target's attention: fixed order in absolute key positions
             return invariant.attention(q_BTHD, k_LBKSD, v_LBKSD, layer, plan.lengths, plan.mask,
-                                       num_new=num_new, sm_scale=sm_scale, sliding_window=W)
+                                       num_new=num_new, sm_scale=sm_scale, sliding_window=W,
+                                       impl=impl)
         # a sparse view is the self-draft's (a proposal only): the default path serves it
         impl = "auto"
         plan = plan.replace(impl=impl)

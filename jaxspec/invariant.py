@@ -12,13 +12,15 @@ row (a token) with one fixed sequence of floating-point operations:
   the Pallas kernel in the interpreter). The LM head too.
 - `rms_norm`, `fixed_sum`: sums as a fixed binary tree of elementwise adds (halving the axis),
   independent of every other dimension and of the backend's reduction emitter.
-- `attention`: an online softmax over blocks of ``ATTENTION_BLOCK`` keys in *absolute key
-  positions*: the query at position p reduces over positions ``0..p`` (its window's part with a
+- `attention`: `pallas_kernels.invariant_attention` on GPUs and in the interpreter (head dims a
+  power of two >= 16), a `jnp` form of the same order elsewhere. An online softmax over blocks
+  of ``ATTENTION_BLOCK`` keys in *absolute key positions*: the query at position p reduces over positions ``0..p`` (its window's part with a
   sliding window) in blocks ``[i * block, (i + 1) * block)``, in increasing order; a token-tree
   node reads its ancestors as if they sat at consecutive slots (where a plain step would find
   them once they are committed); masked keys contribute exact zeros and blocks past a row's
   keys are exact no-ops. Scores and the weighted sum of values are elementwise products summed
-  by `fixed_sum`, so nothing depends on T, B, the cache capacity or the other rows. So a
+  by `fixed_sum` in the `jnp` form (fixed-shape products of row tiles in the kernel), so
+  nothing depends on T, B, the cache capacity or the other rows. So a
   verification of gamma + 1 tokens computes each token's logits exactly as a one-token decode
   step would, and a prefill gives the same K/V in any chunking.
 
@@ -26,13 +28,14 @@ RoPE, the embedding lookup, SiLU and greedy sampling (an argmax) are elementwise
 stay as they are. The attention of the StreamingLLM self-draft (a sparse view: proposals only)
 keeps the default path: only the target's numbers decide the tokens.
 
-Implementations (`jaxspec.attention.AttentionPlan.impl`): ``"invariant"`` (the Triton matmul on
-GPUs, the tiled XLA dot elsewhere; attention in `jnp` on every backend) and
-``"invariant-interpret"`` (the Pallas matmul in the interpreter: CPU tests of the GPU kernel).
-Not yet there: a Pallas attention kernel with this key order for GPUs (the `jnp` attention is
-used there and costs more than the Triton decode kernel); shared-prefix (Hydragen) segments and
-sharded models (`jaxspec.session.Decoder` refuses the latter, and decodes shared prefixes
-unshared).
+Implementations (`jaxspec.attention.AttentionPlan.impl`): ``"invariant"`` (the Triton kernels
+on GPUs, the tiled XLA dot and the `jnp` attention elsewhere) and ``"invariant-interpret"`` (the
+Pallas kernels in the interpreter: CPU tests of the GPU kernels). The two give different bits
+from each other; each is invariant on its own, and every forward of a decoding uses one. Not
+there: shared-prefix (Hydragen) segments and sharded models (`jaxspec.session.Decoder` refuses
+the latter, and decodes shared prefixes unshared). The GPU kernels are tested in the
+interpreter and lowered for CUDA here; their speed and their bits on a GPU are still to be
+measured (``tests/test_batch_invariant.py::test_on_the_gpu``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import invariant_attention as attention_kernel
 from pallas_kernels.invariant_matmul import invariant_matmul, invariant_matmul_reference
 
 IMPLS = ("invariant", "invariant-interpret")
@@ -128,13 +132,26 @@ def _ancestors(mask_BTN):
     return jnp.sum(jnp.where(hit, jnp.arange(T_new, dtype=jnp.int32), 0), axis=-1)
 
 
+def uses_kernel(impl: str, head_dim: int) -> bool:
+    """Whether `attention` runs the Pallas kernel (`pallas_kernels.invariant_attention`): on GPUs
+    and in the interpreter (``"invariant-interpret"``), for head dims it takes. The choice
+    depends on the model and the backend only, so every forward of a decoding makes the same."""
+    return (attention_kernel.supports(head_dim)
+            and (impl == "invariant-interpret" or jax.default_backend() == "gpu"))
+
+
 def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: int,
-              sm_scale=None, sliding_window=None, block: int = ATTENTION_BLOCK):
+              sm_scale=None, sliding_window=None, block: int = ATTENTION_BLOCK,
+              impl: str = "invariant"):
     """Batch-invariant attention of the T queries (the last T of ``num_new`` new tokens, whose
     K/V are already in the cache at slots ``lengths + j``) over the stacked cache
     ``[L, B, K, S, D]``; module docstring for the order. ``mask``: None (causal) or the
     ``[T, T_new]`` / ``[B, T, T_new]`` ancestor mask of a token tree. Returns ``[B, T, H, D]``
-    in q's dtype."""
+    in q's dtype. The Pallas kernel where `uses_kernel`, else `jnp`."""
+    if uses_kernel(impl, q_BTHD.shape[-1]):
+        return _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, num_new=num_new,
+                                sm_scale=sm_scale, sliding_window=sliding_window,
+                                interpret=impl == "invariant-interpret")
     B, T, H, D = q_BTHD.shape
     K, S = k_LBKSD.shape[2], k_LBKSD.shape[3]
     G = H // K
@@ -195,3 +212,49 @@ def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: i
     _, l_run, acc = jax.lax.fori_loop(first, last, body, init)
     o = acc / jnp.where(l_run > 0, l_run, 1.0)[..., None]
     return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new: int, sm_scale,
+                     sliding_window, interpret: bool):
+    """`attention` through `pallas_kernels.invariant_attention`: causal queries in tiles of
+    (token, head) rows that share their key slots; a tree's queries one node per tile (its
+    ancestors' slots)."""
+    B, T, H, D = q_BTHD.shape
+    K = k_LBKSD.shape[2]
+    G = H // K
+    R = attention_kernel.DEFAULT_BLOCKS.block_rows
+    T_new = int(num_new)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    lengths = lengths.astype(jnp.int32)
+    q = q_BTHD.astype(k_LBKSD.dtype).reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4)
+    if mask is None:  # rows (t, g) t-major, in tiles of R
+        n = T * G
+        NT = -(-n // R)
+        rows = jnp.pad(q.reshape(B, K, n, D), ((0, 0), (0, 0), (0, NT * R - n), (0, 0)))
+        t_of = jnp.arange(NT * R, dtype=jnp.int32) // G
+        depth = jnp.broadcast_to(t_of + (T_new - T), (B, NT * R))
+        real = jnp.arange(NT * R) < n
+        anc = jnp.broadcast_to(jnp.arange(T_new, dtype=jnp.int32), (B, NT, T_new))
+    else:  # one node per tile: its G heads, padded to whole tiles
+        m = jnp.asarray(mask, bool)
+        m = jnp.broadcast_to(m if m.ndim == 3 else m[None], (B, T, T_new))
+        nG = -(-G // R)
+        NT = T * nG
+        rows = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, nG * R - G), (0, 0)))
+        d_t = jnp.sum(m.astype(jnp.int32), axis=-1) - 1  # [B, T]
+        depth = jnp.repeat(d_t, nG * R, axis=1)  # [B, T * nG * R]
+        real = (jnp.arange(nG * R) < G)[None, :].repeat(T, 0).reshape(-1)
+        anc = jnp.repeat(_ancestors(m), nG, axis=1)  # [B, NT, T_new]
+    rows = rows.reshape(B, K, NT, R, D)
+    pos = lengths[:, None] + depth
+    lo = jnp.zeros_like(pos) if sliding_window is None else pos - int(sliding_window) + 1
+    pos = jnp.where(real[None], pos, -1).reshape(B, NT, R)
+    lo = jnp.where(real[None], lo, attention_kernel.FAR).reshape(B, NT, R)
+    o = attention_kernel.invariant_attention(rows, pos, lo, anc, lengths, k_LBKSD, v_LBKSD, layer,
+                                             sm_scale=float(sm_scale), interpret=interpret)
+    if mask is None:
+        o = o.reshape(B, K, NT * R, D)[:, :, :T * G].reshape(B, K, T, G, D)
+    else:
+        o = o.reshape(B, K, T, nG * R, D)[:, :, :, :G]
+    return o.transpose(0, 2, 1, 3, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)

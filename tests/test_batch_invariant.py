@@ -236,8 +236,9 @@ def _attention_f64(q, k, v, lengths, vis_fn, sm_scale):
     return out
 
 
+@pytest.mark.parametrize("impl", ["invariant", "invariant-interpret"])
 @pytest.mark.parametrize("case", ["decode", "verify", "tree", "window"])
-def test_invariant_attention_is_correct(case):
+def test_invariant_attention_is_correct(case, impl):
     rng = np.random.default_rng(3)
     B, H, K, D, S = 3, 4, 2, 16, 160
     lengths = np.array([5, 70, 130])
@@ -253,7 +254,7 @@ def test_invariant_attention_is_correct(case):
     qb, kb, vb = to(q), to(k), to(v)
     got = invariant.attention(qb, kb[None], vb[None], 0, jnp.asarray(lengths, jnp.int32),
                               None if mask is None else jnp.asarray(mask), num_new=T,
-                              sliding_window=W)
+                              sliding_window=W, impl=impl)
     q64, k64, v64 = (np.asarray(a, np.float64) for a in (qb, kb, vb))
     k64, v64 = np.nan_to_num(k64), np.nan_to_num(v64)
 
@@ -271,7 +272,7 @@ def test_invariant_attention_is_correct(case):
     np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=2e-2, atol=2e-2)
 
 
-def _attention_cases(dtype, seed, *, B=6, H=8, K=2, D=32, S=200, gamma=5):
+def _attention_cases(dtype, seed, *, B=6, H=8, K=2, D=32, S=200, gamma=5, impl=IMPL):
     """`jaxspec.attention.attend` (invariant plan) three ways, each pair to be bitwise equal:
     (verify of gamma + 1 tokens, the same tokens as one-token steps), (a tree node, its path
     compacted to consecutive slots as a step after acceptance sees it), (a row alone in a
@@ -284,7 +285,7 @@ def _attention_cases(dtype, seed, *, B=6, H=8, K=2, D=32, S=200, gamma=5):
     k = jnp.asarray(rng.normal(size=(1, B, K, S, D)), dtype)
     v = jnp.asarray(rng.normal(size=(1, B, K, S, D)), dtype)
     run = jax.jit(lambda q, k, v, ln, mask: attend(  # a fresh closure per call (see module doc)
-        q, k, v, 0, AttentionPlan(lengths=ln, mask=mask, impl=IMPL)))
+        q, k, v, 0, AttentionPlan(lengths=ln, mask=mask, impl=impl)))
     Lj = jnp.asarray(L)
     ver = np.asarray(run(q, k, v, Lj, None))
     steps = np.stack([np.asarray(run(q[:, t:t + 1], k, v, Lj + t, None))[:, 0]
@@ -307,9 +308,11 @@ def _attention_cases(dtype, seed, *, B=6, H=8, K=2, D=32, S=200, gamma=5):
     return [(ver, steps), (tv, tstep), (alone, ver[b])]
 
 
+@pytest.mark.parametrize("impl", ["invariant", "invariant-interpret"])
 @pytest.mark.parametrize("dtype", [BF16, jnp.float32])
-def test_attention_is_bitwise_invariant(dtype):
-    for i, (a, b) in enumerate(_attention_cases(dtype, 0)):
+def test_attention_is_bitwise_invariant(dtype, impl):
+    """The `jnp` attention and the Pallas kernel (in the interpreter)."""
+    for i, (a, b) in enumerate(_attention_cases(dtype, 0, impl=impl)):
         assert np.array_equal(a, b), i
 
 
@@ -370,7 +373,7 @@ def _plain_matmul(x, w, impl="invariant", out_dtype=None):
 
 
 def _default_attention(q, k, v, layer, lengths, mask=None, *, num_new, sm_scale=None,
-                       sliding_window=None):
+                       sliding_window=None, impl=None):
     return blocked_attention(q, k, v, lengths, mask, layer=layer, sm_scale=sm_scale,
                              num_new=num_new)[0]
 
@@ -481,15 +484,18 @@ def test_shared_prefix_decodes_unshared_with_the_same_tokens(model):
     assert res.tokens == [alone[0], alone[0], alone[1], alone[1]]
 
 
-def test_generate_with_the_pallas_matmul_in_the_interpreter(model, texts):
-    """``attn_impl="interpret"``: the Pallas matmul kernel (the GPU's) in the interpreter; a row's
-    tokens alone and in a batch, plain and speculative, are the same."""
+def test_generate_with_the_pallas_kernels_in_the_interpreter(model, texts):
+    """``attn_impl="interpret"``: the Pallas matmul and attention kernels (the GPU's) in the
+    interpreter; a row's tokens alone and in a batch, plain, speculative and with a tree, are
+    the same."""
     p, others = texts
     kw = dict(max_new_tokens=6, attn_impl="interpret", batch_invariant=True)
     a = jaxspec.generate(model, [p], **kw).tokens[0]
-    b = jaxspec.generate(model, [others[0], p], **kw).tokens[1]
+    b = jaxspec.generate(model, [others[0], p], prefill_chunk=16, **kw).tokens[1]
     c = jaxspec.generate(model, [others[0], p], speculation=SPECS["self"](None), **kw).tokens[1]
-    assert a == b == c
+    d = jaxspec.generate(model, [p, others[0]], speculation=SPECS["self-tree"](None),
+                         **kw).tokens[0]
+    assert a == b == c == d
 
 
 def test_bad_settings_are_refused(model):
@@ -539,6 +545,20 @@ def test_pallas_matmul_lowers_for_cuda():
     assert "__gpu$xla.gpu.triton" in txt and "invariant_matmul" in txt
 
 
+def test_pallas_attention_lowers_for_cuda():
+    """The invariant attention kernel lowers to Triton for CUDA too (causal and tree tiles)."""
+    B, T, H, K, D, S = 4, 5, 12, 2, 128, 1024
+    q = jax.ShapeDtypeStruct((B, T, H, D), BF16)
+    kv = jax.ShapeDtypeStruct((2, B, K, S, D), BF16)
+    ln = jax.ShapeDtypeStruct((B,), jnp.int32)
+    for mask in (None, jnp.asarray(TokenTree.from_parents([-1, 0, 0, 1, 2]).ancestor_mask)):
+        f = jax.jit(lambda q, k, v, ln, mask=mask: invariant._attention_tiles(
+            q, k, v, 1, ln, mask, num_new=T, sm_scale=None, sliding_window=None,
+            interpret=False))
+        txt = f.trace(q, kv, kv, ln).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in txt and "invariant_attention" in txt
+
+
 def test_command_line_flags():
     from jaxspec.cli import build_parser
     p = build_parser()
@@ -581,8 +601,8 @@ def test_on_the_gpu(model):
     triton = lambda x, w, dt=None: invariant_matmul(x, w, out_dtype=dt)  # noqa: E731
     _check_matmul_rows(triton)
     _check_matmul_rows(triton, K=1536, N=8960)
-    for dtype in (BF16, jnp.float32):
-        for a, b in _attention_cases(dtype, 0):
+    for dtype in (BF16, jnp.float32):  # the kernel (head dim 32) and the jnp form
+        for a, b in _attention_cases(dtype, 0) + _attention_cases(dtype, 0, D=24):
             assert np.array_equal(a, b)
     for a, b in _norm_cases(invariant.rms_norm):
         assert np.array_equal(a, b)

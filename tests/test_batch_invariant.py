@@ -611,3 +611,10 @@ def test_on_the_gpu(model):
     assert np.array_equal(alone, in_batch)
     ver, steps = _verify_vs_steps(model, 0, fwd)
     assert np.array_equal(ver, steps)
+
+
+def test_bench_variants_name_invariant_decoding():
+    from jaxspec.bench import parse_variant, split_variant
+    assert split_variant("inv:g4-fixed") == (True, "g4-fixed")
+    assert split_variant("g4-fixed") == (False, "g4-fixed")
+    assert parse_variant(split_variant("inv:plain")[1]) is None

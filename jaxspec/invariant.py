@@ -70,20 +70,21 @@ def invariant_impl(attn_impl: str) -> str:
 
 
 # ----------------------------------------------------------------------------- matmul
-def matmul(x, w, impl: str = "invariant", out_dtype=None):
-    """``x[..., K] @ w[K, N]`` with every row computed by one fixed sequence of operations
-    (`pallas_kernels.invariant_matmul`); float32 accumulation, result in ``out_dtype`` (default:
-    x's dtype)."""
+def matmul(x, w, impl: str = "invariant", out_dtype=None, transpose_w: bool = False):
+    """``x[..., K] @ w[K, N]`` (``transpose_w``: ``x @ w.T`` for ``w[N, K]``, read in place) with
+    every row computed by one fixed sequence of operations (`pallas_kernels.invariant_matmul`);
+    float32 accumulation, result in ``out_dtype`` (default: x's dtype)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    kw = dict(out_dtype=out_dtype, transpose_w=transpose_w)
     if impl == "invariant-interpret":
-        y = invariant_matmul(x2, w, out_dtype=out_dtype, interpret=True)
+        y = invariant_matmul(x2, w, interpret=True, **kw)
     elif jax.default_backend() == "gpu":
-        y = invariant_matmul(x2, w, out_dtype=out_dtype)
+        y = invariant_matmul(x2, w, **kw)
     else:
-        y = invariant_matmul_reference(x2, w, out_dtype=out_dtype)
-    return y.reshape(*lead, w.shape[-1])
+        y = invariant_matmul_reference(x2, w, **kw)
+    return y.reshape(*lead, w.shape[0 if transpose_w else -1])
 
 
 def matmul_for(impl: str):

@@ -296,8 +296,9 @@ def lm_logits(c: ModelConfig, x, final_norm, embed, lm_head, logits_at=None, *,
         x = jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
     if invariant.is_invariant(impl):
         x = invariant.rms_norm(x, final_norm, c.rms_norm_eps)
-        w = embed.T if c.tie_word_embeddings else lm_head
-        return invariant.matmul(x, w, impl, out_dtype=jnp.float32)
+        if c.tie_word_embeddings:  # the embedding [V, D] read in place
+            return invariant.matmul(x, embed, impl, out_dtype=jnp.float32, transpose_w=True)
+        return invariant.matmul(x, lm_head, impl, out_dtype=jnp.float32)
     x = rms_norm(x, final_norm, c.rms_norm_eps)
     if c.tie_word_embeddings:
         return jnp.einsum("btd,vd->btv", x, embed, preferred_element_type=jnp.float32)

@@ -69,11 +69,15 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, pad)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_k: int):
+def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_k: int, w_nk: bool):
     bm, bn = o_ref.shape
 
     def body(i, acc):
         xk = x_ref[:, pl.ds(i * block_k, block_k)]
+        if w_nk:  # w stored [N, K] (a tied embedding): contract both on their last dim
+            wk = w_ref[:, pl.ds(i * block_k, block_k)]
+            return acc + lax.dot_general(xk, wk, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
         wk = w_ref[pl.ds(i * block_k, block_k), :]
         return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32)
 
@@ -81,32 +85,37 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_k: int):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret",
+                                             "transpose_w"))
 def invariant_matmul(x_MK, w_KN, *, out_dtype=None, block_sizes: InvariantMatmulBlocks | None = None,
-                     interpret: bool = False):
+                     interpret: bool = False, transpose_w: bool = False):
     """``x @ w`` (``[M, K] @ [K, N] -> [M, N]`` in ``out_dtype``, default x's dtype), each row by
-    one fixed sequence of operations (module docstring). Runs compiled on a GPU (Triton) or in
-    the Pallas interpreter with ``interpret=True``."""
+    one fixed sequence of operations (module docstring). ``transpose_w``: ``w`` is stored
+    ``[N, K]`` (``x @ w.T``, read in place: a tied embedding as the LM head). Runs compiled on a
+    GPU (Triton) or in the Pallas interpreter with ``interpret=True``."""
     bs = DEFAULT_BLOCKS if block_sizes is None else block_sizes
     M, K = x_MK.shape
-    K2, N = w_KN.shape
+    K2, N = w_KN.shape[::-1] if transpose_w else w_KN.shape
     if K != K2:
-        raise ValueError(f"invariant_matmul: x is [{M}, {K}] but w is [{K2}, {N}]")
+        raise ValueError(f"invariant_matmul: x is [{M}, {K}] but w is {list(w_KN.shape)}"
+                         f"{' (transposed)' if transpose_w else ''}")
     out_dtype = x_MK.dtype if out_dtype is None else jnp.dtype(out_dtype)
     bm, bn, bk = bs.block_m, _fit(N, bs.block_n), _fit(K, bs.block_k)
     x = _pad_to(_pad_to(x_MK, 0, bm), 1, bk)  # zero rows / columns: they add exact zeros
-    w = _pad_to(_pad_to(w_KN.astype(x_MK.dtype), 0, bk), 1, bn)  # (a copy only if K, N misfit)
+    kd, nd = (1, 0) if transpose_w else (0, 1)
+    w = _pad_to(_pad_to(w_KN.astype(x_MK.dtype), kd, bk), nd, bn)  # (a copy only on a misfit)
     Mp, Kp = x.shape
-    Np = w.shape[1]
+    Np = w.shape[nd]
+    w_spec = (pl.BlockSpec((bn, Kp), lambda j, i: (j, 0)) if transpose_w
+              else pl.BlockSpec((Kp, bn), lambda j, i: (0, j)))
     compiler_params = None
     if not interpret and pltriton is not None:
         compiler_params = pltriton.CompilerParams(num_warps=bs.num_warps,
                                                   num_stages=bs.num_stages)
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=bk, n_k=Kp // bk),
+        functools.partial(_kernel, block_k=bk, n_k=Kp // bk, w_nk=transpose_w),
         grid=(Np // bn, Mp // bm),
-        in_specs=[pl.BlockSpec((bm, Kp), lambda j, i: (i, 0)),
-                  pl.BlockSpec((Kp, bn), lambda j, i: (0, j))],
+        in_specs=[pl.BlockSpec((bm, Kp), lambda j, i: (i, 0)), w_spec],
         out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
         out_shape=jax.ShapeDtypeStruct((Mp, Np), out_dtype),
         compiler_params=compiler_params,
@@ -116,20 +125,22 @@ def invariant_matmul(x_MK, w_KN, *, out_dtype=None, block_sizes: InvariantMatmul
     return out[:M, :N]
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tile"))
-def invariant_matmul_reference(x_MK, w_KN, *, out_dtype=None, tile: int = CPU_TILE_ROWS):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile", "transpose_w"))
+def invariant_matmul_reference(x_MK, w_KN, *, out_dtype=None, tile: int = CPU_TILE_ROWS,
+                               transpose_w: bool = False):
     """`invariant_matmul`'s contract in `jnp`: the rows padded to whole tiles of ``tile`` rows,
     one ``[tile, K] @ [K, N]`` dot (float32 accumulation) per tile through `lax.map`, so every
-    row goes through a dot of one fixed shape whatever M is."""
+    row goes through a dot of one fixed shape whatever M is (``transpose_w``: w is ``[N, K]``)."""
     M, K = x_MK.shape
-    N = w_KN.shape[1]
+    N = w_KN.shape[0 if transpose_w else 1]
     out_dtype = x_MK.dtype if out_dtype is None else jnp.dtype(out_dtype)
     x = _pad_to(x_MK, 0, tile)
     n = x.shape[0] // tile
     w = w_KN.astype(x_MK.dtype)
+    dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
 
     def one(t):
-        return jnp.dot(t, w, preferred_element_type=jnp.float32).astype(out_dtype)
+        return lax.dot_general(t, w, dims, preferred_element_type=jnp.float32).astype(out_dtype)
 
     y = lax.map(one, x.reshape(n, tile, K))
     return y.reshape(n * tile, N)[:M]

@@ -133,7 +133,11 @@ def test_fixed_sum_is_correct_and_row_invariant(n):
 
 MM_IMPLS = {
     "reference": lambda x, w, dt=None: invariant_matmul_reference(x, w, out_dtype=dt),
+    "reference-nk": lambda x, w, dt=None: invariant_matmul_reference(x, w.T, out_dtype=dt,
+                                                                     transpose_w=True),
     "kernel": lambda x, w, dt=None: invariant_matmul(x, w, out_dtype=dt, interpret=True),
+    "kernel-nk": lambda x, w, dt=None: invariant_matmul(x, w.T, out_dtype=dt, interpret=True,
+                                                        transpose_w=True),
     "kernel-odd": lambda x, w, dt=None: invariant_matmul(
         x, w, out_dtype=dt, interpret=True, block_sizes=InvariantMatmulBlocks(block_n=32,
                                                                                block_k=32)),
@@ -538,11 +542,12 @@ def test_serving_engine_tokens_equal_generate_alone(model, texts, paged):
 def test_pallas_matmul_lowers_for_cuda():
     """The GPU path is compile-ready: the invariant matmul lowers to one Triton kernel for CUDA
     (cross-lowered here, no GPU needed), with a model-sized shape (Qwen2.5-1.5B's MLP)."""
-    f = jax.jit(lambda x, w: invariant_matmul(x, w))
-    low = f.trace(jax.ShapeDtypeStruct((40, 1536), BF16),
-                  jax.ShapeDtypeStruct((1536, 8960), BF16)).lower(lowering_platforms=("cuda",))
-    txt = low.as_text()
-    assert "__gpu$xla.gpu.triton" in txt and "invariant_matmul" in txt
+    for shape, nk in (((1536, 8960), False), ((49152, 576), True)):  # an MLP, a tied head
+        f = jax.jit(lambda x, w, nk=nk: invariant_matmul(x, w, transpose_w=nk))
+        low = f.trace(jax.ShapeDtypeStruct((40, shape[1] if nk else shape[0]), BF16),
+                      jax.ShapeDtypeStruct(shape, BF16)).lower(lowering_platforms=("cuda",))
+        txt = low.as_text()
+        assert "__gpu$xla.gpu.triton" in txt and "invariant_matmul" in txt
 
 
 def test_pallas_attention_lowers_for_cuda():

@@ -14,15 +14,16 @@ row (a token) with one fixed sequence of floating-point operations:
   independent of every other dimension and of the backend's reduction emitter.
 - `attention`: `pallas_kernels.invariant_attention` on GPUs and in the interpreter (head dims a
   power of two >= 16), a `jnp` form of the same order elsewhere. An online softmax over blocks
-  of ``ATTENTION_BLOCK`` keys in *absolute key positions*: the query at position p reduces over positions ``0..p`` (its window's part with a
-  sliding window) in blocks ``[i * block, (i + 1) * block)``, in increasing order; a token-tree
-  node reads its ancestors as if they sat at consecutive slots (where a plain step would find
-  them once they are committed); masked keys contribute exact zeros and blocks past a row's
-  keys are exact no-ops. Scores and the weighted sum of values are elementwise products summed
-  by `fixed_sum` in the `jnp` form (fixed-shape products of row tiles in the kernel), so
-  nothing depends on T, B, the cache capacity or the other rows. So a
-  verification of gamma + 1 tokens computes each token's logits exactly as a one-token decode
-  step would, and a prefill gives the same K/V in any chunking.
+  of ``ATTENTION_BLOCK`` keys in *absolute key positions*: the query at position p reduces over
+  positions ``0..p`` (its window's part with a sliding window) in blocks
+  ``[i * block, (i + 1) * block)``, in increasing order; a token-tree node reads its ancestors
+  as if they sat at consecutive slots (where a plain step finds them once they are committed);
+  masked keys contribute exact zeros and blocks past a row's keys are exact no-ops. Scores and
+  the weighted sum of values are elementwise products summed by `fixed_sum` in the `jnp` form
+  (fixed-shape products of tiles of 16 rows in the kernel), so nothing depends on T, B, the
+  cache capacity or the other rows. So a verification of gamma + 1 tokens computes each
+  token's logits exactly as a one-token decode step would, and a prefill gives the same K/V in
+  any chunking.
 
 RoPE, the embedding lookup, SiLU and greedy sampling (an argmax) are elementwise or exact and
 stay as they are. The attention of the StreamingLLM self-draft (a sparse view: proposals only)

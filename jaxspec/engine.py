@@ -97,9 +97,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     capacity, ``prefill_chunk``, and with or without speculation (self-draft, draft model or
     tree: a verification computes each token's logits exactly as a one-token step would), in
     bfloat16 too. It keeps the model's dtype on the CPU (no float32 copy) and decodes a
-    ``shared_prefix`` unshared (same tokens, no saving). Sampling uses each row's own key, which
-    derives from its row index: a sampled row is reproducible at the same index. Not for sharded
-    models (NotImplementedError).
+    ``shared_prefix`` unshared (same tokens, no saving). Greedy decoding only: sampling draws
+    with keys derived from each row's index and filters with XLA's own reductions over the
+    vocabulary, which are not made invariant. Not for sharded models (NotImplementedError).
 
     ``progress``: ``True`` for a progress bar on stderr, or a callable ``(tokens so far, total
     budget)`` called between stretches of decoding.

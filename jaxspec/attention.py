@@ -52,13 +52,14 @@ from pallas_kernels import (decode_attention as decode_kernel, merge_attention_s
 from pallas_kernels.decode_attention import resolve_num_new
 from pallas_kernels.merge import merge_partials
 
+from jaxspec import invariant
 from jaxspec.cache import PrefixLevel, SharedPrefix
 from jaxspec.mesh import (active_mesh, batch_axis, mask_spec, per_shard_attention,
                           per_shard_paged_attention)
 from jaxspec.paged import gather_view, shift_tables
 from jaxspec.retrieval import block_scores, layer_view, retrieved_attention
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret", *invariant.IMPLS)
 
 
 @struct.dataclass
@@ -375,9 +376,12 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
     if plan.active is not None:  # finished rows: no context read (their output is discarded)
         plan = plan.replace(lengths=jnp.where(plan.active, plan.lengths, 0), active=None)
     rb = plan.retrieve_block
+    inv = invariant.is_invariant(impl)
     if plan.block_table is not None:  # a block pool: this layer's blocks of each row, in order
         if plan.prefix is not None:
             raise ValueError("paged caches do not combine with shared-prefix levels")
+        if inv:  # each row reads its whole context through its table, in key order
+            plan = plan.replace(shared=None)
         if plan.shared is not None:
             if not plan.sparse and plan.sliding_window is None:
                 return _attend_shared(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)
@@ -397,6 +401,18 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
     T = q_BTHD.shape[1]
     num_new = plan.new_tokens(T)
     W = plan.sliding_window
+    if inv:
+        if plan.prefix is not None:
+            raise NotImplementedError(
+                "batch-invariant attention does not read shared-prefix (Hydragen) segments: "
+                "decode without shared_prefix (generate does so itself with batch_invariant)")
+        if not plan.sparse:  # the target's attention: fixed order in absolute key positions
+            return invariant.attention(q_BTHD, k_LBKSD, v_LBKSD, layer, plan.lengths, plan.mask,
+                                       num_new=num_new, sm_scale=sm_scale, sliding_window=W,
+                                       impl=impl)
+        # a sparse view is the self-draft's (a proposal only): the default path serves it
+        impl = "auto"
+        plan = plan.replace(impl=impl)
     if plan.prefix is not None:  # shared prefix (Hydragen): prefix part + suffix part, merged
         if W is not None:
             raise ValueError("shared prefixes (Hydragen) do not support sliding-window attention: "

@@ -147,6 +147,16 @@ def parse_variant(text: str, draft=None):
     return jaxspec.Speculation(**kw)
 
 
+INVARIANT = "inv:"  # a variant decoded with batch_invariant=True: "inv:plain", "inv:g4-fixed"
+
+
+def split_variant(text: str) -> tuple[bool, str]:
+    """``(batch_invariant, speculation variant)`` of a variant name (`INVARIANT` prefix)."""
+    if text.startswith(INVARIANT):
+        return True, text[len(INVARIANT):]
+    return False, text
+
+
 def make_prompts(model, batch: int, length: int, seed: int, source: str) -> list[list[int]]:
     """``batch`` prompts of ``length`` tokens cut from a text source (random tokens for a model
     without a tokenizer)."""
@@ -188,7 +198,8 @@ def bench_generate(args) -> dict:
     variants = args.variants.split(",")
     if "plain" not in variants:
         variants = ["plain"] + variants
-    specs = {v: parse_variant(v, draft) for v in variants}
+    specs = {v: parse_variant(split_variant(v)[1], draft) for v in variants}
+    inv = {v: split_variant(v)[0] for v in variants}
     seeds = _ints(args.seeds)
     sources = args.sources.split(",")
     rates = DeviceRates.measure(model.dtype)
@@ -208,7 +219,7 @@ def bench_generate(args) -> dict:
                     res = jaxspec.generate(model, make_prompts(model, B, P, seeds[0] + 1000,
                                                                source),
                                            max_new_tokens=args.new, speculation=specs[v],
-                                           ignore_eos=args.ignore_eos)
+                                           ignore_eos=args.ignore_eos, batch_invariant=inv[v])
                     point["compile_seconds"][v] = res.stats["compile_seconds"]
                 for i, seed in enumerate(seeds):
                     prompts = make_prompts(model, B, P, seed, source)
@@ -216,7 +227,8 @@ def bench_generate(args) -> dict:
                     tokens = {}
                     for v in order:
                         res = jaxspec.generate(model, prompts, max_new_tokens=args.new,
-                                               speculation=specs[v], ignore_eos=args.ignore_eos)
+                                               speculation=specs[v], ignore_eos=args.ignore_eos,
+                                               batch_invariant=inv[v])
                         st = res.stats
                         tokens[v] = res.tokens
                         point["runs"][v].append({k: st.get(k) for k in (
@@ -226,6 +238,10 @@ def bench_generate(args) -> dict:
                     for v in variants:
                         same = sum(a == b for a, b in zip(tokens[v], tokens["plain"]))
                         point["runs"][v][-1]["rows_equal_plain"] = same
+                        if INVARIANT + "plain" in tokens:  # against invariant plain decoding
+                            ref = tokens[INVARIANT + "plain"]
+                            point["runs"][v][-1]["rows_equal_invariant_plain"] = sum(
+                                a == b for a, b in zip(tokens[v], ref))
             except Exception as e:  # noqa: BLE001 - a point that does not fit: recorded, skipped
                 point["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"{B}x{P} {source}: {point['error']}", file=sys.stderr)
@@ -440,7 +456,8 @@ def add_arguments(sub) -> None:
     g.add_argument("--draft", default=None, help="a draft checkpoint for variants with 'draft'")
     g.add_argument("--variants", default="plain,default,auto",
                    help="comma-separated: plain, default, auto, or e.g. g4-w496-fixed "
-                        "(see jaxspec.bench.parse_variant)")
+                        "(see jaxspec.bench.parse_variant); prefixed with 'inv:' decoded with "
+                        "batch_invariant=True (e.g. inv:plain,inv:g4-fixed)")
     g.add_argument("--new", type=int, default=256, help="new tokens per row")
     g.add_argument("--seeds", default="1,2,3")
     g.add_argument("--sources", default="shakespeare",

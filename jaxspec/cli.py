@@ -44,7 +44,7 @@ def _cmd_generate(a):
                                    tree=parse_tree(a.tree))
     res = jaxspec.generate(model, a.prompt, max_new_tokens=a.max_new_tokens,
                            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                           speculation=spec, chat=a.chat)
+                           speculation=spec, chat=a.chat, batch_invariant=a.batch_invariant)
     for i, (p, toks) in enumerate(zip(a.prompt, res.tokens)):
         text = res.texts[i] if res.texts is not None else " ".join(map(str, toks))
         print(f"--- prompt {i}: {p!r}\n{text}\n")
@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=positive_int, default=None,
                    help="tensor-parallel devices (model axis; default: all the --dp leaves)")
     g.add_argument("--dp", type=positive_int, default=None, help="data-parallel groups (batch axis)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="the same tokens for a prompt whatever else is in the batch, the prefill "
+                        "chunking or the speculation (bitwise, bf16 too; see README)")
     g.set_defaults(fn=_cmd_generate, check=check_generate, compiles=True)
     t = sub.add_parser("tree-search", help="best token tree for measured acceptance and costs "
                                           "(Sequoia-style dynamic programming)")

@@ -33,9 +33,12 @@ def _tree_key(tree):
 
 
 def decoder_for(model: Model, speculation: Speculation | None = None, *,
-                attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Decoder:
+                attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                batch_invariant: bool = False) -> Decoder:
     """The `Decoder` of ``model`` for these settings, made on first use and kept with the model
     (``model.decoders``), so compiled loops and measured costs carry over between calls."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
     if not isinstance(model, Model):
         raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), got {type(model).__name__}")
     spec_key = None
@@ -49,13 +52,14 @@ def decoder_for(model: Model, speculation: Speculation | None = None, *,
                                                  for f in dataclasses.fields(s)
                                                  if f.name not in ("draft", "tree")))
     key = (spec_key, attn_impl, int(prefill_chunk) if isinstance(prefill_chunk, int) else
-           prefill_chunk, id(model.params["embed"]))
+           prefill_chunk, id(model.params["embed"]), batch_invariant)
     hit = model.decoders.get(key)
     if hit is not None and (speculation is None or speculation.is_self
                             or hit.speculation.draft is speculation.draft):
         return hit
     compile_cache.enable()  # compiled loops outlive the process (JAXSPEC_COMPILE_CACHE=0: off)
-    dec = Decoder(model, speculation, attn_impl=attn_impl, prefill_chunk=prefill_chunk)
+    dec = Decoder(model, speculation, attn_impl=attn_impl, prefill_chunk=prefill_chunk,
+                  batch_invariant=batch_invariant)
     model.decoders[key] = dec
     return dec
 
@@ -65,7 +69,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
              speculation: Speculation | None = None, chat: bool = False,
              max_len: int | None = None, attn_impl: str = "auto",
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, shared_prefix=None, n: int = 1,
-             ignore_eos: bool = False, progress=None) -> GenerationResult:
+             ignore_eos: bool = False, batch_invariant: bool = False,
+             progress=None) -> GenerationResult:
     """Generates up to ``max_new_tokens`` new tokens for each prompt.
 
     ``prompts``: a list of strings (needs a tokenizer; ``chat=True`` applies the chat template)
@@ -75,7 +80,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     (fixed-length runs, e.g. benchmarks). ``speculation``: a `jaxspec.Speculation` for
     speculative decoding (lossless: same tokens as greedy, same distribution when sampling; in
     bfloat16 the rounding of a step depends on its shapes, so tokens may part where two logits
-    are within rounding of each other: exact equality holds in float32).
+    are within rounding of each other: exact equality holds in float32, or with
+    ``batch_invariant=True``).
 
     ``n``: samples per prompt (results are prompt-major: prompt i's samples at ``i*n .. i*n+n-1``).
     ``shared_prefix`` (Hydragen, `jaxspec.prefix`): ``"auto"`` shares the longest prefix common
@@ -84,6 +90,16 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     The prefix is prefilled once and attended to once per group; tokens are the same as without
     sharing (greedy) and the distribution is the same (sampling). A model with a sliding attention
     window shares nothing (``"auto"`` and ``n`` then just repeat rows; an explicit prefix raises).
+
+    ``batch_invariant=True`` (`jaxspec.invariant`): every matrix product, norm and attention
+    reduction runs in one fixed order per token, so a prompt's greedy tokens are bitwise the
+    same whatever the other prompts of the batch are, the batch size and padding, the cache
+    capacity, ``prefill_chunk``, and with or without speculation (self-draft, draft model or
+    tree: a verification computes each token's logits exactly as a one-token step would), in
+    bfloat16 too. It keeps the model's dtype on the CPU (no float32 copy) and decodes a
+    ``shared_prefix`` unshared (same tokens, no saving). Greedy decoding only: sampling draws
+    with keys derived from each row's index and filters with XLA's own reductions over the
+    vocabulary, which are not made invariant. Not for sharded models (NotImplementedError).
 
     ``progress``: ``True`` for a progress bar on stderr, or a callable ``(tokens so far, total
     budget)`` called between stretches of decoding.
@@ -95,7 +111,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     ``plain_steps``, and with self-speculation ``draft_view`` (the sink, window and retrieved
     slots each draft step reads: what ``retrieve="auto"`` resolved to).
     """
-    dec = decoder_for(model, speculation, attn_impl=attn_impl, prefill_chunk=prefill_chunk)
+    dec = decoder_for(model, speculation, attn_impl=attn_impl, prefill_chunk=prefill_chunk,
+                      batch_invariant=batch_invariant)
     batch = dec.prepare(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, chat=chat,
                         max_len=max_len, shared_prefix=shared_prefix, n=n,

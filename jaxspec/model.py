@@ -31,6 +31,7 @@ import numpy as np
 from jaxspec.attention import AttentionPlan, attend
 from jaxspec.cache import KVCache, set_bits
 from jaxspec.config import ModelConfig, sliding_window_of  # noqa: F401 (re-exported)
+from jaxspec import invariant
 from jaxspec.paged import write_pages
 
 
@@ -156,21 +157,25 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
     B, T, D = x.shape
     H, K, Dh = c.num_heads, c.num_kv_heads, c.head_dim
     dt = x.dtype
-    h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+    # batch-invariant numerics (`jaxspec.invariant`) when the plan's implementation asks for them
+    inv = invariant.is_invariant(plan.impl)
+    mm = invariant.matmul_for(plan.impl)
+    norm = invariant.rms_norm if inv else rms_norm
+    h = norm(x, p["attn_norm"], c.rms_norm_eps)
     if "wqkv" in p:
-        qkv = h @ p["wqkv"]
+        qkv = mm(h, p["wqkv"])
         if "bqkv" in p:
             qkv = qkv + p["bqkv"]
         q, k, v = jnp.split(qkv, [H * Dh, (H + K) * Dh], axis=-1)
     else:
-        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        q, k, v = mm(h, p["wq"]), mm(h, p["wk"]), mm(h, p["wv"])
         if c.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     cos, sin = rope
     q, k = q.reshape(B, T, H, Dh), k.reshape(B, T, K, Dh)
     if "q_norm" in p:  # Qwen3: each head RMS-normalized before RoPE
-        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+        q = norm(q, p["q_norm"], c.rms_norm_eps)
+        k = norm(k, p["k_norm"], c.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = v.reshape(B, T, K, Dh)
 
@@ -193,19 +198,19 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
     scores = None
     if plan.score_block is not None:  # and each row's largest logit per block of its context
         attn, scores = attn
-    o = attn.reshape(B, T, H * Dh).astype(dt) @ p["wo"]
+    o = mm(attn.reshape(B, T, H * Dh).astype(dt), p["wo"])
     x = x + (o + p["bo"] if "bo" in p else o)
-    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+    h = norm(x, p["mlp_norm"], c.rms_norm_eps)
     if "w_gateup" in p:
-        gateup = h @ p["w_gateup"]
+        gateup = mm(h, p["w_gateup"])
         if "b_gateup" in p:
             gateup = gateup + p["b_gateup"]
         gate, up = jnp.split(gateup, 2, axis=-1)
     else:
-        gate, up = h @ p["w_gate"], h @ p["w_up"]
+        gate, up = mm(h, p["w_gate"]), mm(h, p["w_up"])
         if "b_gate" in p:
             gate, up = gate + p["b_gate"], up + p["b_up"]
-    down = (nn.silu(gate) * up) @ p["w_down"]
+    down = mm(nn.silu(gate) * up, p["w_down"])
     x = x + (down + p["b_down"] if "b_down" in p else down)
     return (x, k_cache, v_cache), scores
 
@@ -279,14 +284,21 @@ class Transformer(nn.Module):
         if not c.tie_word_embeddings:
             lm_head = self.param("lm_head", _init(c.hidden_size ** -0.5),
                                  (c.hidden_size, c.vocab_size), dt)
-        logits = lm_logits(c, x, final_norm, embed, lm_head, logits_at)
+        logits = lm_logits(c, x, final_norm, embed, lm_head, logits_at, impl=plan.impl)
         return (logits, cache) if scores is None else (logits, cache, scores)
 
 
-def lm_logits(c: ModelConfig, x, final_norm, embed, lm_head, logits_at=None):
-    """Final norm + LM head (tied or not) on the rows ``logits_at`` (all rows if None)."""
+def lm_logits(c: ModelConfig, x, final_norm, embed, lm_head, logits_at=None, *,
+              impl: str = "auto"):
+    """Final norm + LM head (tied or not) on the rows ``logits_at`` (all rows if None); an
+    invariant ``impl`` (`jaxspec.invariant`) computes both with the batch-invariant primitives."""
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
+    if invariant.is_invariant(impl):
+        x = invariant.rms_norm(x, final_norm, c.rms_norm_eps)
+        if c.tie_word_embeddings:  # the embedding [V, D] read in place
+            return invariant.matmul(x, embed, impl, out_dtype=jnp.float32, transpose_w=True)
+        return invariant.matmul(x, lm_head, impl, out_dtype=jnp.float32)
     x = rms_norm(x, final_norm, c.rms_norm_eps)
     if c.tie_word_embeddings:
         return jnp.einsum("btd,vd->btv", x, embed, preferred_element_type=jnp.float32)
@@ -307,7 +319,7 @@ def _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logi
         (x, k, v), sc = layer_forward(config, p, (x, k, v), jnp.int32(layer), rope, plan)
         scores.append(sc)
     logits = lm_logits(config, x, params["final_norm"], params["embed"], params.get("lm_head"),
-                       logits_at)
+                       logits_at, impl=plan.impl)
     if plan.score_block is None:
         return logits, cache.replace(k=k, v=v)
     return logits, cache.replace(k=k, v=v), jnp.stack(scores)

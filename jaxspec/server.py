@@ -1170,6 +1170,10 @@ def add_arguments(p: argparse.ArgumentParser):
                         "smaller batch, compiled in the background); auto (default): on a CPU, "
                         "where a step costs more with more rows, and with --page-size on a GPU "
                         "(the rows move without their K/V)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant numerics: a request's greedy tokens do not depend on the "
+                        "other requests in the batch, the slots, the prefill chunking or the "
+                        "speculation (bitwise, bf16 too; see README); not with --tp/--dp")
     p.add_argument("--shared-rng", action="store_true",
                    help="one PRNG key for the whole batch (no per-request seeds; no vmap)")
     p.add_argument("--host", default="127.0.0.1",
@@ -1263,7 +1267,8 @@ def build_engine(a) -> tuple[ServingEngine, str]:
                            prefill_budget=getattr(a, "prefill_budget", None),
                            share_min_tokens=getattr(a, "share_min_tokens", SHARE_MIN_TOKENS),
                            compact_rows={"auto": None, "on": True, "off": False}[
-                               getattr(a, "compact_rows", "auto")])
+                               getattr(a, "compact_rows", "auto")],
+                           batch_invariant=getattr(a, "batch_invariant", False))
     name = a.served_model_name or pathlib.Path(path).name
     return engine, name
 

@@ -233,6 +233,10 @@ class ServingEngine:
         once ready; no chunk is compacted while a shared context is in use, nor on a mesh.
         Default: on a CPU; on a GPU for a block pool, unless a draft model keeps a full cache
         per row (its rows would be copied).
+    batch_invariant: batch-invariant numerics (`jaxspec.invariant`): a request's greedy tokens are
+        bitwise the ones it gets alone, whatever the other slots hold, its slot, the prefill
+        chunking, prefix-cache hits and speculation. No shared-context attention then
+        (``share_min_tokens`` is ignored); not on a mesh.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -243,7 +247,7 @@ class ServingEngine:
                  page_size: int | None = None, kv_blocks: int | None = None,
                  prefill_budget: int | None = None,
                  share_min_tokens: int | None = SHARE_MIN_TOKENS, ignore_eos: bool = False,
-                 compact_rows: bool | None = None):
+                 compact_rows: bool | None = None, batch_invariant: bool = False):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         compile_cache.enable()  # as generate: compiled chunks outlive the process
@@ -255,7 +259,9 @@ class ServingEngine:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk(page_size is not None)
         self.decoder = dec = Decoder(model, speculation, attn_impl=attn_impl,
-                                     prefill_chunk=prefill_chunk, paged=page_size is not None)
+                                     prefill_chunk=prefill_chunk, paged=page_size is not None,
+                                     batch_invariant=batch_invariant)
+        self.batch_invariant = dec.batch_invariant
         self.model = dec.model
         self.config = cfg = dec.config
         self.tokenizer = model.tokenizer
@@ -268,7 +274,7 @@ class ServingEngine:
         self.chunk_seconds = float(chunk_seconds)
         self.max_queue = int(max_queue)
         self.prefill_chunk = int(prefill_chunk)
-        self.impl = attn_impl
+        self.impl = dec.impl
         self.warmup_prefill = int(warmup_prefill)
         self.stop_ids = stop_token_ids(model, stop_tokens, eos=not ignore_eos)
         ctx = cfg.max_position_embeddings
@@ -312,8 +318,9 @@ class ServingEngine:
             self._chunk_s = 0.0  # device seconds of the last decode chunk
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
+        # (batch-invariant attention reads every row's keys through its own table: no sharing)
         self.share_min_tokens = None if share_min_tokens is None or not self.paged \
-            else int(share_min_tokens)
+            or self.batch_invariant else int(share_min_tokens)
         self._shared = None  # (shared blocks, sharing rows) of `_shared_ctx`
         self._shared_want = None  # the same, as `_share` last chose it for the next chunks
         # the shared context itself (`jaxspec.paged.SharedContext`): kept out of the state, which

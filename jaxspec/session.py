@@ -38,6 +38,7 @@ from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
 from jaxspec.decoding import DecodeState, Round, RoundStats, run_chunk, run_rounds
 from jaxspec.drafter import (DraftState, ModelDrafter, RetrievalState, SelfDrafter, ring_cache_len,
                              ring_prefill)
+from jaxspec.invariant import invariant_impl, is_invariant
 from jaxspec.mesh import (ShardingError, cache_sharding, fetch, pad_batch, pool_sharding, put_batch,
                           use_mesh)
 from jaxspec.model import Model
@@ -241,15 +242,26 @@ class Decoder:
     """One model (and optionally a speculation) ready to decode; see the module docstring.
 
     ``attn_impl``: attention implementation (``"auto"``: the Pallas kernels on GPU/TPU, plain
-    XLA on CPU). ``prefill_chunk``: tokens per prefill forward."""
+    XLA on CPU). ``prefill_chunk``: tokens per prefill forward. ``batch_invariant``: compute
+    with the batch-invariant primitives (`jaxspec.invariant`): a row's tokens do not depend on
+    the other rows, the batch size, padding, prefill chunking or speculation (greedy); the
+    model's own dtype is kept on the CPU too (no float32 copy)."""
 
     def __init__(self, model: Model, speculation: Speculation | None = None, *,
                  attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 paged: bool = False):
+                 paged: bool = False, batch_invariant: bool = False):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), "
                             f"got {type(model).__name__}")
         mesh = model.mesh
+        self.batch_invariant = bool(batch_invariant) or is_invariant(attn_impl)
+        if self.batch_invariant:
+            if mesh is not None:
+                raise NotImplementedError(
+                    "batch_invariant=True does not support sharded models yet (a tensor-parallel "
+                    "product reduces across devices in an order of its own): load the model "
+                    "without a mesh")
+            attn_impl = invariant_impl(attn_impl)
         draft = None
         self.tree: TokenTree | None = None
         if speculation is not None:
@@ -422,6 +434,8 @@ class Decoder:
         share = None
         if shared_prefix is not None or n != 1:
             token_lists, share = plan_sharing(token_lists, shared_prefix, n, sliding_window=window)
+            if self.batch_invariant:  # invariant attention reads no prefix segments: unshared
+                share = None
             if share is not None and self.mesh is not None:
                 d = self.mesh.shape["data"]
                 if len(token_lists) % d:

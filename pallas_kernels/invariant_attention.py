@@ -1,0 +1,141 @@
+"""Batch-invariant attention (Pallas, Triton lowering on GPUs): each query row reduces over its
+keys in blocks of ``block_k`` *absolute key positions*, in increasing order, with an online
+softmax in float32, so its result does not depend on T (a decode step or a verification), the
+batch, the cache capacity or which other rows share its tile.
+
+A program owns a tile of ``block_rows`` query rows of one sequence and KV head and streams the
+key blocks ``[i * block_k, (i + 1) * block_k)`` that any of its rows sees. Position ``s`` of row
+r's keys lives at cache slot ``s`` below the sequence's context length ``L`` and at slot
+``L + anc[s - L]`` from there on, where ``anc`` is the tile's map from depth to new token: the
+identity for causal tiles (decode, verification of a chain, prefill), a token-tree node's
+ancestors for tree tiles (one node per tile, so all rows of a tile read the same slots). So a
+tree node reads its ancestors in the order a one-token step reads them once they are committed
+to consecutive slots. Keys a row does not see get probability exactly 0; blocks past a row's
+keys leave its state exactly as it was. Per block: ``s = q @ k.T`` and ``acc += p @ v`` as
+fixed-shape products (``[block_rows, D] x [D, block_k]``, ``[block_rows, block_k] x
+[block_k, D]``), whose rows are independent of each other.
+
+`jaxspec.invariant.attention` prepares the tiles (`invariant_attention`) and holds the `jnp`
+statement of the same order used on the CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Triton-specific compiler parameters
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - a jax without the Triton backend
+    pltriton = None
+
+FAR = 2 ** 30  # the window start of a padding row: it sees nothing
+
+
+@dataclasses.dataclass(frozen=True)
+class InvariantAttentionBlocks:
+    """Tile sizes (fixed: never chosen from T, B or the cache size)."""
+
+    block_rows: int = 16
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_BLOCKS = InvariantAttentionBlocks()
+
+
+def supports(head_dim: int) -> bool:
+    """Whether the kernel takes this head dim (a power of two, at least 16)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def _kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, o_ref, *,
+            block_k: int, sm_scale: float, num_new: int, num_slots: int):
+    b, h, nt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    L = len_ref[b]
+    q = q_ref[...]  # [R, D]
+    pos = pos_ref[...]  # [R]: each row's last visible key position (-1: padding)
+    lo = lo_ref[...]  # [R]: its first visible position
+    R, D = q.shape
+    f32 = q.dtype == jnp.float32
+    prec = lax.Precision.HIGHEST if f32 else None
+    first = jnp.maximum(jnp.min(lo), 0) // block_k
+    last = (jnp.max(pos) + block_k) // block_k
+
+    def body(i, carry):
+        m_run, l_run, acc = carry
+        s_abs = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        rel = s_abs - L
+        a = anc_ref[jnp.clip(rel, 0, num_new - 1)]  # [N]: the new token at each depth
+        slot = jnp.clip(jnp.where(rel < 0, s_abs, L + a), 0, num_slots - 1)
+        k = k_ref[layer, b, h, slot, :]  # [N, D]
+        v = v_ref[layer, b, h, slot, :]
+        ok = (s_abs[None, :] <= pos[:, None]) & (s_abs[None, :] >= lo[:, None])  # [R, N]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
+                            preferred_element_type=jnp.float32) * sm_scale
+        s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m_run, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
+        p = jnp.where(ok, jnp.exp(s - m_safe[:, None]), 0.0)
+        scale = jnp.where(m_run > -jnp.inf, jnp.exp(m_run - m_safe), 0.0)
+        seen = jnp.max(ok.astype(jnp.int32), axis=0) > 0  # [N]: some row sees the key
+        v = jnp.where(seen[:, None], v, jnp.zeros_like(v))  # no NaN garbage into p @ v
+        l_run = l_run * scale + jnp.sum(p, axis=1)
+        pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+        return m_new, l_run, acc * scale[:, None] + pv
+
+    init = (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32),
+            jnp.zeros((R, D), jnp.float32))
+    _, l_run, acc = lax.fori_loop(first, last, body, init)
+    o_ref[...] = (acc / jnp.where(l_run > 0, l_run, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
+def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v_LBKSD, layer,
+                        *, sm_scale: float, block_sizes: InvariantAttentionBlocks | None = None,
+                        interpret: bool = False):
+    """Attention of query tiles ``q[B, K, NT, R, D]`` (R = ``block_rows``) over the stacked cache
+    ``[L, B, K, S, D]`` at ``layer``. ``pos``/``lo`` ``[B, NT, R]``: each row's last and first
+    visible key positions (padding rows: -1 and `FAR`); ``anc[B, NT, J]``: each tile's new token
+    of depth d (J = the new tokens); ``lengths[B]``: the context before the new tokens. Returns
+    ``[B, K, NT, R, D]`` in q's dtype (module docstring)."""
+    bs = DEFAULT_BLOCKS if block_sizes is None else block_sizes
+    B, K, NT, R, D = q_BKNRD.shape
+    J = anc_BNJ.shape[-1]
+    S = k_LBKSD.shape[3]
+    if R != bs.block_rows or not supports(D):
+        raise ValueError(f"invariant_attention: tiles of {R} rows (want {bs.block_rows}), head "
+                         f"dim {D} (a power of two >= 16)")
+    compiler_params = None
+    if not interpret and pltriton is not None:
+        compiler_params = pltriton.CompilerParams(num_warps=bs.num_warps,
+                                                  num_stages=bs.num_stages)
+
+    def full(shape):
+        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+    kernel = functools.partial(_kernel, block_k=bs.block_k, sm_scale=float(sm_scale),
+                               num_new=J, num_slots=S)
+    return pl.pallas_call(
+        kernel,
+        grid=(B, K, NT),
+        in_specs=[full((1,)), full((B,)),
+                  pl.BlockSpec((None, None, None, R, D), lambda b, h, n: (b, h, n, 0, 0)),
+                  pl.BlockSpec((None, None, R), lambda b, h, n: (b, n, 0)),
+                  pl.BlockSpec((None, None, R), lambda b, h, n: (b, n, 0)),
+                  pl.BlockSpec((None, None, J), lambda b, h, n: (b, n, 0)),
+                  full(k_LBKSD.shape), full(v_LBKSD.shape)],
+        out_specs=pl.BlockSpec((None, None, None, R, D), lambda b, h, n: (b, h, n, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(q_BKNRD.shape, q_BKNRD.dtype),
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="invariant_attention",
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32), q_BKNRD,
+      pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32), anc_BNJ.astype(jnp.int32),
+      k_LBKSD, v_LBKSD)

@@ -1,0 +1,146 @@
+"""A batch-invariant matrix product ``x[M, K] @ w[K, N]`` (Pallas, Triton lowering on GPUs).
+
+Each output row is computed by the same sequence of floating-point operations whatever M is and
+whatever the other rows hold: the rows are padded to whole tiles of ``block_m`` rows, every
+program computes one ``[block_m, block_n]`` output tile, and its reduction over K runs in one
+fixed order, blocks of ``block_k`` in increasing order accumulated in float32, each block one
+``[block_m, block_k] @ [block_k, block_n]`` product of fixed shape. The block sizes depend on K and
+N only (never on M), so a row gives the same bits in a decode step (M = batch), a verification
+(M = batch x (gamma + 1)) or a prefill chunk. XLA's own dot picks its algorithm from all three
+dimensions (on the CPU M = 1 is a matrix-vector product with another summation order; on GPUs
+cuBLAS changes tiles and split-K with M), which is what this kernel avoids.
+
+The grid is ``(N / block_n, M_pad / block_m)``, N-major: the programs of one weight tile run next
+to each other, so a weight tile comes from HBM once and from L2 for the other row tiles.
+
+`invariant_matmul_reference` is the plain-`jnp` statement of the same contract (tiles of
+``block_m`` rows, one fixed-shape dot each, through `lax.map`), used on the CPU: XLA's CPU dot of
+a fixed shape computes each row the same way whatever the row's place in the tile
+(``tests/test_batch_invariant.py`` checks both).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Triton-specific compiler parameters
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - a jax without the Triton backend
+    pltriton = None
+
+
+@dataclasses.dataclass(frozen=True)
+class InvariantMatmulBlocks:
+    """Tile sizes of `invariant_matmul` (``block_n``/``block_k``: the largest power of two at
+    most this large dividing N / K, at least 16; otherwise the operand is padded)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_BLOCKS = InvariantMatmulBlocks()
+CPU_TILE_ROWS = 16  # rows per fixed-shape dot of `invariant_matmul_reference`
+
+
+def _fit(n: int, most: int) -> int:
+    """The largest power of two <= ``most`` (and >= 16) dividing ``n``; ``most`` if none does
+    (the operand is then padded)."""
+    b = most
+    while b > 16 and n % b:
+        b //= 2
+    return b
+
+
+def _pad_to(x, axis: int, multiple: int):
+    n = x.shape[axis]
+    r = (-n) % multiple
+    if not r:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, r)
+    return jnp.pad(x, pad)
+
+
+def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_k: int, w_nk: bool):
+    bm, bn = o_ref.shape
+
+    def body(i, acc):
+        xk = x_ref[:, pl.ds(i * block_k, block_k)]
+        if w_nk:  # w stored [N, K] (a tied embedding): contract both on their last dim
+            wk = w_ref[:, pl.ds(i * block_k, block_k)]
+            return acc + lax.dot_general(xk, wk, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+        wk = w_ref[pl.ds(i * block_k, block_k), :]
+        return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret",
+                                             "transpose_w"))
+def invariant_matmul(x_MK, w_KN, *, out_dtype=None, block_sizes: InvariantMatmulBlocks | None = None,
+                     interpret: bool = False, transpose_w: bool = False):
+    """``x @ w`` (``[M, K] @ [K, N] -> [M, N]`` in ``out_dtype``, default x's dtype), each row by
+    one fixed sequence of operations (module docstring). ``transpose_w``: ``w`` is stored
+    ``[N, K]`` (``x @ w.T``, read in place: a tied embedding as the LM head). Runs compiled on a
+    GPU (Triton) or in the Pallas interpreter with ``interpret=True``."""
+    bs = DEFAULT_BLOCKS if block_sizes is None else block_sizes
+    M, K = x_MK.shape
+    K2, N = w_KN.shape[::-1] if transpose_w else w_KN.shape
+    if K != K2:
+        raise ValueError(f"invariant_matmul: x is [{M}, {K}] but w is {list(w_KN.shape)}"
+                         f"{' (transposed)' if transpose_w else ''}")
+    out_dtype = x_MK.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    bm, bn, bk = bs.block_m, _fit(N, bs.block_n), _fit(K, bs.block_k)
+    x = _pad_to(_pad_to(x_MK, 0, bm), 1, bk)  # zero rows / columns: they add exact zeros
+    kd, nd = (1, 0) if transpose_w else (0, 1)
+    w = _pad_to(_pad_to(w_KN.astype(x_MK.dtype), kd, bk), nd, bn)  # (a copy only on a misfit)
+    Mp, Kp = x.shape
+    Np = w.shape[nd]
+    w_spec = (pl.BlockSpec((bn, Kp), lambda j, i: (j, 0)) if transpose_w
+              else pl.BlockSpec((Kp, bn), lambda j, i: (0, j)))
+    compiler_params = None
+    if not interpret and pltriton is not None:
+        compiler_params = pltriton.CompilerParams(num_warps=bs.num_warps,
+                                                  num_stages=bs.num_stages)
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_k=bk, n_k=Kp // bk, w_nk=transpose_w),
+        grid=(Np // bn, Mp // bm),
+        in_specs=[pl.BlockSpec((bm, Kp), lambda j, i: (i, 0)), w_spec],
+        out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((Mp, Np), out_dtype),
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="invariant_matmul",
+    )(x, w)
+    return out[:M, :N]
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile", "transpose_w"))
+def invariant_matmul_reference(x_MK, w_KN, *, out_dtype=None, tile: int = CPU_TILE_ROWS,
+                               transpose_w: bool = False):
+    """`invariant_matmul`'s contract in `jnp`: the rows padded to whole tiles of ``tile`` rows,
+    one ``[tile, K] @ [K, N]`` dot (float32 accumulation) per tile through `lax.map`, so every
+    row goes through a dot of one fixed shape whatever M is (``transpose_w``: w is ``[N, K]``)."""
+    M, K = x_MK.shape
+    N = w_KN.shape[0 if transpose_w else 1]
+    out_dtype = x_MK.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    x = _pad_to(x_MK, 0, tile)
+    n = x.shape[0] // tile
+    w = w_KN.astype(x_MK.dtype)
+    dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
+
+    def one(t):
+        return lax.dot_general(t, w, dims, preferred_element_type=jnp.float32).astype(out_dtype)
+
+    y = lax.map(one, x.reshape(n, tile, K))
+    return y.reshape(n * tile, N)[:M]

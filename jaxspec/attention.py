@@ -407,9 +407,14 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
                 "batch-invariant attention does not read shared-prefix (Hydragen) segments: "
                 "decode without shared_prefix (generate does so itself with batch_invariant)")
         if not plan.sparse:  # the target's attention: fixed order in absolute key positions
-            return invariant.attention(q_BTHD, k_LBKSD, v_LBKSD, layer, plan.lengths, plan.mask,
-                                       num_new=num_new, sm_scale=sm_scale, sliding_window=W,
-                                       impl=impl)
+            out = invariant.attention(q_BTHD, k_LBKSD, v_LBKSD, layer, plan.lengths, plan.mask,
+                                      num_new=num_new, sm_scale=sm_scale, sliding_window=W,
+                                      impl=impl)
+            if plan.score_block is None:
+                return out
+            # a retrieving self-draft's verification: the block scores too (they only steer
+            # the drafts, so their own rounding does not matter)
+            return out, context_scores(q_BTHD, k_LBKSD, layer, plan, block=plan.score_block)
         # a sparse view is the self-draft's (a proposal only): the default path serves it
         impl = "auto"
         plan = plan.replace(impl=impl)

@@ -453,6 +453,8 @@ SPECS = {
     "self": lambda d: Speculation(gamma=3, sink=4, window=16, adaptive=False),
     "self-adaptive": lambda d: Speculation(gamma=3, sink=4, window=16),
     "self-tree": lambda d: Speculation(tree=[2, 2, 1], sink=4, window=16, adaptive=False),
+    "self-retrieve": lambda d: Speculation(gamma=3, sink=4, window=16, adaptive=False,
+                                           retrieve=64),
     "draft": lambda d: Speculation(draft=d, gamma=4, window=None, adaptive=False),
     "draft-ring": lambda d: Speculation(draft=d, gamma=2, sink=4, window=12, adaptive=False),
     "draft-tree": lambda d: Speculation(draft=d, tree=[3, 1, 1], window=None, adaptive=False),

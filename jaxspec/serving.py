@@ -259,7 +259,7 @@ class ServingEngine:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk(page_size is not None)
         self.decoder = dec = Decoder(model, speculation, attn_impl=attn_impl,
-                                     prefill_chunk=prefill_chunk, paged=page_size is not None,
+                                     prefill_chunk=prefill_chunk, serving=True,
                                      batch_invariant=batch_invariant)
         self.batch_invariant = dec.batch_invariant
         self.model = dec.model

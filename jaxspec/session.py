@@ -249,7 +249,7 @@ class Decoder:
 
     def __init__(self, model: Model, speculation: Speculation | None = None, *,
                  attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 paged: bool = False, batch_invariant: bool = False):
+                 serving: bool = False, batch_invariant: bool = False):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), "
                             f"got {type(model).__name__}")
@@ -296,9 +296,9 @@ class Decoder:
         span = None
         if speculation is not None:
             if draft is None:
-                # a paged cache (the serving engine's) resolves retrieve="auto" to none
+                # the serving engine resolves retrieve="auto" to none (`Speculation`)
                 window, retrieve = speculation.resolved(
-                    paged=paged, sliding=sliding_window_of(model.config) is not None)
+                    serving=serving, sliding=sliding_window_of(model.config) is not None)
                 self.drafter = SelfDrafter(sink=int(speculation.sink),
                                            window=None if window is None else int(window),
                                            retrieve=retrieve)

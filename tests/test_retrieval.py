@@ -440,11 +440,11 @@ def test_retrieval_refuses_a_draft_model(target):
 def test_auto_gives_half_the_window_to_retrieval_where_the_cache_is_dense():
     assert Speculation().resolved() == (496, 512)
     assert Speculation(window=200).resolved() == (72, 128)
-    assert Speculation().resolved(paged=True) == (1008, 0)
+    assert Speculation().resolved(serving=True) == (1008, 0)
     assert Speculation().resolved(sliding=True) == (1008, 0)
     assert Speculation(window=6).resolved() == (6, 0)  # too small to split
     assert Speculation(window=None).resolved() == (None, 0)
-    assert Speculation(window=300, retrieve=128).resolved(paged=True) == (300, 128)
+    assert Speculation(window=300, retrieve=128).resolved(serving=True) == (300, 128)
 
 
 def test_retrieval_with_a_shared_prefix_is_lossless(target):
@@ -528,9 +528,9 @@ def test_retrieval_kernels_compiled_gpu(T, tree, dtype, monkeypatch):
     cases = (dict(score_block=blk),
              dict(sink=sink, window=window, retrieved=sel, retrieve_block=blk))
     for kw in cases:
-        with jax.default_matmul_precision("highest"):  # float32 references, not TF32
+        with jax.default_matmul_precision("highest"):  # float32 references, not TF32 (the
             want = _reference_route(q, k, v, lengths, mask, sm_scale=sm, T_new=T, **kw)
-        got = decode_attention(q, k, v, lengths, mask, sm_scale=sm, **kw)
+            got = decode_attention(q, k, v, lengths, mask, sm_scale=sm, **kw)  # routes too)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                        rtol=tol, atol=tol)
@@ -542,8 +542,9 @@ def test_retrieval_kernels_compiled_gpu(T, tree, dtype, monkeypatch):
                                                                                  page, D)[order]
             pv = v.reshape(B, K, MB, page, D).transpose(0, 2, 1, 3, 4).reshape(B * MB, K,
                                                                                  page, D)[order]
-            got = paged_decode_attention(q, pk, pv, jnp.asarray(table), lengths, mask,
-                                         sm_scale=sm, **kw)
+            with jax.default_matmul_precision("highest"):
+                got = paged_decode_attention(q, pk, pv, jnp.asarray(table), lengths, mask,
+                                             sm_scale=sm, **kw)
             for g, w in zip(got, want):
                 np.testing.assert_allclose(np.asarray(g, np.float32),
                                            np.asarray(w, np.float32), rtol=tol, atol=tol)

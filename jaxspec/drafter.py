@@ -166,10 +166,16 @@ class SelfDrafter:
     def _sparse(self):
         return (self.sink, self.window) if self.window is not None else (None, None)
 
-    def _plan(self, rd, state, cache, lengths, **kw):
-        if self.retrieving:
-            blocks = with_recent(state.draft.blocks, state.cache.lengths, sink=self.sink,
-                                 window=self.window, block=self.retrieve_block)
+    def _blocks(self, state):
+        """The blocks this round's drafts read (once per round, not per draft step): the
+        selection, or for a row with nothing selected yet the blocks before its window."""
+        if not self.retrieving:
+            return None
+        return with_recent(state.draft.blocks, state.cache.lengths, sink=self.sink,
+                           window=self.window, block=self.retrieve_block)
+
+    def _plan(self, rd, state, cache, lengths, blocks, **kw):
+        if blocks is not None:
             kw.update(retrieved=blocks, retrieve_block=self.retrieve_block)
         sink, window = self._sparse()
         return plan_on(cache, lengths, impl=rd.impl, sink=sink, window=window,
@@ -180,11 +186,12 @@ class SelfDrafter:
         cache = state.cache
         L = cache.lengths
         pos0 = positions_of(cache)
+        blocks = self._blocks(state)
 
         def step(carry, i):
             k, v, tok, keys = carry
             keys, sub = sampling.split_rows(keys)
-            plan = self._plan(rd, state, cache, L + i)
+            plan = self._plan(rd, state, cache, L + i, blocks)
             c = cache.replace(k=k, v=v)
             logits, c = forward(rd.config, params, tok[:, None], (pos0 + i)[:, None], c, plan)
             d, q = propose(rd, sub, logits[:, 0], sp)
@@ -205,10 +212,11 @@ class SelfDrafter:
         anc = jnp.asarray(rd.tree.ancestor_mask)
         depths = jnp.asarray(rd.tree.depths, jnp.int32)
         holder = {"cache": cache}
+        blocks = self._blocks(state)
 
         def level_forward(d, a, b, node_tok):
             lo = a if level_only else 0
-            plan = self._plan(rd, state, cache, L, mask=anc[lo:b, :b])
+            plan = self._plan(rd, state, cache, L, blocks, mask=anc[lo:b, :b])
             idx = jnp.broadcast_to(jnp.arange(a - lo, b - lo, dtype=jnp.int32), (B, b - a))
             logits, holder["cache"] = forward(rd.config, params, node_tok[:, lo:b],
                                               pos0[:, None] + depths[None, lo:b],

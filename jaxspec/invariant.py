@@ -114,6 +114,34 @@ def fixed_sum(x, axis: int = -1, keepdims: bool = False):
     return out
 
 
+def fixed_cumsum(x, axis: int = -1):
+    """Inclusive ``cumsum(x, axis)`` as a fixed scan of elementwise adds (Hillis-Steele: add the
+    axis shifted by 1, 2, 4, ... places, zeros shifted in). Each output element's additions
+    depend only on its index and the axis length, never on the other dimensions."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    d = 1
+    while d < n:
+        x = x + jnp.pad(x[..., :n - d], [(0, 0)] * (x.ndim - 1) + [(d, 0)])
+        d *= 2
+    return jnp.moveaxis(x, -1, axis)
+
+
+def fixed_logsumexp(x, axis: int = -1, keepdims: bool = False):
+    """``log(sum(exp(x)))`` over ``axis``: the maximum (exact in any order) and `fixed_sum`."""
+    m = jnp.max(x, axis=axis, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    out = jnp.log(fixed_sum(jnp.exp(x - m), axis, keepdims=True)) + m
+    return out if keepdims else jnp.squeeze(out, axis)
+
+
+def fixed_softmax(x, axis: int = -1):
+    """``softmax(x, axis)`` normalised by `fixed_sum` (rows of -inf but one finite value are
+    fine; a row of all -inf gives NaN, as `jax.nn.softmax` does)."""
+    e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    return e / fixed_sum(e, axis, keepdims=True)
+
+
 def rms_norm(x, w, eps):
     """`jaxspec.model.rms_norm` with the mean of squares summed by `fixed_sum`."""
     x32 = x.astype(jnp.float32)

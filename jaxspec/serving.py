@@ -1135,7 +1135,10 @@ class ServingEngine:
             last.append(toks[-1])
             budgets.append(s.budget - len(s.tokens))
             key = sampling.row_keys(seed, 1, first=s.index)[0]
-            if s.tokens:  # a resumed sequence: a key of its own, not the first one again
+            if s.tokens and not self.batch_invariant:
+                # a resumed sequence: a key of its own, not the first one again (batch-invariant
+                # rounds draw with the key folded with each token's position: the same key
+                # continues where the sequence left off)
                 key = jax.random.fold_in(key, len(s.tokens))
             keys.append(np.asarray(key, np.uint32))
             self.done[b] = budgets[-1] <= 0

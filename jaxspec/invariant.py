@@ -127,18 +127,38 @@ def fixed_cumsum(x, axis: int = -1):
     return jnp.moveaxis(x, -1, axis)
 
 
+def fixed_max(x, axis: int = -1, keepdims: bool = False):
+    """``max(x, axis)`` as a fixed binary tree of elementwise maxima (as `fixed_sum`). A maximum
+    is exact in any order, but XLA's CPU backend hands a reduction fused with the elementwise
+    ops that use it (``exp(x - max(x))``) to a library kernel of its own for some shapes and
+    not for others (a row alone), whose ``exp`` rounds differently: elementwise trees keep every
+    op in XLA's own elementwise code whatever the shape."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()
+    if p != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)], constant_values=-jnp.inf)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = jnp.maximum(x[..., :h], x[..., h:])
+    out = x[..., 0]
+    if keepdims:
+        out = jnp.expand_dims(out, axis if axis >= 0 else out.ndim + 1 + axis)
+    return out
+
+
 def fixed_logsumexp(x, axis: int = -1, keepdims: bool = False):
-    """``log(sum(exp(x)))`` over ``axis``: the maximum (exact in any order) and `fixed_sum`."""
-    m = jnp.max(x, axis=axis, keepdims=True)
+    """``log(sum(exp(x)))`` over ``axis`` with `fixed_max` and `fixed_sum`."""
+    m = fixed_max(x, axis, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     out = jnp.log(fixed_sum(jnp.exp(x - m), axis, keepdims=True)) + m
     return out if keepdims else jnp.squeeze(out, axis)
 
 
 def fixed_softmax(x, axis: int = -1):
-    """``softmax(x, axis)`` normalised by `fixed_sum` (rows of -inf but one finite value are
+    """``softmax(x, axis)`` with `fixed_max` and `fixed_sum` (rows of -inf but one finite value are
     fine; a row of all -inf gives NaN, as `jax.nn.softmax` does)."""
-    e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    e = jnp.exp(x - fixed_max(x, axis, keepdims=True))
     return e / fixed_sum(e, axis, keepdims=True)
 
 

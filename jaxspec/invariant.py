@@ -308,3 +308,102 @@ def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new:
     else:
         o = o.reshape(B, K, T, nG * R, D)[:, :, :, :G]
     return o.transpose(0, 2, 1, 3, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+# ----------------------------------------------------------------------------- the self-draft
+def sparse_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: int,
+                     sink: int, window: int, blocks=None, block: int | None = None,
+                     sm_scale=None, sliding_window=None):
+    """The StreamingLLM self-draft's attention (`jaxspec.attention.attention_xla`'s sparse view:
+    the first ``sink`` and the last ``window`` context slots, the retrieved ``blocks`` [B, K, R]
+    of ``block`` slots between them, and the new tokens under ``mask``), batch-invariant: the
+    view's ``sink + window + R * block + num_new`` slots are gathered in that order and reduced
+    by `fixed_max` / `fixed_sum` over that fixed count (masked slots are exact zeros), so a row's
+    output depends on its own view only, never on B, the cache capacity or the other rows.
+    ``sliding_window``: the model's, bounding the new tokens a query sees (``d_t - d_j < W``).
+    Returns ``[B, T, H, D]`` in q's dtype."""
+    B, T, H, D = q_BTHD.shape
+    K, S = k_LBKSD.shape[2], k_LBKSD.shape[3]
+    G = H // K
+    T_new = int(num_new)
+    sink, window = int(sink or 0), int(window or 0)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    L = lengths.astype(jnp.int32)
+    layer = jnp.asarray(layer, jnp.int32)
+    k_all = jax.lax.dynamic_index_in_dim(k_LBKSD, layer, axis=0, keepdims=False)  # [B, K, S, D]
+    v_all = jax.lax.dynamic_index_in_dim(v_LBKSD, layer, axis=0, keepdims=False)
+    # new-token visibility [B, T, T_new]: causal or the tree mask, windowed by W
+    if mask is None:
+        t = jnp.arange(T, dtype=jnp.int32)[:, None] + (T_new - T)
+        j = jnp.arange(T_new, dtype=jnp.int32)[None, :]
+        new_vis = jnp.broadcast_to(j <= t, (B, T, T_new))
+        if sliding_window is not None:
+            new_vis = new_vis & (t - j < int(sliding_window))[None]
+    else:
+        m = jnp.asarray(mask, bool)
+        new_vis = jnp.broadcast_to(m if m.ndim == 3 else m[None], (B, T, T_new))
+        if sliding_window is not None:
+            c = jnp.cumsum(new_vis.astype(jnp.int32), axis=-1)  # (integers: exact)
+            new_vis = new_vis & (c[..., -1:] - c < int(sliding_window))
+    sink_idx = jnp.broadcast_to(jnp.arange(sink, dtype=jnp.int32)[None], (B, sink))
+    win_idx = L[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None]
+    new_idx = L[:, None] + jnp.arange(T_new, dtype=jnp.int32)[None]
+    ctx_ok = jnp.concatenate([sink_idx < L[:, None], (win_idx >= sink) & (win_idx >= 0)], 1)
+    idx = jnp.broadcast_to(jnp.concatenate([sink_idx, win_idx], 1)[:, None], (B, K, sink + window))
+    ok = jnp.broadcast_to(ctx_ok[:, None, None], (B, K, T, sink + window))
+    if blocks is not None:  # retrieved slots between the sink and the window
+        R = blocks.shape[-1]
+        slot = (jnp.maximum(blocks, 0)[..., None] * int(block)
+                + jnp.arange(int(block), dtype=jnp.int32)).reshape(B, K, R * int(block))
+        lo = jnp.minimum(sink, L)
+        hi = jnp.maximum(L - window, lo)
+        r_ok = (jnp.repeat(blocks >= 0, int(block), axis=-1) & (slot >= lo[:, None, None])
+                & (slot < hi[:, None, None]))
+        idx = jnp.concatenate([idx, slot], -1)
+        ok = jnp.concatenate([ok, jnp.broadcast_to(r_ok[:, :, None], (B, K, T, slot.shape[-1]))],
+                             -1)
+    idx = jnp.concatenate([idx, jnp.broadcast_to(new_idx[:, None], (B, K, T_new))], -1)
+    ok = jnp.concatenate([ok, jnp.broadcast_to(new_vis[:, None], (B, K, T, T_new))], -1)
+    idx = jnp.clip(idx, 0, S - 1)  # [B, K, N]
+    kg = jnp.take_along_axis(k_all, idx[..., None], axis=2).astype(jnp.float32)  # [B, K, N, D]
+    vg = jnp.take_along_axis(v_all, idx[..., None], axis=2).astype(jnp.float32)
+    q = (q_BTHD.astype(jnp.float32) * sm_scale).reshape(B, T, K, G, D)
+    q = q.transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :]  # [B, K, G, T, 1, D]
+    ok = ok[:, :, None]  # [B, K, 1, T, N]
+    s = fixed_sum(q * kg[:, :, None, None], -1)  # [B, K, G, T, N]
+    s = jnp.where(ok, s, -jnp.inf)
+    mx = fixed_max(s, -1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.where(ok, jnp.exp(s - mx), 0.0)
+    den = fixed_sum(p, -1)
+    vg = jnp.where(ok[..., None], vg[:, :, None, None], 0.0)  # garbage in masked slots stays out
+    o = fixed_sum(p[..., None] * vg, -2) / jnp.where(den > 0, den, 1.0)[..., None]
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+def block_scores(q_BTHD, k_BKSD, lengths, *, block: int, sm_scale=None):
+    """`jaxspec.retrieval.block_scores` (the largest logit ``q . k * sm_scale`` of the queries
+    over each block of ``block`` context slots: ``[B, K, cdiv(S, block)]``, -inf for a block
+    without context) with each logit a `fixed_sum` over the head dim, block by block: a block's
+    score depends on its row's queries and keys only (a maximum is exact in any order), so the
+    blocks a retrieving self-draft selects do not depend on the batch."""
+    B, T, H, D = q_BTHD.shape
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    G = H // K
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    n = -(-S // block)
+    k = jnp.pad(k_BKSD, ((0, 0), (0, 0), (0, n * block - S), (0, 0)))
+    q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
+    q = q[:, :, :, :, None, :]  # [B, K, G, T, 1, D]
+    L = lengths.astype(jnp.int32)
+
+    def one(i):
+        kb = jax.lax.dynamic_slice_in_dim(k, i * block, block, axis=2).astype(jnp.float32)
+        s = fixed_sum(q * kb[:, :, None, None], -1) * sm_scale  # [B, K, G, T, block]
+        slot = i * block + jnp.arange(block, dtype=jnp.int32)
+        s = jnp.where(slot < L[:, None, None, None, None], s, -jnp.inf)
+        return jnp.max(s, axis=(2, 3, 4))  # [B, K]
+
+    return jax.lax.map(one, jnp.arange(n, dtype=jnp.int32)).transpose(1, 2, 0)

@@ -3,15 +3,16 @@
 In bfloat16 a decode step, a speculative verification, a tree and a prefill chunk round
 differently when their matrix products and reductions pick their tiling from the shapes (batch
 size, T = 1 or gamma + 1, number of key splits, cache capacity): near-ties of the logits then flip
-and greedy texts part. With ``batch_invariant=True`` (`jaxspec.generate`, the serving engine's
+and texts part (greedy or sampled). With ``batch_invariant=True`` (`jaxspec.generate`, the serving engine's
 ``--batch-invariant``) the model runs on the primitives of this module, each of which computes a
 row (a token) with one fixed sequence of floating-point operations:
 
 - `matmul`: ``x[..., K] @ w[K, N]`` through `pallas_kernels.invariant_matmul` (GPU: the Triton
   kernel; CPU: the same contract as fixed-shape dots over tiles of rows; ``"invariant-interpret"``:
   the Pallas kernel in the interpreter). The LM head too.
-- `rms_norm`, `fixed_sum`: sums as a fixed binary tree of elementwise adds (halving the axis),
-  independent of every other dimension and of the backend's reduction emitter.
+- `rms_norm`, `fixed_sum`, `fixed_max`: sums (maxima) as a fixed binary tree of elementwise adds
+  (maxima), halving the axis, independent of every other dimension and of the backend's
+  reduction emitter; `fixed_cumsum`: a fixed scan of elementwise adds (shifts by 1, 2, 4, ...).
 - `attention`: `pallas_kernels.invariant_attention` on GPUs and in the interpreter (head dims a
   power of two >= 16), a `jnp` form of the same order elsewhere. An online softmax over blocks
   of ``ATTENTION_BLOCK`` keys in *absolute key positions*: the query at position p reduces over
@@ -25,14 +26,31 @@ row (a token) with one fixed sequence of floating-point operations:
   token's logits exactly as a one-token decode step would, and a prefill gives the same K/V in
   any chunking.
 
-RoPE, the embedding lookup, SiLU and greedy sampling (an argmax) are elementwise or exact and
-stay as they are. The attention of the StreamingLLM self-draft (a sparse view: proposals only)
-keeps the default path: only the target's numbers decide the tokens.
+- `sparse_attention`: the StreamingLLM self-draft's view (sink, window, retrieved blocks and the
+  new tokens) gathered into a fixed number of slots and reduced by `fixed_max` / `fixed_sum`;
+  `block_scores`: the retrieval's block scores (`jaxspec.retrieval`) as `fixed_sum` dot products
+  per block. When sampling, the drafts and the distributions they are drawn from decide tokens
+  too, so the draft's numbers are invariant as well.
+- Sampling (`jaxspec.sampling.SamplingParams.invariant`, set by every round of a batch-invariant
+  decoding): the softmax and log-softmax over the vocabulary (`fixed_softmax`,
+  `fixed_logsumexp`), top-p's cumulative mass and the inverse CDF of a draw (`fixed_cumsum`, and
+  `fixed_sum` for its block sums), and speculative sampling's residual and renormalised-q sums
+  (`jaxspec.verify`). The maxima are trees too: a maximum is exact in any order, but XLA's CPU
+  backend hands ``exp(x - max(x))`` fused with its reduction to a kernel library for some
+  batch sizes and not for others (one row), and that library's ``exp`` rounds differently
+  (tested). Draws use per-row keys folded with the token's position
+  (`jaxspec.sampling.position_keys`), so a token's draws depend on its row's key and position
+  only, not on the batch or on how many rounds ran before it.
+
+RoPE, the embedding lookup, SiLU, argmaxes, sorts, top-k selections, the PRNG and the
+elementwise parts of sampling (temperature, the accept test ``u * q(x) < p(x)``, Gumbel keys) are
+elementwise or exact and stay as they are.
 
 Implementations (`jaxspec.attention.AttentionPlan.impl`): ``"invariant"`` (the Triton kernels
 on GPUs, the tiled XLA dot and the `jnp` attention elsewhere) and ``"invariant-interpret"`` (the
 Pallas kernels in the interpreter: CPU tests of the GPU kernels). The two give different bits
-from each other; each is invariant on its own, and every forward of a decoding uses one. Not
+from each other; each is invariant on its own, and every forward of a decoding uses one (the
+self-draft's `sparse_attention` and `block_scores` are the `jnp` forms on every backend). Not
 there: shared-prefix (Hydragen) segments and sharded models (`jaxspec.session.Decoder` refuses
 the latter, and decodes shared prefixes unshared). The GPU kernels are tested in the
 interpreter and lowered for CUDA here; their speed and their bits on a GPU are still to be

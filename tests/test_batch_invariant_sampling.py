@@ -262,3 +262,23 @@ def test_serving_engine_samples_as_generate_alone(model, texts):
         assert engine.metrics()["preemptions"] > 0, "the small pool should have preempted"
     finally:
         engine.stop()
+
+
+# ----------------------------------------------------------------------------- still lossless
+@pytest.mark.parametrize("kind,tree,temperature,top_k", [
+    ("model", None, 1.3, 4), pytest.param("self", (2, 2), 1.0, 0, marks=pytest.mark.slow)])
+def test_invariant_speculative_sampling_has_target_distribution(kind, tree, temperature, top_k):
+    """Batch-invariant speculative sampling (fixed-order sums, position-keyed draws) keeps the
+    target's distribution: the first two tokens of 6000 rows against the exact joint
+    distribution (`test_speculative`'s chi-square test, which has power against wrong
+    verifiers there)."""
+    from test_speculative import V, _chi2_pvalue, _exact_two_token_dist
+    target = tiny_model(seed=1, vocab=V, scale=2.0)
+    draft = tiny_model(seed=2, vocab=V, layers=1, scale=2.0)
+    prompt = [1, 3, 0, 5, 2, 4, 1, 1, 0, 3, 2]
+    spec = Speculation(draft=draft if kind == "model" else "self", gamma=2, sink=1, window=4,
+                       tree=tree, adaptive=False)
+    res = jaxspec.generate(target, [prompt] * 6000, max_new_tokens=2, temperature=temperature,
+                           top_k=top_k, seed=3, speculation=spec, batch_invariant=True)
+    joint = _exact_two_token_dist(target, prompt, temperature, top_k)
+    assert _chi2_pvalue([tuple(t[:2]) for t in res.tokens], joint) > 1e-3

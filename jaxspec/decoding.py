@@ -22,6 +22,10 @@ model is still fed the new token so it never falls behind). Both kinds commit to
 the target's distribution (greedy: its argmax), so a loop may mix them freely: `jaxspec.session`
 chooses between them from the cost model between calls of `run_rounds`.
 
+Every row draws with its own PRNG key (``DecodeState.rng``): a round splits it, or, in a
+batch-invariant round (an invariant ``impl``), draws with it folded with the position of the
+row's last token, so that a token's draws depend on the row's key and position only.
+
 `run_rounds` runs at most ``max_rounds`` rounds inside one jitted `lax.while_loop` (no host work
 per round) and returns; the caller reads the state between calls.
 """

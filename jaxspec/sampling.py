@@ -2,10 +2,11 @@
 
 Everything here is a pure, jit-able function of arrays with static shapes. Settings are
 per row (``[B]`` arrays), so one compiled decode loop serves requests with different
-temperatures / top-k / top-p. Two static switches: ``SamplingParams.filtering``: when it is
-``False`` no row uses top-k or top-p and no sort over the vocabulary is traced; and
+temperatures / top-k / top-p. Three static switches: ``SamplingParams.filtering``: when it is
+``False`` no row uses top-k or top-p and no sort over the vocabulary is traced;
 ``SamplingParams.stochastic``: when it is ``False`` every row is greedy and a step takes one
-argmax over the vocabulary (no softmax, no draw).
+argmax over the vocabulary (no softmax, no draw); and ``SamplingParams.invariant``: every sum
+over the vocabulary in a fixed order (`jaxspec.invariant`), for batch-invariant decoding.
 
 Conventions (relied on by :mod:`jaxspec.verify`):
 

@@ -247,9 +247,9 @@ class Decoder:
     ``attn_impl``: attention implementation (``"auto"``: the Pallas kernels on GPU/TPU, plain
     XLA on CPU). ``prefill_chunk``: tokens per prefill forward. ``batch_invariant``: compute
     with the batch-invariant primitives (`jaxspec.invariant`): a row's tokens do not depend on
-    the other rows, the batch size, padding or prefill chunking, greedy or sampled (per-prompt
-    seeds), nor greedy ones on speculation; the model's own dtype is kept on the CPU too (no
-    float32 copy)."""
+    the other rows, the batch size, padding or prefill chunking (sampled ones given per-prompt
+    seeds), and greedy ones not on speculation either; the model's own dtype is kept on the CPU
+    too (no float32 copy)."""
 
     def __init__(self, model: Model, speculation: Speculation | None = None, *,
                  attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,

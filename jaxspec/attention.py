@@ -412,12 +412,19 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
                                       impl=impl)
             if plan.score_block is None:
                 return out
-            # a retrieving self-draft's verification: the block scores too (they only steer
-            # the drafts, so their own rounding does not matter)
+            # a retrieving self-draft's verification: the block scores too
             return out, context_scores(q_BTHD, k_LBKSD, layer, plan, block=plan.score_block)
-        # a sparse view is the self-draft's (a proposal only): the default path serves it
-        impl = "auto"
-        plan = plan.replace(impl=impl)
+        # a sparse view is the self-draft's: its proposals (and the distributions they are
+        # drawn from) decide sampled tokens, so it is invariant too
+        sink, window = resolve_sparse(plan.sink, plan.window, W)
+        if sink is None and window is None:  # resolved to the model's exact sliding window
+            return invariant.attention(q_BTHD, k_LBKSD, v_LBKSD, layer, plan.lengths, plan.mask,
+                                       num_new=num_new, sm_scale=sm_scale, sliding_window=W,
+                                       impl=impl)
+        return invariant.sparse_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, plan.lengths,
+                                          plan.mask, num_new=num_new, sink=sink, window=window,
+                                          blocks=blocks[0] if blocks else None, block=rb,
+                                          sm_scale=sm_scale, sliding_window=W)
     if plan.prefix is not None:  # shared prefix (Hydragen): prefix part + suffix part, merged
         if W is not None:
             raise ValueError("shared prefixes (Hydragen) do not support sliding-window attention: "
@@ -499,9 +506,11 @@ def context_scores(q_BTHD, k_LBKSD, layer, plan: AttentionPlan, *, block: int):
         lengths = jnp.where(plan.active, lengths, 0)
     table = plan.block_table
 
+    scores = invariant.block_scores if invariant.is_invariant(plan.impl) else block_scores
+
     def fn(q, k_all, _v, ln, _mask, lay, *tab):
         k = layer_view(k_all, lay, tab[0] if tab else None)
-        return block_scores(q, k, ln, block=block)
+        return scores(q, k, ln, block=block)
 
     if table is None:
         return per_shard_attention(fn, q_BTHD, k_LBKSD, k_LBKSD, lengths, None, layer,

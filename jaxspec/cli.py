@@ -42,8 +42,10 @@ def _cmd_generate(a):
         spec = jaxspec.Speculation(draft=draft, gamma=a.gamma, sink=a.sink,
                                    window=a.window, retrieve=a.retrieve,
                                    tree=parse_tree(a.tree))
+    # batch-invariant: every prompt samples with the seed's keys of its own (not its row's)
+    seed = [a.seed] * len(a.prompt) if a.batch_invariant else a.seed
     res = jaxspec.generate(model, a.prompt, max_new_tokens=a.max_new_tokens,
-                           temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                           temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=seed,
                            speculation=spec, chat=a.chat, batch_invariant=a.batch_invariant)
     for i, (p, toks) in enumerate(zip(a.prompt, res.tokens)):
         text = res.texts[i] if res.texts is not None else " ".join(map(str, toks))
@@ -135,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-parallel devices (model axis; default: all the --dp leaves)")
     g.add_argument("--dp", type=positive_int, default=None, help="data-parallel groups (batch axis)")
     g.add_argument("--batch-invariant", action="store_true",
-                   help="the same tokens for a prompt whatever else is in the batch, the prefill "
-                        "chunking or the speculation (bitwise, bf16 too; see README)")
+                   help="the same tokens for a prompt whatever else is in the batch or the "
+                        "prefill chunking, greedy or sampled (each prompt samples with --seed's "
+                        "keys), and greedy ones whatever the speculation (bitwise, bf16 too; see "
+                        "README)")
     g.set_defaults(fn=_cmd_generate, check=check_generate, compiles=True)
     t = sub.add_parser("tree-search", help="best token tree for measured acceptance and costs "
                                           "(Sequoia-style dynamic programming)")

@@ -22,6 +22,10 @@ model is still fed the new token so it never falls behind). Both kinds commit to
 the target's distribution (greedy: its argmax), so a loop may mix them freely: `jaxspec.session`
 chooses between them from the cost model between calls of `run_rounds`.
 
+Every row draws with its own PRNG key (``DecodeState.rng``): a round splits it, or, in a
+batch-invariant round (an invariant ``impl``), draws with it folded with the position of the
+row's last token, so that a token's draws depend on the row's key and position only.
+
 `run_rounds` runs at most ``max_rounds`` rounds inside one jitted `lax.while_loop` (no host work
 per round) and returns; the caller reads the state between calls.
 """
@@ -39,6 +43,7 @@ from jaxspec import sampling
 from jaxspec.cache import KVCache, positions_of
 from jaxspec.config import ModelConfig
 from jaxspec.drafter import RetrievalState, plan_on
+from jaxspec.invariant import is_invariant
 from jaxspec.model import forward
 from jaxspec.paged import PagedKVCache, compact_pages
 from jaxspec.tree import TokenTree, compact_path
@@ -152,7 +157,27 @@ class Round:
         """Rows whose attention output is used: finished rows read no context."""
         return ~state.done
 
+    @property
+    def invariant(self) -> bool:
+        """Batch-invariant decoding (an invariant ``impl``): sampling sums in fixed orders
+        (`jaxspec.sampling.SamplingParams.invariant`) and draws keyed by position (`_keys`)."""
+        return is_invariant(self.impl)
+
+    def _keys(self, state: DecodeState, num: int):
+        """``(the rows' keys after this round, num [B, 2] keys for its draws)``. By default each
+        round splits every row's key. Batch-invariant: a row's key stays as it is and the round
+        draws with ``fold_in(key, position of its last token)`` split ``num`` ways, so a token's
+        draws depend on the row's key and position only (not on how many rounds ran before, e.g.
+        a sequence resumed after preemption)."""
+        if not self.invariant:
+            keys, *subs = sampling.split_rows(state.rng, num + 1)
+            return keys, subs
+        k = sampling.position_keys(state.rng, positions_of(state.cache))
+        return state.rng, list(sampling.split_rows(k, num)) if num > 1 else [k]
+
     def __call__(self, params, dparams, sp, state: DecodeState) -> DecodeState:
+        if self.invariant and not sp.invariant:
+            sp = sp.replace(invariant=True)
         if not self.speculative:
             return self._plain(params, dparams, sp, state)
         return self._speculative(params, dparams, sp, state)
@@ -160,7 +185,7 @@ class Round:
     # ------------------------------------------------------------------ plain step
     def _plain(self, params, dparams, sp, state):
         cache = state.cache
-        keys, sub = sampling.split_rows(state.rng)
+        keys, (sub,) = self._keys(state, 1)
         plan = plan_on(cache, cache.lengths, impl=self.impl, active=self.active(state))
         logits, new_cache = forward(self.config, params, state.last[:, None],
                                     positions_of(cache)[:, None], cache, plan)
@@ -178,7 +203,7 @@ class Round:
     def _speculative(self, params, dparams, sp, state):
         tree = self.tree
         chain = self.is_chain
-        keys, r_draft, r_verify = sampling.split_rows(state.rng, 3)
+        keys, (r_draft, r_verify) = self._keys(state, 2)
         L = state.cache.lengths
         pos0 = positions_of(state.cache)
         propose = self.drafter.chain if chain else self.drafter.tree
@@ -202,9 +227,12 @@ class Round:
                 n_acc, nxt = verify_greedy(drafts, logits)
             else:
                 p = sampling.probs_from_logits(logits, sp)
-                n_acc, nxt = sampling.rowwise(verify_chain, r_verify, drafts, q, p) \
-                    if q is not None else sampling.rowwise(
-                        lambda k, d, pp: verify_chain(k, d, None, pp), r_verify, drafts, p)
+                inv = sp.invariant
+                n_acc, nxt = sampling.rowwise(
+                    lambda k, d, qq, pp: verify_chain(k, d, qq, pp, invariant=inv),
+                    r_verify, drafts, q, p) if q is not None else sampling.rowwise(
+                        lambda k, d, pp: verify_chain(k, d, None, pp, invariant=inv),
+                        r_verify, drafts, p)
             path = drafts
         else:
             if self.greedy:
@@ -212,7 +240,8 @@ class Round:
             else:
                 p = sampling.probs_from_logits(logits, sp)
                 n_acc, acc_nodes, nxt = sampling.rowwise(
-                    lambda k, t, qq, pp: verify_tree(k, tree, t, qq, pp, mode=self.tree_mode),
+                    lambda k, t, qq, pp: verify_tree(k, tree, t, qq, pp, mode=self.tree_mode,
+                                                     invariant=sp.invariant),
                     r_verify, node_tok, q, p)
             acc_nodes = acc_nodes.astype(jnp.int32)
             # the accepted path's K/V to consecutive slots L + 0..n (the root is already at L)

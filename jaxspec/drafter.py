@@ -78,7 +78,7 @@ def propose(rd, keys, logits_BV, sp):
     if rd.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
     q = sampling.probs_from_logits(logits_BV, sp)
-    return sampling.categorical_rows(keys, q).astype(jnp.int32), q
+    return sampling.categorical_rows(keys, q, invariant=sp.invariant).astype(jnp.int32), q
 
 
 def children(rd, keys, logits, sp, k):
@@ -88,7 +88,8 @@ def children(rd, keys, logits, sp, k):
     q = sampling.probs_from_logits(logits, sp)
     replacement = rd.tree_mode == "iid"
     kids = sampling.rowwise(
-        lambda key, qq: sampling.sample_children(key, qq, k, replacement=replacement), keys, q)
+        lambda key, qq: sampling.sample_children(key, qq, k, replacement=replacement,
+                                                 invariant=sp.invariant), keys, q)
     return kids.astype(jnp.int32), q
 
 

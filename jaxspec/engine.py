@@ -65,7 +65,7 @@ def decoder_for(model: Model, speculation: Speculation | None = None, *,
 
 
 def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens=None,
+             top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0, stop_tokens=None,
              speculation: Speculation | None = None, chat: bool = False,
              max_len: int | None = None, attn_impl: str = "auto",
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, shared_prefix=None, n: int = 1,
@@ -74,8 +74,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     """Generates up to ``max_new_tokens`` new tokens for each prompt.
 
     ``prompts``: a list of strings (needs a tokenizer; ``chat=True`` applies the chat template)
-    or of token-id lists, of any lengths. ``temperature=0`` is greedy; each row samples with its
-    own key derived from ``seed`` and its row index. ``stop_tokens``: extra stop token ids (or
+    or of token-id lists, of any lengths. ``temperature=0`` is greedy. Each row samples with its
+    own key: ``seed`` an int gives row i the key ``fold_in(PRNGKey(seed), i)`` (its row index);
+    ``seed`` a list of ints, one per prompt, gives prompt i's j-th sample the key
+    ``fold_in(PRNGKey(seed[i]), j)``, so a prompt's keys are its own wherever it sits in the
+    batch (and ``seed=[s]`` for one prompt is ``seed=s``). ``stop_tokens``: extra stop token ids (or
     single-token strings) besides the model's EOS; ``ignore_eos=True`` does not stop at the EOS
     (fixed-length runs, e.g. benchmarks). ``speculation``: a `jaxspec.Speculation` for
     speculative decoding (lossless: same tokens as greedy, same distribution when sampling; in
@@ -96,10 +99,17 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     same whatever the other prompts of the batch are, the batch size and padding, the cache
     capacity, ``prefill_chunk``, and with or without speculation (self-draft, draft model or
     tree: a verification computes each token's logits exactly as a one-token step would), in
-    bfloat16 too. It keeps the model's dtype on the CPU (no float32 copy) and decodes a
-    ``shared_prefix`` unshared (same tokens, no saving). Greedy decoding only: sampling draws
-    with keys derived from each row's index and filters with XLA's own reductions over the
-    vocabulary, which are not made invariant. Not for sharded models (NotImplementedError).
+    bfloat16 too. Sampling too (temperature > 0, top-k, top-p), with a per-prompt ``seed``
+    list: the softmax, top-p's cumulative mass, the inverse CDF of a draw and speculative
+    sampling's accept / residual sums run in fixed orders, and each draw's key is the row's key
+    folded with the token's position (not split round by round), so a prompt's sampled tokens
+    are bitwise the same in any batch, padding, cache capacity and chunking. With speculation a
+    sampled run equals the same speculation's run (speculative sampling keeps the target's
+    distribution, not plain sampling's tokens), and only where the rounds a row runs do not
+    depend on the batch: ``adaptive=False`` and an int ``gamma`` (or a tree); adaptive plain
+    stretches and ``gamma="auto"`` are chosen from the whole batch. It keeps the model's dtype
+    on the CPU (no float32 copy) and decodes a ``shared_prefix`` unshared (same tokens, no
+    saving). Not for sharded models (NotImplementedError).
 
     ``progress``: ``True`` for a progress bar on stderr, or a callable ``(tokens so far, total
     budget)`` called between stretches of decoding.

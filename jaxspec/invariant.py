@@ -3,15 +3,16 @@
 In bfloat16 a decode step, a speculative verification, a tree and a prefill chunk round
 differently when their matrix products and reductions pick their tiling from the shapes (batch
 size, T = 1 or gamma + 1, number of key splits, cache capacity): near-ties of the logits then flip
-and greedy texts part. With ``batch_invariant=True`` (`jaxspec.generate`, the serving engine's
+and texts part (greedy or sampled). With ``batch_invariant=True`` (`jaxspec.generate`, the serving engine's
 ``--batch-invariant``) the model runs on the primitives of this module, each of which computes a
 row (a token) with one fixed sequence of floating-point operations:
 
 - `matmul`: ``x[..., K] @ w[K, N]`` through `pallas_kernels.invariant_matmul` (GPU: the Triton
   kernel; CPU: the same contract as fixed-shape dots over tiles of rows; ``"invariant-interpret"``:
   the Pallas kernel in the interpreter). The LM head too.
-- `rms_norm`, `fixed_sum`: sums as a fixed binary tree of elementwise adds (halving the axis),
-  independent of every other dimension and of the backend's reduction emitter.
+- `rms_norm`, `fixed_sum`, `fixed_max`: sums (maxima) as a fixed binary tree of elementwise adds
+  (maxima), halving the axis, independent of every other dimension and of the backend's
+  reduction emitter; `fixed_cumsum`: a fixed scan of elementwise adds (shifts by 1, 2, 4, ...).
 - `attention`: `pallas_kernels.invariant_attention` on GPUs and in the interpreter (head dims a
   power of two >= 16), a `jnp` form of the same order elsewhere. An online softmax over blocks
   of ``ATTENTION_BLOCK`` keys in *absolute key positions*: the query at position p reduces over
@@ -25,14 +26,31 @@ row (a token) with one fixed sequence of floating-point operations:
   token's logits exactly as a one-token decode step would, and a prefill gives the same K/V in
   any chunking.
 
-RoPE, the embedding lookup, SiLU and greedy sampling (an argmax) are elementwise or exact and
-stay as they are. The attention of the StreamingLLM self-draft (a sparse view: proposals only)
-keeps the default path: only the target's numbers decide the tokens.
+- `sparse_attention`: the StreamingLLM self-draft's view (sink, window, retrieved blocks and the
+  new tokens) gathered into a fixed number of slots and reduced by `fixed_max` / `fixed_sum`;
+  `block_scores`: the retrieval's block scores (`jaxspec.retrieval`) as `fixed_sum` dot products
+  per block. When sampling, the drafts and the distributions they are drawn from decide tokens
+  too, so the draft's numbers are invariant as well.
+- Sampling (`jaxspec.sampling.SamplingParams.invariant`, set by every round of a batch-invariant
+  decoding): the softmax and log-softmax over the vocabulary (`fixed_softmax`,
+  `fixed_logsumexp`), top-p's cumulative mass and the inverse CDF of a draw (`fixed_cumsum`, and
+  `fixed_sum` for its block sums), and speculative sampling's residual and renormalised-q sums
+  (`jaxspec.verify`). The maxima are trees too: a maximum is exact in any order, but XLA's CPU
+  backend hands ``exp(x - max(x))`` fused with its reduction to a kernel library for some
+  batch sizes and not for others (one row), and that library's ``exp`` rounds differently
+  (tested). Draws use per-row keys folded with the token's position
+  (`jaxspec.sampling.position_keys`), so a token's draws depend on its row's key and position
+  only, not on the batch or on how many rounds ran before it.
+
+RoPE, the embedding lookup, SiLU, argmaxes, sorts, top-k selections, the PRNG and the
+elementwise parts of sampling (temperature, the accept test ``u * q(x) < p(x)``, Gumbel keys) are
+elementwise or exact and stay as they are.
 
 Implementations (`jaxspec.attention.AttentionPlan.impl`): ``"invariant"`` (the Triton kernels
 on GPUs, the tiled XLA dot and the `jnp` attention elsewhere) and ``"invariant-interpret"`` (the
 Pallas kernels in the interpreter: CPU tests of the GPU kernels). The two give different bits
-from each other; each is invariant on its own, and every forward of a decoding uses one. Not
+from each other; each is invariant on its own, and every forward of a decoding uses one (the
+self-draft's `sparse_attention` and `block_scores` are the `jnp` forms on every backend). Not
 there: shared-prefix (Hydragen) segments and sharded models (`jaxspec.session.Decoder` refuses
 the latter, and decodes shared prefixes unshared). The GPU kernels are tested in the
 interpreter and lowered for CUDA here; their speed and their bits on a GPU are still to be
@@ -112,6 +130,54 @@ def fixed_sum(x, axis: int = -1, keepdims: bool = False):
     if keepdims:
         out = jnp.expand_dims(out, axis if axis >= 0 else out.ndim + 1 + axis)
     return out
+
+
+def fixed_cumsum(x, axis: int = -1):
+    """Inclusive ``cumsum(x, axis)`` as a fixed scan of elementwise adds (Hillis-Steele: add the
+    axis shifted by 1, 2, 4, ... places, zeros shifted in). Each output element's additions
+    depend only on its index and the axis length, never on the other dimensions."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    d = 1
+    while d < n:
+        x = x + jnp.pad(x[..., :n - d], [(0, 0)] * (x.ndim - 1) + [(d, 0)])
+        d *= 2
+    return jnp.moveaxis(x, -1, axis)
+
+
+def fixed_max(x, axis: int = -1, keepdims: bool = False):
+    """``max(x, axis)`` as a fixed binary tree of elementwise maxima (as `fixed_sum`). A maximum
+    is exact in any order, but XLA's CPU backend hands a reduction fused with the elementwise
+    ops that use it (``exp(x - max(x))``) to a library kernel of its own for some shapes and
+    not for others (a row alone), whose ``exp`` rounds differently: elementwise trees keep every
+    op in XLA's own elementwise code whatever the shape."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()
+    if p != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)], constant_values=-jnp.inf)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = jnp.maximum(x[..., :h], x[..., h:])
+    out = x[..., 0]
+    if keepdims:
+        out = jnp.expand_dims(out, axis if axis >= 0 else out.ndim + 1 + axis)
+    return out
+
+
+def fixed_logsumexp(x, axis: int = -1, keepdims: bool = False):
+    """``log(sum(exp(x)))`` over ``axis`` with `fixed_max` and `fixed_sum`."""
+    m = fixed_max(x, axis, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    out = jnp.log(fixed_sum(jnp.exp(x - m), axis, keepdims=True)) + m
+    return out if keepdims else jnp.squeeze(out, axis)
+
+
+def fixed_softmax(x, axis: int = -1):
+    """``softmax(x, axis)`` with `fixed_max` and `fixed_sum` (rows of -inf but one finite value are
+    fine; a row of all -inf gives NaN, as `jax.nn.softmax` does)."""
+    e = jnp.exp(x - fixed_max(x, axis, keepdims=True))
+    return e / fixed_sum(e, axis, keepdims=True)
 
 
 def rms_norm(x, w, eps):
@@ -260,3 +326,102 @@ def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new:
     else:
         o = o.reshape(B, K, T, nG * R, D)[:, :, :, :G]
     return o.transpose(0, 2, 1, 3, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+# ----------------------------------------------------------------------------- the self-draft
+def sparse_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: int,
+                     sink: int, window: int, blocks=None, block: int | None = None,
+                     sm_scale=None, sliding_window=None):
+    """The StreamingLLM self-draft's attention (`jaxspec.attention.attention_xla`'s sparse view:
+    the first ``sink`` and the last ``window`` context slots, the retrieved ``blocks`` [B, K, R]
+    of ``block`` slots between them, and the new tokens under ``mask``), batch-invariant: the
+    view's ``sink + window + R * block + num_new`` slots are gathered in that order and reduced
+    by `fixed_max` / `fixed_sum` over that fixed count (masked slots are exact zeros), so a row's
+    output depends on its own view only, never on B, the cache capacity or the other rows.
+    ``sliding_window``: the model's, bounding the new tokens a query sees (``d_t - d_j < W``).
+    Returns ``[B, T, H, D]`` in q's dtype."""
+    B, T, H, D = q_BTHD.shape
+    K, S = k_LBKSD.shape[2], k_LBKSD.shape[3]
+    G = H // K
+    T_new = int(num_new)
+    sink, window = int(sink or 0), int(window or 0)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    L = lengths.astype(jnp.int32)
+    layer = jnp.asarray(layer, jnp.int32)
+    k_all = jax.lax.dynamic_index_in_dim(k_LBKSD, layer, axis=0, keepdims=False)  # [B, K, S, D]
+    v_all = jax.lax.dynamic_index_in_dim(v_LBKSD, layer, axis=0, keepdims=False)
+    # new-token visibility [B, T, T_new]: causal or the tree mask, windowed by W
+    if mask is None:
+        t = jnp.arange(T, dtype=jnp.int32)[:, None] + (T_new - T)
+        j = jnp.arange(T_new, dtype=jnp.int32)[None, :]
+        new_vis = jnp.broadcast_to(j <= t, (B, T, T_new))
+        if sliding_window is not None:
+            new_vis = new_vis & (t - j < int(sliding_window))[None]
+    else:
+        m = jnp.asarray(mask, bool)
+        new_vis = jnp.broadcast_to(m if m.ndim == 3 else m[None], (B, T, T_new))
+        if sliding_window is not None:
+            c = jnp.cumsum(new_vis.astype(jnp.int32), axis=-1)  # (integers: exact)
+            new_vis = new_vis & (c[..., -1:] - c < int(sliding_window))
+    sink_idx = jnp.broadcast_to(jnp.arange(sink, dtype=jnp.int32)[None], (B, sink))
+    win_idx = L[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None]
+    new_idx = L[:, None] + jnp.arange(T_new, dtype=jnp.int32)[None]
+    ctx_ok = jnp.concatenate([sink_idx < L[:, None], (win_idx >= sink) & (win_idx >= 0)], 1)
+    idx = jnp.broadcast_to(jnp.concatenate([sink_idx, win_idx], 1)[:, None], (B, K, sink + window))
+    ok = jnp.broadcast_to(ctx_ok[:, None, None], (B, K, T, sink + window))
+    if blocks is not None:  # retrieved slots between the sink and the window
+        R = blocks.shape[-1]
+        slot = (jnp.maximum(blocks, 0)[..., None] * int(block)
+                + jnp.arange(int(block), dtype=jnp.int32)).reshape(B, K, R * int(block))
+        lo = jnp.minimum(sink, L)
+        hi = jnp.maximum(L - window, lo)
+        r_ok = (jnp.repeat(blocks >= 0, int(block), axis=-1) & (slot >= lo[:, None, None])
+                & (slot < hi[:, None, None]))
+        idx = jnp.concatenate([idx, slot], -1)
+        ok = jnp.concatenate([ok, jnp.broadcast_to(r_ok[:, :, None], (B, K, T, slot.shape[-1]))],
+                             -1)
+    idx = jnp.concatenate([idx, jnp.broadcast_to(new_idx[:, None], (B, K, T_new))], -1)
+    ok = jnp.concatenate([ok, jnp.broadcast_to(new_vis[:, None], (B, K, T, T_new))], -1)
+    idx = jnp.clip(idx, 0, S - 1)  # [B, K, N]
+    kg = jnp.take_along_axis(k_all, idx[..., None], axis=2).astype(jnp.float32)  # [B, K, N, D]
+    vg = jnp.take_along_axis(v_all, idx[..., None], axis=2).astype(jnp.float32)
+    q = (q_BTHD.astype(jnp.float32) * sm_scale).reshape(B, T, K, G, D)
+    q = q.transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :]  # [B, K, G, T, 1, D]
+    ok = ok[:, :, None]  # [B, K, 1, T, N]
+    s = fixed_sum(q * kg[:, :, None, None], -1)  # [B, K, G, T, N]
+    s = jnp.where(ok, s, -jnp.inf)
+    mx = fixed_max(s, -1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.where(ok, jnp.exp(s - mx), 0.0)
+    den = fixed_sum(p, -1)
+    vg = jnp.where(ok[..., None], vg[:, :, None, None], 0.0)  # garbage in masked slots stays out
+    o = fixed_sum(p[..., None] * vg, -2) / jnp.where(den > 0, den, 1.0)[..., None]
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+def block_scores(q_BTHD, k_BKSD, lengths, *, block: int, sm_scale=None):
+    """`jaxspec.retrieval.block_scores` (the largest logit ``q . k * sm_scale`` of the queries
+    over each block of ``block`` context slots: ``[B, K, cdiv(S, block)]``, -inf for a block
+    without context) with each logit a `fixed_sum` over the head dim, block by block: a block's
+    score depends on its row's queries and keys only (a maximum is exact in any order), so the
+    blocks a retrieving self-draft selects do not depend on the batch."""
+    B, T, H, D = q_BTHD.shape
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    G = H // K
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    n = -(-S // block)
+    k = jnp.pad(k_BKSD, ((0, 0), (0, 0), (0, n * block - S), (0, 0)))
+    q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
+    q = q[:, :, :, :, None, :]  # [B, K, G, T, 1, D]
+    L = lengths.astype(jnp.int32)
+
+    def one(i):
+        kb = jax.lax.dynamic_slice_in_dim(k, i * block, block, axis=2).astype(jnp.float32)
+        s = fixed_sum(q * kb[:, :, None, None], -1) * sm_scale  # [B, K, G, T, block]
+        slot = i * block + jnp.arange(block, dtype=jnp.int32)
+        s = jnp.where(slot < L[:, None, None, None, None], s, -jnp.inf)
+        return jnp.max(s, axis=(2, 3, 4))  # [B, K]
+
+    return jax.lax.map(one, jnp.arange(n, dtype=jnp.int32)).transpose(1, 2, 0)

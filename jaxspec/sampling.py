@@ -2,10 +2,11 @@
 
 Everything here is a pure, jit-able function of arrays with static shapes. Settings are
 per row (``[B]`` arrays), so one compiled decode loop serves requests with different
-temperatures / top-k / top-p. Two static switches: ``SamplingParams.filtering``: when it is
-``False`` no row uses top-k or top-p and no sort over the vocabulary is traced; and
+temperatures / top-k / top-p. Three static switches: ``SamplingParams.filtering``: when it is
+``False`` no row uses top-k or top-p and no sort over the vocabulary is traced;
 ``SamplingParams.stochastic``: when it is ``False`` every row is greedy and a step takes one
-argmax over the vocabulary (no softmax, no draw).
+argmax over the vocabulary (no softmax, no draw); and ``SamplingParams.invariant``: every sum
+over the vocabulary in a fixed order (`jaxspec.invariant`), for batch-invariant decoding.
 
 Conventions (relied on by :mod:`jaxspec.verify`):
 
@@ -27,6 +28,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxspec import invariant as _inv
 
 Array = jax.Array
 
@@ -55,6 +58,12 @@ class SamplingParams:
         then ignored): tokens are one argmax of the logits, and the softmax over the
         vocabulary and the draw are not traced (at batch 64 and a 152k vocabulary they cost
         about 2% of a 1.5B model's decode step).
+      invariant: static. ``True``: every sum over the vocabulary (the softmax's and
+        log-softmax's normalisation, top-p's cumulative mass, the inverse CDF of a draw) is a
+        fixed tree or scan of elementwise adds (`jaxspec.invariant.fixed_sum`,
+        `jaxspec.invariant.fixed_cumsum`), so a row's distribution and draw are bitwise the
+        same whatever the other rows and the batch size are (batch-invariant decoding sets
+        it). ``False``: XLA's own reductions (faster).
     """
 
     temperature: Array
@@ -62,6 +71,7 @@ class SamplingParams:
     top_p: Array
     filtering: bool = flax.struct.field(pytree_node=False, default=True)
     stochastic: bool = flax.struct.field(pytree_node=False, default=True)
+    invariant: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
     def make(
@@ -72,6 +82,7 @@ class SamplingParams:
         top_p: Any = 1.0,
         filtering: bool | None = None,
         stochastic: bool | None = None,
+        invariant: bool = False,
     ) -> "SamplingParams":
         """Broadcasts scalars or ``[B]`` values to ``[B]`` arrays.
 
@@ -99,7 +110,7 @@ class SamplingParams:
         elif not stochastic and samples:
             raise ValueError(f"stochastic=False but some row samples (temperature={temperature!r})")
         return cls(temperature=t, top_k=k, top_p=p, filtering=bool(filtering),
-                   stochastic=bool(stochastic))
+                   stochastic=bool(stochastic), invariant=bool(invariant))
 
     @classmethod
     def greedy(cls, batch_size: int) -> "SamplingParams":
@@ -154,7 +165,19 @@ def _per_row(a: Array, ndim: int) -> Array:
     return a.reshape(a.shape + (1,) * (ndim - a.ndim))
 
 
-def _filter_mask(x: Array, top_k: Array, top_p: Array) -> Array:
+def _sum(x: Array, axis: int = -1, keepdims: bool = False, inv: bool = False) -> Array:
+    """``sum(x, axis)``: `jaxspec.invariant.fixed_sum` when ``inv``, else XLA's reduction."""
+    if inv:
+        return _inv.fixed_sum(x, axis, keepdims=keepdims)
+    return jnp.sum(x, axis=axis, keepdims=keepdims)
+
+
+def _cumsum(x: Array, axis: int = -1, inv: bool = False) -> Array:
+    """``cumsum(x, axis)``: `jaxspec.invariant.fixed_cumsum` when ``inv``, else XLA's."""
+    return _inv.fixed_cumsum(x, axis) if inv else jnp.cumsum(x, axis=axis)
+
+
+def _filter_mask(x: Array, top_k: Array, top_p: Array, inv: bool = False) -> Array:
     """Tokens kept by top-k then top-p, for scaled logits ``x[..., V]`` (f32).
 
     One stable sort by (-x, index). The kept set is a prefix of that order, so it is
@@ -165,9 +188,12 @@ def _filter_mask(x: Array, top_k: Array, top_p: Array) -> Array:
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     neg_sorted, perm = jax.lax.sort((-x, iota), dimension=x.ndim - 1, is_stable=True, num_keys=1)
     xs = -neg_sorted  # non-increasing
-    lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
+    if inv:
+        lse = _inv.fixed_logsumexp(x, -1, keepdims=True)
+    else:
+        lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
     ps = jnp.exp(xs - lse)  # sorted probabilities, non-increasing
-    cum = jnp.cumsum(ps, axis=-1)
+    cum = _cumsum(ps, -1, inv)
     k = jnp.where((top_k > 0) & (top_k < V), top_k, V)  # [..., 1]
     mass_k = jnp.take_along_axis(cum, k - 1, axis=-1)  # mass kept by top-k
     rank = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
@@ -196,10 +222,11 @@ def probs_from_logits(logits: Array, params: SamplingParams) -> Array:
     x = x / jnp.where(greedy, 1.0, temp)
     if params.filtering:
         keep = _filter_mask(
-            x, _per_row(params.top_k, nd).astype(jnp.int32), _per_row(params.top_p, nd).astype(jnp.float32)
+            x, _per_row(params.top_k, nd).astype(jnp.int32), _per_row(params.top_p, nd).astype(jnp.float32),
+            params.invariant,
         )
         x = jnp.where(keep, x, -jnp.inf)
-    probs = jax.nn.softmax(x, axis=-1)
+    probs = _inv.fixed_softmax(x, -1) if params.invariant else jax.nn.softmax(x, axis=-1)
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), x.shape[-1], dtype=jnp.float32)
     return jnp.where(greedy, onehot, probs)
 
@@ -223,13 +250,15 @@ def _first_above(cdf: Array, probs: Array, t: Array) -> Array:
     return jnp.where(jnp.any(hit, axis=-1), first, last_pos[..., None])
 
 
-def categorical(rng: Array, probs: Array, num: int | None = None) -> Array:
+def categorical(rng: Array, probs: Array, num: int | None = None, *,
+                invariant: bool = False) -> Array:
     """Draws from (unnormalized, non-negative) ``probs[..., V]`` by inverse CDF.
 
     Returns ``[...]`` int32, or ``[..., num]`` independent draws (with replacement) when
     ``num`` is given. One uniform per draw; exact for one-hot rows (the single positive
     token is always returned); tokens of probability 0 are never returned. For large V the
-    CDF is two-level (blocks of 1024) so the float32 cumsum error stays ~1e-7.
+    CDF is two-level (blocks of 1024) so the float32 cumsum error stays ~1e-7. ``invariant``:
+    the sums and cumulative sums are fixed trees / scans of adds (`SamplingParams.invariant`).
     """
     probs = probs.astype(jnp.float32)
     V = probs.shape[-1]
@@ -237,18 +266,18 @@ def categorical(rng: Array, probs: Array, num: int | None = None) -> Array:
     S = 1 if num is None else num
     u = jax.random.uniform(rng, lead + (S,), jnp.float32)
     if V <= _BLOCK:
-        cdf = jnp.cumsum(probs, axis=-1)
+        cdf = _cumsum(probs, -1, invariant)
         out = _first_above(cdf, probs, u * cdf[..., -1:])
     else:
         nb = -(-V // _BLOCK)
         pb = jnp.pad(probs, [(0, 0)] * len(lead) + [(0, nb * _BLOCK - V)]).reshape(lead + (nb, _BLOCK))
-        bsum = jnp.sum(pb, axis=-1)  # [..., nb]
-        bcdf = jnp.cumsum(bsum, axis=-1)
+        bsum = _sum(pb, -1, inv=invariant)  # [..., nb]
+        bcdf = _cumsum(bsum, -1, invariant)
         t = u * bcdf[..., -1:]  # [..., S]
         blk = _first_above(bcdf, bsum, t)  # [..., S]
         start = jnp.take_along_axis(bcdf - bsum, blk, axis=-1)
         inner = jnp.take_along_axis(pb, blk[..., None], axis=-2)  # [..., S, BLOCK]
-        icdf = jnp.cumsum(inner, axis=-1)
+        icdf = _cumsum(inner, -1, invariant)
         j = _first_above(icdf, inner, (t - start)[..., None])[..., 0]
         out = blk * _BLOCK + j
     return out[..., 0] if num is None else out
@@ -260,12 +289,13 @@ def sample(rng: Array, logits: Array, params: SamplingParams) -> Array:
     if not params.stochastic:  # every row greedy: one argmax, no softmax and no draw
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     probs = probs_from_logits(logits, params)
-    drawn = categorical(rng, probs)
+    drawn = categorical(rng, probs, invariant=params.invariant)
     greedy = _per_row(params.temperature, logits.ndim - 1) <= 0
     return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
 
 
-def sample_children(rng: Array, probs: Array, k: int, *, replacement: bool) -> Array:
+def sample_children(rng: Array, probs: Array, k: int, *, replacement: bool,
+                    invariant: bool = False) -> Array:
     """``k`` child tokens per row of ``probs[..., V]`` for tree drafting -> ``[..., k]``.
 
     * ``replacement=True``: ``k`` independent draws (verify with ``mode="iid"``).
@@ -277,7 +307,7 @@ def sample_children(rng: Array, probs: Array, k: int, *, replacement: bool) -> A
       "without_replacement"``) then treats as deterministic proposals; that is still exact.
     """
     if replacement:
-        return categorical(rng, probs, num=k)
+        return categorical(rng, probs, num=k, invariant=invariant)
     logq = jnp.log(probs.astype(jnp.float32))
     g = jax.random.gumbel(rng, probs.shape, jnp.float32)
     _, idx = jax.lax.top_k(logq + g, k)
@@ -306,7 +336,7 @@ def draft_children(
     q = probs_from_logits(draft_logits, params)
     best = jax.lax.top_k(draft_logits.astype(jnp.float32), k)[1].astype(jnp.int32)
     if mode == "iid":
-        kids = sample_children(rng, q, k, replacement=True)
+        kids = sample_children(rng, q, k, replacement=True, invariant=params.invariant)
     elif mode == "without_replacement":
         kids = sample_children(rng, q, k, replacement=False)
     elif mode == "deterministic":
@@ -351,6 +381,21 @@ def sample_rows(keys: Array, logits: Array, params: SamplingParams) -> Array:
     return rowwise(sample, keys, logits, params)
 
 
-def categorical_rows(keys: Array, probs: Array) -> Array:
+def categorical_rows(keys: Array, probs: Array, *, invariant: bool = False) -> Array:
     """`categorical` with one key per row: ``probs[B, ..., V] -> [B, ...]``."""
-    return rowwise(categorical, keys, probs)
+    return rowwise(lambda k, p: categorical(k, p, invariant=invariant), keys, probs)
+
+
+def seeded_row_keys(seeds, rows_per_seed: int = 1) -> Array:
+    """``[len(seeds) * rows_per_seed, 2]`` keys, seed-major: row ``i * rows_per_seed + j`` gets
+    ``fold_in(key_from_seed(seeds[i]), j)``. A request's keys depend on its own seed only (not on
+    its row): ``seeded_row_keys([s], n)`` is ``row_keys(s, n)``, the keys of one prompt's ``n``
+    samples with ``seed=s``."""
+    return jnp.concatenate([row_keys(s, rows_per_seed) for s in seeds], axis=0)
+
+
+def position_keys(keys: Array, positions: Array) -> Array:
+    """``[B, 2]``: ``fold_in(keys[b], positions[b])`` per row: the key of a row's draws at one
+    position, a function of the row's key and the position alone (batch-invariant decoding
+    draws with these instead of splitting the row's key every round)."""
+    return jax.vmap(jax.random.fold_in)(keys, positions.astype(jnp.uint32))

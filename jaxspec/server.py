@@ -1171,9 +1171,10 @@ def add_arguments(p: argparse.ArgumentParser):
                         "where a step costs more with more rows, and with --page-size on a GPU "
                         "(the rows move without their K/V)")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="batch-invariant numerics: a request's greedy tokens do not depend on the "
-                        "other requests in the batch, the slots, the prefill chunking or the "
-                        "speculation (bitwise, bf16 too; see README); not with --tp/--dp")
+                   help="batch-invariant numerics: a request's tokens (greedy, or sampled with a "
+                        "seed) do not depend on the other requests in the batch, the slots or the "
+                        "prefill chunking, greedy ones not on the speculation either (bitwise, "
+                        "bf16 too; see README); not with --tp/--dp")
     p.add_argument("--shared-rng", action="store_true",
                    help="one PRNG key for the whole batch (no per-request seeds; no vmap)")
     p.add_argument("--host", default="127.0.0.1",

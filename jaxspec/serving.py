@@ -24,7 +24,8 @@ queued, and then, on the engine's background thread:
 Per-request temperature / top-k / top-p live in per-slot arrays, so one compiled loop serves them
 all; the only static switches are "every active row is greedy" and "some row uses top-k / top-p".
 Every slot draws with its own PRNG key (from the request's ``seed`` and its choice index), so a
-request's samples never depend on which other requests share the batch.
+request's draws never depend on which other requests share the batch (its bits do only with
+``batch_invariant``, where the arithmetic does not depend on them either).
 
 Token provenance: a speculative round commits accepted drafts and then one token of the target's
 own; the decode state marks each committed token, and every streamed piece says which kind it is
@@ -235,7 +236,12 @@ class ServingEngine:
         per row (its rows would be copied).
     batch_invariant: batch-invariant numerics (`jaxspec.invariant`): a request's greedy tokens are
         bitwise the ones it gets alone, whatever the other slots hold, its slot, the prefill
-        chunking, prefix-cache hits and speculation. No shared-context attention then
+        chunking, prefix-cache hits, preemption and speculation. Sampled tokens too: a request
+        with ``seed`` s (choice j) gets the tokens ``jaxspec.generate([prompt], seed=s,
+        batch_invariant=True, ...)`` gives (sample j with ``n``), with the same speculation
+        when it is not adaptive (``adaptive=False``: adaptive chunks choose plain steps or
+        speculation from all the slots); draws are keyed by token position, so a preempted
+        sequence resumes with the draws it would have made. No shared-context attention then
         (``share_min_tokens`` is ignored); not on a mesh.
     """
 
@@ -1135,7 +1141,10 @@ class ServingEngine:
             last.append(toks[-1])
             budgets.append(s.budget - len(s.tokens))
             key = sampling.row_keys(seed, 1, first=s.index)[0]
-            if s.tokens:  # a resumed sequence: a key of its own, not the first one again
+            if s.tokens and not self.batch_invariant:
+                # a resumed sequence: a key of its own, not the first one again (batch-invariant
+                # rounds draw with the key folded with each token's position: the same key
+                # continues where the sequence left off)
                 key = jax.random.fold_in(key, len(s.tokens))
             keys.append(np.asarray(key, np.uint32))
             self.done[b] = budgets[-1] <= 0

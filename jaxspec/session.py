@@ -107,8 +107,11 @@ def check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed=0,
         raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if not _is_real(top_p) or not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {seed!r}")
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed]
+    for x in seeds:
+        if not isinstance(x, (int, np.integer)) or isinstance(x, bool):
+            raise TypeError(f"seed must be an int or a list of ints (one per prompt), "
+                            f"got {seed!r}")
     if (not isinstance(prefill_chunk, (int, np.integer)) or isinstance(prefill_chunk, bool)
             or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
@@ -244,8 +247,9 @@ class Decoder:
     ``attn_impl``: attention implementation (``"auto"``: the Pallas kernels on GPU/TPU, plain
     XLA on CPU). ``prefill_chunk``: tokens per prefill forward. ``batch_invariant``: compute
     with the batch-invariant primitives (`jaxspec.invariant`): a row's tokens do not depend on
-    the other rows, the batch size, padding, prefill chunking or speculation (greedy); the
-    model's own dtype is kept on the CPU too (no float32 copy)."""
+    the other rows, the batch size, padding or prefill chunking (sampled ones given per-prompt
+    seeds), and greedy ones not on speculation either; the model's own dtype is kept on the CPU
+    too (no float32 copy)."""
 
     def __init__(self, model: Model, speculation: Speculation | None = None, *,
                  attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
@@ -430,6 +434,9 @@ class Decoder:
                                     or isinstance(max_len, bool) or max_len < 1):
             raise ValueError(f"max_len must be an int >= 1 or None, got {max_len!r}")
         token_lists = encode_prompts(model, prompts, chat)
+        if isinstance(seed, (list, tuple)) and len(seed) != len(token_lists):
+            raise ValueError(f"seed has {len(seed)} values for {len(token_lists)} prompts: give "
+                             f"one int, or one per prompt")
         window = sliding_window_of(config)  # shared prefixes do not combine with it
         share = None
         if shared_prefix is not None or n != 1:
@@ -500,11 +507,18 @@ class Decoder:
             if cache is not None:
                 jax.block_until_ready(cache.k)
         t_prefill = time.perf_counter() - t0
-        sp = sampling.SamplingParams.make(B, temperature=temperature, top_k=top_k, top_p=top_p)
+        sp = sampling.SamplingParams.make(B, temperature=temperature, top_k=top_k, top_p=top_p,
+                                          invariant=self.batch_invariant)
         state = None
         if cache is not None:
+            if isinstance(seed, (list, tuple)):  # each prompt's rows: keys of its own seed
+                keys = sampling.seeded_row_keys(seed, n)
+                if B > len(keys):  # rows padding the batch to a mesh (no budget)
+                    keys = jnp.concatenate([keys, sampling.row_keys(0, B - len(keys))], 0)
+            else:
+                keys = sampling.row_keys(seed, B)
             state = self._state(cache, [t[-1] for t in token_lists], budget,
-                                int(budget.max()) + extra, sampling.row_keys(seed, B))
+                                int(budget.max()) + extra, keys)
             if self.mesh is not None:
                 state, sp = put_batch((state, sp), self.mesh, B)
         return Batch(token_lists=token_lists, n_real=n_real, state=state, sp=sp,

@@ -37,6 +37,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxspec.invariant import fixed_sum
 from jaxspec.sampling import categorical
 from jaxspec.tree import TokenTree, as_tree
 
@@ -77,10 +78,15 @@ def verify_greedy(draft_tokens: Array, target_logits: Array) -> tuple[Array, Arr
     return n, nxt
 
 
-def _residual(p: Array, q_eff: Array) -> Array:
+def _sum(x: Array, invariant: bool) -> Array:
+    """The sum over the last axis (kept): `jaxspec.invariant.fixed_sum` when ``invariant``."""
+    return fixed_sum(x, -1, keepdims=True) if invariant else jnp.sum(x, axis=-1, keepdims=True)
+
+
+def _residual(p: Array, q_eff: Array, invariant: bool = False) -> Array:
     """``norm(max(0, p - q))``, or ``p`` where that has zero mass."""
     r = jnp.maximum(p - q_eff, 0.0)
-    z = jnp.sum(r, axis=-1, keepdims=True)
+    z = _sum(r, invariant)
     return jnp.where(z > 0, r / jnp.where(z > 0, z, 1.0), p)
 
 
@@ -89,6 +95,8 @@ def verify_chain(
     draft_tokens: Array,
     draft_probs: Array | None,
     target_probs: Array,
+    *,
+    invariant: bool = False,
 ) -> tuple[Array, Array]:
     """Speculative sampling of a chain (Leviathan et al. / Chen et al.).
 
@@ -109,6 +117,10 @@ def verify_chain(
     / sum max(0, p - q) [rejected] = p(y), since sum max(0, p - q) = 1 - sum min(p, q);
     after an acceptance the next position is verified against the target's conditional
     given the accepted token, with independent randomness.
+
+    ``invariant``: the residual's normalisation and the final draw sum with fixed trees and
+    scans of adds (`jaxspec.sampling.SamplingParams.invariant`): a row's result is bitwise the
+    same whatever the other rows are.
 
     Returns ``(n_accepted[B], next_token[B])`` (int32).
     """
@@ -140,10 +152,10 @@ def verify_chain(
             q_raw = jnp.take_along_axis(draft_probs, i[:, None, None], axis=1)[:, 0].astype(jnp.float32)
             s_n = jnp.take_along_axis(stoch, i[:, None], axis=1)
             q_n = jnp.where(s_n, q_raw, onehot)
-        dist = jnp.where(rejected[:, None], _residual(p_n, q_n), p_n)
+        dist = jnp.where(rejected[:, None], _residual(p_n, q_n, invariant), p_n)
     else:
         dist = p_n
-    nxt = categorical(k_s, dist)
+    nxt = categorical(k_s, dist, invariant=invariant)
     return n, nxt
 
 
@@ -191,6 +203,7 @@ def verify_tree(
     target_probs: Array,
     *,
     mode: TreeMode = "iid",
+    invariant: bool = False,
 ) -> tuple[Array, Array, Array]:
     """Token-tree speculative sampling (SpecInfer's multi-step speculative sampling and
     its without-replacement variant).
@@ -253,6 +266,9 @@ def verify_tree(
     the argmax and the residuals leave p unchanged, so the result equals
     :func:`verify_tree_greedy`'s up to which of several duplicate matching siblings wins.
 
+    ``invariant``: as in `verify_chain` (the residuals', the renormalised q's and the final
+    draw's sums are fixed trees and scans of adds).
+
     Returns ``(n_accepted[B], accepted_nodes[B, max_depth], next_token[B])`` (int32):
     ``accepted_nodes[b, :n]`` are the accepted nodes at depths 1..n, -1 padded.
 
@@ -300,10 +316,10 @@ def verify_tree(
         rej = valid & ~accept
         onehot = vocab[None, :] == x[:, None]
         q_eff = jnp.where(stoch[:, None], q, onehot.astype(jnp.float32))
-        p = jnp.where(rej[:, None], _residual(p, q_eff), p)
+        p = jnp.where(rej[:, None], _residual(p, q_eff, invariant), p)
         if mode == "without_replacement":
             q_rm = jnp.where(onehot, 0.0, q)
-            zq = jnp.sum(q_rm, axis=-1, keepdims=True)
+            zq = _sum(q_rm, invariant)
             q_rm = jnp.where(zq > 0, q_rm / jnp.where(zq > 0, zq, 1.0), 0.0)
             q = jnp.where(rej[:, None], q_rm, q)
         moved = jnp.where(acc, c, moved)
@@ -340,5 +356,5 @@ def verify_tree(
     _, cur, _, p, _ = jax.lax.while_loop(cond, level, init)
     n = jnp.asarray(tree.depths)[cur]
     acc_nodes = jnp.asarray(tree.ancestor_at_depth)[cur, 1:].reshape(B, D)
-    nxt = categorical(k_s, p)
+    nxt = categorical(k_s, p, invariant=invariant)
     return n, acc_nodes, nxt

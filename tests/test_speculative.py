@@ -166,7 +166,7 @@ def test_sampling_test_has_power(tiny_vocab_models, monkeypatch):
     import jaxspec.decoding as spec_mod
     from jaxspec import sampling
 
-    def always_accept(rng, drafts, q, p):
+    def always_accept(rng, drafts, q, p, **kw):
         B, g = drafts.shape
         return jnp.full((B,), g, jnp.int32), sampling.categorical(rng, p[:, g])
 

@@ -112,8 +112,8 @@ def test_tree_sampling_test_has_power(tiny_vocab_models, monkeypatch):
     from jaxspec import verify
     real = verify.verify_tree
 
-    def wrong(rng, tree, node_tok, q, p, *, mode):
-        return real(rng, tree, node_tok, q, p, mode="iid")
+    def wrong(rng, tree, node_tok, q, p, *, mode, **kw):
+        return real(rng, tree, node_tok, q, p, mode="iid", **kw)
 
     monkeypatch.setattr(spec_mod, "verify_tree", wrong)
     target, draft = tiny_vocab_models

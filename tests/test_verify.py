@@ -300,7 +300,7 @@ def test_chain_wrong_verifiers_fail(tables, ablate, monkeypatch):
     rng = np.random.default_rng(20)
     verifier = None
     if ablate == "no_residual":  # a rejection resamples from p, not from norm(max(0, p - q))
-        monkeypatch.setattr(verify_mod, "_residual", lambda p, q: p)
+        monkeypatch.setattr(verify_mod, "_residual", lambda p, q, invariant=False: p)
         # a new function object: jit's trace cache is keyed on it, and would serve the real one
         verifier = jax.jit(lambda *a: verify_mod.verify_chain(*a))
     counts, _ = chain_round(tables, rng, 3, ablate=ablate, verifier=verifier)
@@ -383,7 +383,7 @@ def test_tree_wrong_verifiers_fail(tables, mode, ablate, monkeypatch):
     tree = TokenTree.from_expansion(TREES["wide"])
     verifier = None
     if ablate == "keep_p":
-        monkeypatch.setattr(verify_mod, "_residual", lambda p, q: p)
+        monkeypatch.setattr(verify_mod, "_residual", lambda p, q, invariant=False: p)
 
         def wrong(rng, tree, *a, mode):  # a new function object (see the chain test)
             return verify_mod.verify_tree(rng, tree, *a, mode=mode)

@@ -40,6 +40,7 @@ from jaxspec import sampling
 from jaxspec.attention import AttentionPlan, plan_for
 from jaxspec.cache import SLOT_ALIGN, KVCache, positions_of, round_up, set_bits
 from jaxspec.config import ModelConfig
+from jaxspec.invariant import is_invariant
 from jaxspec.model import forward
 from jaxspec.retrieval import RETRIEVE_BLOCK, select_blocks, with_recent
 from jaxspec.tree import compact_path
@@ -70,6 +71,16 @@ class DraftState:
 
 
 plan_on = plan_for  # an `AttentionPlan` over a cache (prefix segments, block table)
+
+
+def draft_impl(rd) -> str:
+    """The numerics of the self-draft's forwards: the round's, except that a greedy
+    batch-invariant round drafts with the default ones (greedy drafts only propose: the
+    verification's invariant logits decide every token and rewrite every position the drafts
+    wrote; sampled drafts and their distributions decide tokens, so they stay invariant)."""
+    if rd.greedy and is_invariant(rd.impl):
+        return "auto"
+    return rd.impl
 
 
 def propose(rd, keys, logits_BV, sp):
@@ -179,7 +190,7 @@ class SelfDrafter:
         if blocks is not None:
             kw.update(retrieved=blocks, retrieve_block=self.retrieve_block)
         sink, window = self._sparse()
-        return plan_on(cache, lengths, impl=rd.impl, sink=sink, window=window,
+        return plan_on(cache, lengths, impl=draft_impl(rd), sink=sink, window=window,
                        active=rd.active(state), **kw)
 
     def chain(self, rd, params, dparams, sp, state, keys):

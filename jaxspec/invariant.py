@@ -217,14 +217,15 @@ def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: i
 
 
 def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new: int, sm_scale,
-                     sliding_window, interpret: bool):
+                     sliding_window, interpret: bool, blocks=None, mode: str = "auto"):
     """`attention` through `pallas_kernels.invariant_attention`: causal queries in tiles of
     (token, head) rows that share their key slots; a tree's queries one node per tile (its
     ancestors' slots)."""
     B, T, H, D = q_BTHD.shape
     K = k_LBKSD.shape[2]
     G = H // K
-    R = attention_kernel.DEFAULT_BLOCKS.block_rows
+    blocks = attention_kernel.DEFAULT_BLOCKS if blocks is None else blocks
+    R = blocks.block_rows
     T_new = int(num_new)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
@@ -254,7 +255,8 @@ def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new:
     pos = jnp.where(real[None], pos, -1).reshape(B, NT, R)
     lo = jnp.where(real[None], lo, attention_kernel.FAR).reshape(B, NT, R)
     o = attention_kernel.invariant_attention(rows, pos, lo, anc, lengths, k_LBKSD, v_LBKSD, layer,
-                                             sm_scale=float(sm_scale), interpret=interpret)
+                                             sm_scale=float(sm_scale), interpret=interpret,
+                                             block_sizes=blocks, mode=mode)
     if mask is None:
         o = o.reshape(B, K, NT * R, D)[:, :, :T * G].reshape(B, K, T, G, D)
     else:

@@ -38,15 +38,18 @@ FAR = 2 ** 30  # the window start of a padding row: it sees nothing
 
 @dataclasses.dataclass(frozen=True)
 class InvariantAttentionBlocks:
-    """Tile sizes (fixed: never chosen from T, B or the cache size)."""
+    """Tile sizes (fixed: never chosen from T, B or the cache size). ``chunk``: keys per part
+    (absolute positions ``[c * chunk, (c + 1) * chunk)``), a multiple of ``block_k``."""
 
     block_rows: int = 16
     block_k: int = 64
+    chunk: int = 2048
     num_warps: int = 4
     num_stages: int = 2
 
 
 DEFAULT_BLOCKS = InvariantAttentionBlocks()
+SPLIT_BELOW = 264  # mode "auto": a program per part while there are fewer tiles than this
 
 
 def supports(head_dim: int) -> bool:
@@ -54,19 +57,18 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def _kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, o_ref, *,
-            block_k: int, sm_scale: float, num_new: int, num_slots: int):
-    b, h, nt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
-    L = len_ref[b]
-    q = q_ref[...]  # [R, D]
-    pos = pos_ref[...]  # [R]: each row's last visible key position (-1: padding)
-    lo = lo_ref[...]  # [R]: its first visible position
+def _tile_blocks(pos, lo, block_k: int):
+    """The key blocks ``[first, last)`` holding every key some row of the tile sees."""
+    return jnp.maximum(jnp.min(lo), 0) // block_k, (jnp.max(pos) + block_k) // block_k
+
+
+def _part(q, pos, lo, L, anc_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block_k: int,
+          sm_scale: float, num_new: int, num_slots: int):
+    """The online softmax of the tile's rows over key blocks ``[i0, i1)`` from a fresh state:
+    ``(max [R], sum [R], acc [R, D])``, float32."""
     R, D = q.shape
     f32 = q.dtype == jnp.float32
     prec = lax.Precision.HIGHEST if f32 else None
-    first = jnp.maximum(jnp.min(lo), 0) // block_k
-    last = (jnp.max(pos) + block_k) // block_k
 
     def body(i, carry):
         m_run, l_run, acc = carry
@@ -92,26 +94,103 @@ def _kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, o
 
     init = (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32),
             jnp.zeros((R, D), jnp.float32))
-    _, l_run, acc = lax.fori_loop(first, last, body, init)
-    o_ref[...] = (acc / jnp.where(l_run > 0, l_run, 1.0)[:, None]).astype(o_ref.dtype)
+    return lax.fori_loop(i0, i1, body, init)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
+def _fold(state, part):
+    """``state`` followed by the next part's ``(max, sum, acc)``: the running max is kept or
+    replaced, the other side scaled by ``exp(difference)``; a part a row sees nothing of leaves
+    the row's state exactly as it was. Written with one product per sum, so every kernel that
+    folds computes the same bits."""
+    M, Ls, A = state
+    m, l, a = part
+    m_new = jnp.maximum(M, m)
+    m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
+    keep = M >= m
+    sa = jnp.exp(M - m_safe)
+    sc = jnp.exp(m - m_safe)
+    L_new = jnp.where(keep, Ls + l * sc, Ls * sa + l)
+    A_new = jnp.where(keep[:, None], A + a * sc[:, None], A * sa[:, None] + a)
+    empty = m == -jnp.inf
+    return (jnp.where(empty, M, m_new), jnp.where(empty, Ls, L_new),
+            jnp.where(empty[:, None], A, A_new))
+
+
+def _finish(state):
+    _, Ls, A = state
+    return A / jnp.where(Ls > 0, Ls, 1.0)[:, None]
+
+
+def _fresh(R, D):
+    return (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32),
+            jnp.zeros((R, D), jnp.float32))
+
+
+def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, o_ref, *,
+                 block_k: int, chunk: int, **kw):
+    """A program per tile: its parts in increasing order, each folded in as it is done."""
+    h, b = pl.program_id(1), pl.program_id(2)
+    q, pos, lo = q_ref[...], pos_ref[...], lo_ref[...]
+    first, last = _tile_blocks(pos, lo, block_k)
+    cb = chunk // block_k
+    R, D = q.shape
+
+    def over(c, state):
+        part = _part(q, pos, lo, len_ref[b], anc_ref, k_ref, v_ref, layer_ref[0], b, h,
+                     jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
+                     block_k=block_k, **kw)
+        return _fold(state, part)
+
+    state = lax.fori_loop(first // cb, (last + cb - 1) // cb, over, _fresh(R, D))
+    o_ref[...] = _finish(state).astype(o_ref.dtype)
+
+
+def _split_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, m_ref,
+                  l_ref, a_ref, *, block_k: int, chunk: int, **kw):
+    """A program per (tile, part): the part's state, written out for `_merge_kernel`."""
+    c, h, b = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    q, pos, lo = q_ref[...], pos_ref[...], lo_ref[...]
+    first, last = _tile_blocks(pos, lo, block_k)
+    cb = chunk // block_k
+    m, l, a = _part(q, pos, lo, len_ref[b], anc_ref, k_ref, v_ref, layer_ref[0], b, h,
+                    jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
+                    block_k=block_k, **kw)
+    m_ref[...], l_ref[...], a_ref[...] = m, l, a
+
+
+def _merge_kernel(m_ref, l_ref, a_ref, o_ref, *, parts: int):
+    """A program per tile: `_split_kernel`'s parts folded in increasing order."""
+    R, D = o_ref.shape
+
+    def over(c, state):
+        return _fold(state, (m_ref[c, :], l_ref[c, :], a_ref[c, :, :]))
+
+    o_ref[...] = _finish(lax.fori_loop(0, parts, over, _fresh(R, D))).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "mode"))
 def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v_LBKSD, layer,
                         *, sm_scale: float, block_sizes: InvariantAttentionBlocks | None = None,
-                        interpret: bool = False):
+                        interpret: bool = False, mode: str = "auto"):
     """Attention of query tiles ``q[B, K, NT, R, D]`` (R = ``block_rows``) over the stacked cache
     ``[L, B, K, S, D]`` at ``layer``. ``pos``/``lo`` ``[B, NT, R]``: each row's last and first
     visible key positions (padding rows: -1 and `FAR`); ``anc[B, NT, J]``: each tile's new token
     of depth d (J = the new tokens); ``lengths[B]``: the context before the new tokens. Returns
-    ``[B, K, NT, R, D]`` in q's dtype (module docstring)."""
+    ``[B, K, NT, R, D]`` in q's dtype (module docstring). ``mode``: ``"fold"`` (a program per
+    tile folds its parts), ``"split"`` (a program per tile and part, then a merge) or ``"auto"``
+    (split while the tiles are few); the same bits either way."""
     bs = DEFAULT_BLOCKS if block_sizes is None else block_sizes
     B, K, NT, R, D = q_BKNRD.shape
     J = anc_BNJ.shape[-1]
     S = k_LBKSD.shape[3]
-    if R != bs.block_rows or not supports(D):
+    if R != bs.block_rows or not supports(D) or bs.chunk % bs.block_k:
         raise ValueError(f"invariant_attention: tiles of {R} rows (want {bs.block_rows}), head "
-                         f"dim {D} (a power of two >= 16)")
+                         f"dim {D} (a power of two >= 16), chunk {bs.chunk} (a multiple of "
+                         f"block_k {bs.block_k})")
+    if mode not in ("auto", "fold", "split"):
+        raise ValueError(f"invariant_attention: mode {mode!r}")
+    parts = -(-S // bs.chunk)  # positions < S: every part a row can see
+    split = mode == "split" or (mode == "auto" and B * K * NT < SPLIT_BELOW and parts > 1)
     compiler_params = None
     if not interpret and pltriton is not None:
         compiler_params = pltriton.CompilerParams(num_warps=bs.num_warps,
@@ -120,22 +199,57 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     def full(shape):
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
-    kernel = functools.partial(_kernel, block_k=bs.block_k, sm_scale=float(sm_scale),
-                               num_new=J, num_slots=S)
-    return pl.pallas_call(
-        kernel,
-        grid=(B, K, NT),
+    kw = dict(block_k=bs.block_k, chunk=bs.chunk, sm_scale=float(sm_scale), num_new=J,
+              num_slots=S)
+    args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
+            q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
+            anc_BNJ.astype(jnp.int32), k_LBKSD, v_LBKSD)
+    if not split:  # grid: tiles fastest, so the tiles of one sequence and head share K/V in L2
+        return pl.pallas_call(
+            functools.partial(_fold_kernel, **kw),
+            grid=(NT, K, B),
+            in_specs=[full((1,)), full((B,)),
+                      pl.BlockSpec((None, None, None, R, D), lambda n, h, b: (b, h, n, 0, 0)),
+                      pl.BlockSpec((None, None, R), lambda n, h, b: (b, n, 0)),
+                      pl.BlockSpec((None, None, R), lambda n, h, b: (b, n, 0)),
+                      pl.BlockSpec((None, None, J), lambda n, h, b: (b, n, 0)),
+                      full(k_LBKSD.shape), full(v_LBKSD.shape)],
+            out_specs=pl.BlockSpec((None, None, None, R, D), lambda n, h, b: (b, h, n, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct(q_BKNRD.shape, q_BKNRD.dtype),
+            compiler_params=compiler_params,
+            interpret=interpret,
+            name="invariant_attention",
+        )(*args)
+    C = parts
+    m, l, a = pl.pallas_call(
+        functools.partial(_split_kernel, **kw),
+        grid=(NT, C, K, B),
         in_specs=[full((1,)), full((B,)),
-                  pl.BlockSpec((None, None, None, R, D), lambda b, h, n: (b, h, n, 0, 0)),
-                  pl.BlockSpec((None, None, R), lambda b, h, n: (b, n, 0)),
-                  pl.BlockSpec((None, None, R), lambda b, h, n: (b, n, 0)),
-                  pl.BlockSpec((None, None, J), lambda b, h, n: (b, n, 0)),
+                  pl.BlockSpec((None, None, None, R, D), lambda n, c, h, b: (b, h, n, 0, 0)),
+                  pl.BlockSpec((None, None, R), lambda n, c, h, b: (b, n, 0)),
+                  pl.BlockSpec((None, None, R), lambda n, c, h, b: (b, n, 0)),
+                  pl.BlockSpec((None, None, J), lambda n, c, h, b: (b, n, 0)),
                   full(k_LBKSD.shape), full(v_LBKSD.shape)],
-        out_specs=pl.BlockSpec((None, None, None, R, D), lambda b, h, n: (b, h, n, 0, 0)),
+        out_specs=[pl.BlockSpec((None, None, None, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
+                   pl.BlockSpec((None, None, None, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
+                   pl.BlockSpec((None, None, None, None, R, D),
+                                lambda n, c, h, b: (b, h, n, c, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, K, NT, C, R), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, NT, C, R), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, NT, C, R, D), jnp.float32)],
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="invariant_attention_parts",
+    )(*args)
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, parts=C),
+        grid=(NT, K, B),
+        in_specs=[pl.BlockSpec((None, None, None, C, R), lambda n, h, b: (b, h, n, 0, 0)),
+                  pl.BlockSpec((None, None, None, C, R), lambda n, h, b: (b, h, n, 0, 0)),
+                  pl.BlockSpec((None, None, None, C, R, D), lambda n, h, b: (b, h, n, 0, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, None, R, D), lambda n, h, b: (b, h, n, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(q_BKNRD.shape, q_BKNRD.dtype),
         compiler_params=compiler_params,
         interpret=interpret,
-        name="invariant_attention",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32), q_BKNRD,
-      pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32), anc_BNJ.astype(jnp.int32),
-      k_LBKSD, v_LBKSD)
+        name="invariant_attention_merge",
+    )(m, l, a)

@@ -1,17 +1,23 @@
 """A batch-invariant matrix product ``x[M, K] @ w[K, N]`` (Pallas, Triton lowering on GPUs).
 
 Each output row is computed by the same sequence of floating-point operations whatever M is and
-whatever the other rows hold: the rows are padded to whole tiles of ``block_m`` rows, every
-program computes one ``[block_m, block_n]`` output tile, and its reduction over K runs in one
-fixed order, blocks of ``block_k`` in increasing order accumulated in float32, each block one
-``[block_m, block_k] @ [block_k, block_n]`` product of fixed shape. The block sizes depend on K and
-N only (never on M), so a row gives the same bits in a decode step (M = batch), a verification
-(M = batch x (gamma + 1)) or a prefill chunk. XLA's own dot picks its algorithm from all three
-dimensions (on the CPU M = 1 is a matrix-vector product with another summation order; on GPUs
-cuBLAS changes tiles and split-K with M), which is what this kernel avoids.
+whatever the other rows hold: the rows are padded to whole tiles of ``block_m`` rows, and an
+output tile ``[block_m, block_n]`` reduces over K in fixed parts (`k_parts`: from K, N and the
+block sizes only, never from M), each part from a zero float32 accumulator over its blocks of
+``block_k`` in increasing order, each block one ``[block_m, block_k] @ [block_k, block_n]``
+product of fixed shape; the parts' sums are then added in increasing order, ``((p0 + p1) + p2)
++ ...``. So a row gives the same bits in a decode step (M = batch), a verification (M = batch x
+(gamma + 1)) or a prefill chunk. XLA's own dot picks its algorithm from all three dimensions (on
+the CPU M = 1 is a matrix-vector product with another summation order; on GPUs cuBLAS changes
+tiles and split-K with M), which is what this kernel avoids.
 
-The grid is ``(N / block_n, M_pad / block_m)``, N-major: the programs of one weight tile run next
-to each other, so a weight tile comes from HBM once and from L2 for the other row tiles.
+Two ways to run the same arithmetic: ``"fold"``, a program per output tile that adds its parts
+itself (prefill: many tiles), and ``"split"``, a program per (tile, part) writing float32
+partials that XLA then adds in the same order (decode: few tiles, too few programs to stream
+the weights at full bandwidth otherwise). The additions are plain float32 adds of the same
+values in the same order, so both give the same bits; ``"auto"`` splits while the tiles are
+fewer than `SPLIT_BELOW`. The programs run in groups of `GROUP_M` row tiles that take each
+column tile in turn, so a weight tile is read from HBM once for the group.
 
 `invariant_matmul_reference` is the plain-`jnp` statement of the same contract (tiles of
 ``block_m`` rows, one fixed-shape dot each, through `lax.map`), used on the CPU: XLA's CPU dot of
@@ -39,7 +45,8 @@ class InvariantMatmulBlocks:
     """Tile sizes of `invariant_matmul` (``block_n``/``block_k``: the largest power of two at
     most this large dividing N / K, at least 16; otherwise the operand is padded).
     ``split_programs``: K is cut into fixed parts (`k_parts`, from K and N only) so that the
-    ``N / block_n`` column tiles times the parts make at least this many programs (0: one part)."""
+    ``N / block_n`` column tiles times the parts make at least this many programs (0: one part),
+    each part at least ``min_part`` blocks long."""
 
     block_m: int = 64
     block_n: int = 128
@@ -47,11 +54,13 @@ class InvariantMatmulBlocks:
     num_warps: int = 4
     num_stages: int = 4
     split_programs: int = 264
+    min_part: int = 8  # blocks of block_k per K part, at least (short parts slow a prefill)
 
 
 DEFAULT_BLOCKS = InvariantMatmulBlocks()
 CPU_TILE_ROWS = 16  # rows per fixed-shape dot of `invariant_matmul_reference`
 SPLIT_BELOW = 132  # `invariant_matmul` mode "auto": parts as programs below this many tiles
+GROUP_M = 8  # row tiles that take each column tile in turn (weights from L2, rows too)
 
 
 def _fit(n: int, most: int) -> int:
@@ -84,7 +93,7 @@ def k_parts(K: int, N: int, bs: InvariantMatmulBlocks = None) -> tuple[int, int,
     tiles = -(-N // bn)
     parts = 1
     if bs.split_programs > 0:
-        parts = max(1, min(-(-bs.split_programs // tiles), n_k // 2))
+        parts = max(1, min(-(-bs.split_programs // tiles), n_k // max(bs.min_part, 2)))
     per = -(-n_k // parts)
     return bn, bk, -(-n_k // per), per
 
@@ -107,7 +116,7 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_k: int, per: int, parts: int
                              jnp.zeros((bm, bn), jnp.float32))
 
     if split:  # this program's part, a float32 partial: the caller adds the parts in order
-        o_ref[...] = part(pl.program_id(2))
+        o_ref[...] = part(pl.program_id(1))
         return
     total = part(0)  # the parts added in increasing order: ((p0 + p1) + p2) + ...
     if parts > 1:
@@ -142,27 +151,36 @@ def invariant_matmul(x_MK, w_KN, *, out_dtype=None, block_sizes: InvariantMatmul
     w = _pad_to(_pad_to(w_KN.astype(x_MK.dtype), kd, bk), nd, bn)  # (a copy only on a misfit)
     Mp, Kp = x.shape
     Np = w.shape[nd]
-    tiles = (Np // bn) * (Mp // bm)
-    split = parts > 1 and (mode == "split" or (mode == "auto" and tiles < SPLIT_BELOW))
-    w_spec = (pl.BlockSpec((bn, Kp), lambda j, i, *_: (j, 0)) if transpose_w
-              else pl.BlockSpec((Kp, bn), lambda j, i, *_: (0, j)))
+    n_m, n_n = Mp // bm, Np // bn
+    split = parts > 1 and (mode == "split" or (mode == "auto" and n_m * n_n < SPLIT_BELOW))
+
+    def tile(t):  # program t -> (row tile, column tile): groups of GROUP_M row tiles, row-fastest
+        per_group = GROUP_M * n_n
+        first = (t // per_group) * GROUP_M
+        rows = jnp.minimum(n_m - first, GROUP_M)
+        r = t % per_group
+        return first + r % rows, r // rows
+
+    w_spec = (pl.BlockSpec((bn, Kp), lambda t, *_: (tile(t)[1], 0)) if transpose_w
+              else pl.BlockSpec((Kp, bn), lambda t, *_: (0, tile(t)[1])))
+    x_spec = pl.BlockSpec((bm, Kp), lambda t, *_: (tile(t)[0], 0))
     compiler_params = None
     if not interpret and pltriton is not None:
         compiler_params = pltriton.CompilerParams(num_warps=bs.num_warps,
                                                   num_stages=bs.num_stages)
     if split:
-        grid = (Np // bn, Mp // bm, parts)
-        out_spec = pl.BlockSpec((None, bm, bn), lambda j, i, s: (s, i, j))
+        grid = (n_m * n_n, parts)
+        out_spec = pl.BlockSpec((None, bm, bn), lambda t, s: (s, *tile(t)))
         out_shape = jax.ShapeDtypeStruct((parts, Mp, Np), jnp.float32)
     else:
-        grid = (Np // bn, Mp // bm)
-        out_spec = pl.BlockSpec((bm, bn), lambda j, i: (i, j))
+        grid = (n_m * n_n,)
+        out_spec = pl.BlockSpec((bm, bn), lambda t: tile(t))
         out_shape = jax.ShapeDtypeStruct((Mp, Np), out_dtype)
     out = pl.pallas_call(
         functools.partial(_kernel, block_k=bk, n_k=Kp // bk, per=per, parts=parts,
                           w_nk=transpose_w, split=split),
         grid=grid,
-        in_specs=[pl.BlockSpec((bm, Kp), lambda j, i, *_: (i, 0)), w_spec],
+        in_specs=[x_spec, w_spec],
         out_specs=out_spec,
         out_shape=out_shape,
         compiler_params=compiler_params,

@@ -15,8 +15,9 @@ checks of each tiling on the device.
   fold; attention verify (T = 5) vs five one-token steps, split vs fold, a row alone in a
   smaller cache vs in the batch.
 
-Tilings: ``--mm "bm,bn,bk,warps,stages,split_programs;..."``, ``--attn
-"rows,block_k,chunk,warps,stages;..."`` (the first of each is the baseline of the x columns).
+Tilings: ``--mm "bm,bn,bk,warps,stages,split_programs,min_part;..."``, ``--attn
+"rows,block_k,chunk,warps,stages,fold_tiles;..."`` (the fields of `InvariantMatmulBlocks` and
+`InvariantAttentionBlocks` in order; trailing ones may be left out).
 
 Usage: python scripts/bench_invariant.py [--quick] [--out results.json]
 """
@@ -67,16 +68,14 @@ def median_time(fn, args, reps):
 def parse_mm(s):
     out = []
     for part in s.split(";"):
-        bm, bn, bk, w, st, sp = (int(v) for v in part.split(","))
-        out.append(InvariantMatmulBlocks(bm, bn, bk, w, st, sp))
+        out.append(InvariantMatmulBlocks(*(int(v) for v in part.split(","))))
     return out
 
 
 def parse_attn(s):
     out = []
     for part in s.split(";"):
-        r, bk, ch, w, st = (int(v) for v in part.split(","))
-        out.append(InvariantAttentionBlocks(r, bk, ch, w, st))
+        out.append(InvariantAttentionBlocks(*(int(v) for v in part.split(","))))
     return out
 
 
@@ -236,6 +235,12 @@ def check_attention_bits(cfgs, results, ctx=5000):
             ver = {m: run(q, k, v, L, m) for m in ("fold", "split")}
             steps = {m: np.stack([run(q[:, t:t + 1], k, v, L + t, m, T=1)[:, 0]
                                   for t in range(T)], 1) for m in ("fold", "split")}
+            # a prefill of 24 tokens at once (tiles folded in groups) vs in chunks of 8
+            T2 = 24
+            q2 = jax.random.normal(jax.random.key(6), (B, T2, 12, 128), BF16)
+            whole = run(q2, k, v, L, "auto", T=T2)
+            chunks = np.concatenate([run(q2[:, j:j + 8], k, v, L + j, "auto", T=8)
+                                     for j in range(0, T2, 8)], 1)
             b = 2
             S2 = int(L[b]) + T + 3
             alone = run(q[b:b + 1], k[:, b:b + 1, :, :S2], v[:, b:b + 1, :, :S2], L[b:b + 1],
@@ -244,7 +249,8 @@ def check_attention_bits(cfgs, results, ctx=5000):
                    "split==fold": bool(np.array_equal(ver["fold"], ver["split"])),
                    "verify==steps": bool(all(np.array_equal(ver[a], steps[c])
                                              for a in ver for c in steps)),
-                   "alone==batch": bool(np.array_equal(alone, ver["fold"][b]))}
+                   "alone==batch": bool(np.array_equal(alone, ver["fold"][b])),
+                   "prefill chunks==whole": bool(np.array_equal(whole, chunks))}
         except Exception as e:  # noqa: BLE001
             res = {"op": "attention-bits", "cfg": i, "err": repr(e)[:300]}
             traceback.print_exc()
@@ -254,8 +260,8 @@ def check_attention_bits(cfgs, results, ctx=5000):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mm", default="16,64,64,4,3,0;64,128,64,4,4,264")
-    ap.add_argument("--attn", default="16,64,1048576,4,2;16,64,2048,4,2")
+    ap.add_argument("--mm", default="16,64,64,4,3,0;64,128,64,4,4,264,8")
+    ap.add_argument("--attn", default="16,64,1048576,4,2,1;16,64,2048,4,2,4")
     ap.add_argument("--ctx", default="16384")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--skip", default="", help="comma-separated: mm,attn,bits")

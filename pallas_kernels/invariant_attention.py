@@ -50,7 +50,8 @@ FAR = 2 ** 30  # the window start of a padding row: it sees nothing
 class InvariantAttentionBlocks:
     """Tile sizes (fixed: never chosen from T, B or the cache size). ``chunk``: keys per part
     (absolute positions ``[c * chunk, (c + 1) * chunk)``), a multiple of ``block_k``.
-    ``fold_tiles`` only groups tiles into programs: it does not change the bits."""
+    ``fold_tiles`` / ``split_tiles`` only group tiles into programs: they do not change the
+    bits."""
 
     block_rows: int = 16
     block_k: int = 64
@@ -58,6 +59,7 @@ class InvariantAttentionBlocks:
     num_warps: int = 4
     num_stages: int = 2
     fold_tiles: int = 4  # tiles per program when folding tiles that read the same slots
+    split_tiles: int = 1  # the same in split mode (a verification's tiles)
 
 
 DEFAULT_BLOCKS = InvariantAttentionBlocks()
@@ -70,7 +72,7 @@ def supports(head_dim: int) -> bool:
 
 
 def _tile_blocks(pos, lo, block_k: int):
-    """The key blocks ``[first, last)`` holding every key some row of the tile sees."""
+    """The key blocks ``[first, last)`` holding every key some row of the tiles sees."""
     return jnp.maximum(jnp.min(lo), 0) // block_k, (jnp.max(pos) + block_k) // block_k
 
 
@@ -150,9 +152,7 @@ def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_r
     qs = tuple(q_ref[j] for j in range(P))
     poss = tuple(pos_ref[j] for j in range(P))
     los = tuple(lo_ref[j] for j in range(P))
-    pos_all, lo_all = pos_ref[...], lo_ref[...]
-    first = jnp.maximum(jnp.min(lo_all), 0) // block_k
-    last = (jnp.max(pos_all) + block_k) // block_k
+    first, last = _tile_blocks(pos_ref[...], lo_ref[...], block_k)
     cb = chunk // block_k
     R, D = qs[0].shape
 
@@ -170,15 +170,27 @@ def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_r
 
 def _split_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, m_ref,
                   l_ref, a_ref, *, block_k: int, chunk: int, **kw):
-    """A program per (tile, part): the part's state, written out for `_merge_kernel`."""
+    """A program per (group of tiles, part): each tile's state of the part, written out for
+    `_merge_kernel`."""
     c, h, b = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    q, pos, lo = q_ref[...], pos_ref[...], lo_ref[...]
-    first, last = _tile_blocks(pos, lo, block_k)
+    if q_ref.ndim == 2:  # one tile: [R, D]
+        qs, poss, los = (q_ref[...],), (pos_ref[...],), (lo_ref[...],)
+        first, last = _tile_blocks(poss[0], los[0], block_k)
+    else:  # [P, R, D]
+        P = q_ref.shape[0]
+        qs = tuple(q_ref[j] for j in range(P))
+        poss = tuple(pos_ref[j] for j in range(P))
+        los = tuple(lo_ref[j] for j in range(P))
+        first, last = _tile_blocks(pos_ref[...], lo_ref[...], block_k)
     cb = chunk // block_k
-    (m, l, a), = _part((q,), (pos,), (lo,), len_ref[b], anc_ref, k_ref, v_ref, layer_ref[0], b,
-                       h, jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
-                       block_k=block_k, **kw)
-    m_ref[...], l_ref[...], a_ref[...] = m, l, a
+    parts = _part(qs, poss, los, len_ref[b], anc_ref, k_ref, v_ref, layer_ref[0], b, h,
+                  jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
+                  block_k=block_k, **kw)
+    if q_ref.ndim == 2:
+        m_ref[...], l_ref[...], a_ref[...] = parts[0]
+    else:
+        for j, (m, l, a) in enumerate(parts):
+            m_ref[j], l_ref[j], a_ref[j] = m, l, a
 
 
 def _merge_kernel(m_ref, l_ref, a_ref, o_ref, *, parts: int):
@@ -203,8 +215,8 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     ``[B, K, NT, R, D]`` in q's dtype (module docstring). ``mode``: ``"fold"`` (a program per
     tile folds its parts), ``"split"`` (a program per tile and part, then a merge) or ``"auto"``
     (split while the tiles are few); the same bits either way. ``same_slots``: every tile of a
-    sequence has the same ``anc`` (causal tiles), so a folding program may take
-    ``fold_tiles`` of them."""
+    sequence has the same ``anc`` (causal tiles), so a program may take ``fold_tiles`` /
+    ``split_tiles`` of them."""
     bs = DEFAULT_BLOCKS if block_sizes is None else block_sizes
     B, K, NT, R, D = q_BKNRD.shape
     J = anc_BNJ.shape[-1]
@@ -230,15 +242,16 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
             q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
             anc_BNJ.astype(jnp.int32), k_LBKSD, v_LBKSD)
+    # a program takes P tiles (that read the same slots), loading each key block once for them
+    P = max(1, min(bs.split_tiles if split else bs.fold_tiles, NT)) if same_slots else 1
+    NP = -(-NT // P) * P
+    if NP != NT:  # padding tiles: rows that see nothing
+        pad = NP - NT
+        args = (*args[:2], jnp.pad(q_BKNRD, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))),
+                jnp.pad(args[3], ((0, 0), (0, pad), (0, 0)), constant_values=-1),
+                jnp.pad(args[4], ((0, 0), (0, pad), (0, 0)), constant_values=FAR),
+                jnp.pad(args[5], ((0, 0), (0, pad), (0, 0))), *args[6:])
     if not split:  # grid: tiles fastest, so the tiles of one sequence and head share K/V in L2
-        P = max(1, min(bs.fold_tiles, NT)) if same_slots else 1
-        NP = -(-NT // P) * P
-        if NP != NT:  # padding tiles: rows that see nothing
-            pad = NP - NT
-            args = (*args[:2], jnp.pad(q_BKNRD, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))),
-                    jnp.pad(args[3], ((0, 0), (0, pad), (0, 0)), constant_values=-1),
-                    jnp.pad(args[4], ((0, 0), (0, pad), (0, 0)), constant_values=FAR),
-                    jnp.pad(args[5], ((0, 0), (0, pad), (0, 0))), *args[6:])
         o = pl.pallas_call(
             functools.partial(_fold_kernel, **kw),
             grid=(NP // P, K, B),
@@ -256,26 +269,29 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
         )(*args)
         return o[:, :, :NT] if NP != NT else o
     C = parts
+    Pb = None if P == 1 else P  # one tile per program: the tile's dims squeezed
     m, l, a = pl.pallas_call(
         functools.partial(_split_kernel, **kw),
-        grid=(NT, C, K, B),
+        grid=(NP // P, C, K, B),
         in_specs=[full((1,)), full((B,)),
-                  pl.BlockSpec((None, None, None, R, D), lambda n, c, h, b: (b, h, n, 0, 0)),
-                  pl.BlockSpec((None, None, R), lambda n, c, h, b: (b, n, 0)),
-                  pl.BlockSpec((None, None, R), lambda n, c, h, b: (b, n, 0)),
-                  pl.BlockSpec((None, None, J), lambda n, c, h, b: (b, n, 0)),
+                  pl.BlockSpec((None, None, Pb, R, D), lambda n, c, h, b: (b, h, n, 0, 0)),
+                  pl.BlockSpec((None, Pb, R), lambda n, c, h, b: (b, n, 0)),
+                  pl.BlockSpec((None, Pb, R), lambda n, c, h, b: (b, n, 0)),
+                  pl.BlockSpec((None, None, J), lambda n, c, h, b: (b, n * P, 0)),
                   full(k_LBKSD.shape), full(v_LBKSD.shape)],
-        out_specs=[pl.BlockSpec((None, None, None, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
-                   pl.BlockSpec((None, None, None, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
-                   pl.BlockSpec((None, None, None, None, R, D),
+        out_specs=[pl.BlockSpec((None, None, Pb, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
+                   pl.BlockSpec((None, None, Pb, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
+                   pl.BlockSpec((None, None, Pb, None, R, D),
                                 lambda n, c, h, b: (b, h, n, c, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, K, NT, C, R), jnp.float32),
-                   jax.ShapeDtypeStruct((B, K, NT, C, R), jnp.float32),
-                   jax.ShapeDtypeStruct((B, K, NT, C, R, D), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((B, K, NP, C, R), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, NP, C, R), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, NP, C, R, D), jnp.float32)],
         compiler_params=compiler_params,
         interpret=interpret,
         name="invariant_attention_parts",
     )(*args)
+    if NP != NT:
+        m, l, a = m[:, :, :NT], l[:, :, :NT], a[:, :, :NT]
     return pl.pallas_call(
         functools.partial(_merge_kernel, parts=C),
         grid=(NT, K, B),

@@ -6,6 +6,8 @@ bits, and the results must still not depend on the batch, T, chunking or cache c
 several parts in play (the model-level tests in ``test_batch_invariant.py`` run the default
 blocks, whose parts are longer than their contexts)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,8 @@ from pallas_kernels.invariant_matmul import InvariantMatmulBlocks, invariant_mat
 BF16 = jnp.bfloat16
 MM_BLOCKS = InvariantMatmulBlocks(block_m=16, block_n=32, block_k=16, split_programs=16,
                                   min_part=2)
-ATT_BLOCKS = InvariantAttentionBlocks(block_rows=16, block_k=16, chunk=32, fold_tiles=3)
+ATT_BLOCKS = InvariantAttentionBlocks(block_rows=16, block_k=16, chunk=32, fold_tiles=3,
+                                      split_tiles=2)
 
 
 def test_k_parts_depend_on_k_and_n_only():
@@ -51,10 +54,10 @@ def test_matmul_split_equals_fold_and_rows_are_invariant(K, N, nk):
                 assert np.array_equal(mm(Xp, mode)[pos], ref), (M, pos, mode)
 
 
-def _tiles(q, k, v, L, *, T, mode, mask=None, window=None):
+def _tiles(q, k, v, L, *, T, mode, mask=None, window=None, blocks=ATT_BLOCKS):
     return np.asarray(invariant._attention_tiles(
         q, k, v, 0, L, mask, num_new=T, sm_scale=None, sliding_window=window, interpret=True,
-        blocks=ATT_BLOCKS, mode=mode), np.float32)
+        blocks=blocks, mode=mode), np.float32)
 
 
 def _inputs(seed, B=3, T=12, H=8, K=2, D=32, S=200):
@@ -68,12 +71,16 @@ def _inputs(seed, B=3, T=12, H=8, K=2, D=32, S=200):
 
 @pytest.mark.parametrize("window", [None, 37])
 def test_attention_parts_split_fold_steps_chunks(window):
-    """Several 32-key parts: split == fold (3 tiles per program) == one-token steps == a
-    prefill in chunks of 4, and close to the `jnp` form."""
+    """Several 32-key parts: split (2 tiles per program) == fold (3 tiles per program) ==
+    one-token steps == a prefill in chunks of 4, and close to the `jnp` form."""
     T = 12
     q, k, v, L = _inputs(0, T=T)
     fold = _tiles(q, k, v, L, T=T, mode="fold", window=window)
     assert np.array_equal(fold, _tiles(q, k, v, L, T=T, mode="split", window=window))
+    one = dataclasses.replace(ATT_BLOCKS, fold_tiles=1, split_tiles=1)
+    for mode in ("fold", "split"):  # a tile per program
+        assert np.array_equal(fold, _tiles(q, k, v, L, T=T, mode=mode, window=window,
+                                           blocks=one)), mode
     steps = np.stack([_tiles(q[:, t:t + 1], k, v, L + t, T=1, mode="auto", window=window)[:, 0]
                       for t in range(T)], 1)
     assert np.array_equal(fold, steps)
@@ -117,10 +124,11 @@ def test_attention_kernels_lower_for_cuda_in_both_modes():
     q = jax.ShapeDtypeStruct((B, T, H, D), BF16)
     kv = jax.ShapeDtypeStruct((2, B, K, S, D), BF16)
     ln = jax.ShapeDtypeStruct((B,), jnp.int32)
-    for mode in ("fold", "split"):
-        f = jax.jit(lambda q, k, v, ln, mode=mode: invariant._attention_tiles(
+    two = InvariantAttentionBlocks(split_tiles=2)  # a verification's 2 tiles in one program
+    for mode, blocks in (("fold", None), ("split", None), ("split", two)):
+        f = jax.jit(lambda q, k, v, ln, mode=mode, blocks=blocks: invariant._attention_tiles(
             q, k, v, 1, ln, None, num_new=T, sm_scale=None, sliding_window=None,
-            interpret=False, mode=mode))
+            interpret=False, mode=mode, blocks=blocks))
         txt = f.trace(q, kv, kv, ln).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in txt
         assert ("invariant_attention_merge" in txt) == (mode == "split")

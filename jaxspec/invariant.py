@@ -14,17 +14,20 @@ row (a token) with one fixed sequence of floating-point operations:
   (maxima), halving the axis, independent of every other dimension and of the backend's
   reduction emitter; `fixed_cumsum`: a fixed scan of elementwise adds (shifts by 1, 2, 4, ...).
 - `attention`: `pallas_kernels.invariant_attention` on GPUs and in the interpreter (head dims a
-  power of two >= 16), a `jnp` form of the same order elsewhere. An online softmax over blocks
-  of ``ATTENTION_BLOCK`` keys in *absolute key positions*: the query at position p reduces over
+  power of two >= 16), a `jnp` form elsewhere. An online softmax over blocks of
+  ``ATTENTION_BLOCK`` keys in *absolute key positions*: the query at position p reduces over
   positions ``0..p`` (its window's part with a sliding window) in blocks
   ``[i * block, (i + 1) * block)``, in increasing order; a token-tree node reads its ancestors
   as if they sat at consecutive slots (where a plain step finds them once they are committed);
   masked keys contribute exact zeros and blocks past a row's keys are exact no-ops. Scores and
   the weighted sum of values are elementwise products summed by `fixed_sum` in the `jnp` form
   (fixed-shape products of tiles of 16 rows in the kernel), so nothing depends on T, B, the
-  cache capacity or the other rows. So a verification of gamma + 1 tokens computes each
-  token's logits exactly as a one-token decode step would, and a prefill gives the same K/V in
-  any chunking.
+  cache capacity or the other rows. The kernel also cuts the keys into parts of fixed absolute
+  positions (2048 keys), each reduced from a fresh state and folded into the row's result in
+  increasing order, whether one program folds them or a program per part runs and a merge
+  folds them (decode: enough programs to stream the cache at full bandwidth). So a
+  verification of gamma + 1 tokens computes each token's logits exactly as a one-token decode
+  step would, and a prefill gives the same K/V in any chunking.
 
 - `sparse_attention`: the StreamingLLM self-draft's view (sink, window, retrieved blocks and the
   new tokens) gathered into a fixed number of slots and reduced by `fixed_max` / `fixed_sum`;
@@ -54,8 +57,12 @@ from each other; each is invariant on its own, and every forward of a decoding u
 self-draft's `sparse_attention` and `block_scores` are the `jnp` forms on every backend). Not
 there: shared-prefix (Hydragen) segments and sharded models (`jaxspec.session.Decoder` refuses
 the latter, and decodes shared prefixes unshared). The GPU kernels are tested in the
-interpreter and lowered for CUDA here; their speed and their bits on a GPU are still to be
-measured (``tests/test_batch_invariant.py::test_on_the_gpu``).
+interpreter and lowered for CUDA here (``tests/test_invariant_kernels.py`` too); on an H200
+(jax 0.11.2) ``tests/test_batch_invariant.py::test_on_the_gpu`` passes and
+``scripts/bench_invariant.py`` checks every tiling's bits. Speed there (random Qwen2.5-1.5B
+weights, 64 rows x 16384 prompt tokens, 128 new tokens through `jaxspec.generate`): decode
+1.34 s against 1.12 s by default (1.20x), prefill 23.3 s against 7.3 s (3.2x); per kernel,
+``benchmarks/invariant_h200.md``.
 """
 
 from __future__ import annotations
@@ -284,14 +291,15 @@ def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: i
 
 
 def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new: int, sm_scale,
-                     sliding_window, interpret: bool):
+                     sliding_window, interpret: bool, blocks=None, mode: str = "auto"):
     """`attention` through `pallas_kernels.invariant_attention`: causal queries in tiles of
     (token, head) rows that share their key slots; a tree's queries one node per tile (its
     ancestors' slots)."""
     B, T, H, D = q_BTHD.shape
     K = k_LBKSD.shape[2]
     G = H // K
-    R = attention_kernel.DEFAULT_BLOCKS.block_rows
+    blocks = attention_kernel.DEFAULT_BLOCKS if blocks is None else blocks
+    R = blocks.block_rows
     T_new = int(num_new)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
@@ -321,7 +329,9 @@ def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new:
     pos = jnp.where(real[None], pos, -1).reshape(B, NT, R)
     lo = jnp.where(real[None], lo, attention_kernel.FAR).reshape(B, NT, R)
     o = attention_kernel.invariant_attention(rows, pos, lo, anc, lengths, k_LBKSD, v_LBKSD, layer,
-                                             sm_scale=float(sm_scale), interpret=interpret)
+                                             sm_scale=float(sm_scale), interpret=interpret,
+                                             block_sizes=blocks, mode=mode,
+                                             same_slots=mask is None)
     if mask is None:
         o = o.reshape(B, K, NT * R, D)[:, :, :T * G].reshape(B, K, T, G, D)
     else:

@@ -15,6 +15,16 @@ keys leave its state exactly as it was. Per block: ``s = q @ k.T`` and ``acc += 
 fixed-shape products (``[block_rows, D] x [D, block_k]``, ``[block_rows, block_k] x
 [block_k, D]``), whose rows are independent of each other.
 
+The keys are cut into parts of ``chunk`` absolute positions ``[c * chunk, (c + 1) * chunk)``;
+each part's blocks run from a fresh state, and the parts' states are folded into the row's in
+increasing order (`_fold`: a part the row sees nothing of leaves it exactly as it was). Two
+ways run that arithmetic: ``"fold"``, a program per tile (or per group of ``fold_tiles``
+causal tiles, which share their key loads: prefill) folding its parts as it goes, and
+``"split"``, a program per (tile, part) writing its state and a merge kernel folding them
+(decode: a program per sequence and KV head alone would stream a long cache too slowly). The
+per-part code and the fold are the same functions in every kernel, so the two give the same
+bits (checked in the interpreter and on an H200); ``"auto"`` splits while the tiles are few.
+
 `jaxspec.invariant.attention` prepares the tiles (`invariant_attention`) and holds the `jnp`
 statement of the same order used on the CPU.
 """
@@ -38,15 +48,22 @@ FAR = 2 ** 30  # the window start of a padding row: it sees nothing
 
 @dataclasses.dataclass(frozen=True)
 class InvariantAttentionBlocks:
-    """Tile sizes (fixed: never chosen from T, B or the cache size)."""
+    """Tile sizes (fixed: never chosen from T, B or the cache size). ``chunk``: keys per part
+    (absolute positions ``[c * chunk, (c + 1) * chunk)``), a multiple of ``block_k``.
+    ``fold_tiles`` / ``split_tiles`` only group tiles into programs: they do not change the
+    bits."""
 
     block_rows: int = 16
     block_k: int = 64
+    chunk: int = 2048
     num_warps: int = 4
     num_stages: int = 2
+    fold_tiles: int = 4  # tiles per program when folding tiles that read the same slots
+    split_tiles: int = 1  # the same in split mode (a verification's tiles)
 
 
 DEFAULT_BLOCKS = InvariantAttentionBlocks()
+SPLIT_BELOW = 264  # mode "auto": a program per part while there are fewer tiles than this
 
 
 def supports(head_dim: int) -> bool:
@@ -54,28 +71,22 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def _kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, o_ref, *,
-            block_k: int, sm_scale: float, num_new: int, num_slots: int):
-    b, h, nt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
-    L = len_ref[b]
-    q = q_ref[...]  # [R, D]
-    pos = pos_ref[...]  # [R]: each row's last visible key position (-1: padding)
-    lo = lo_ref[...]  # [R]: its first visible position
-    R, D = q.shape
-    f32 = q.dtype == jnp.float32
-    prec = lax.Precision.HIGHEST if f32 else None
-    first = jnp.maximum(jnp.min(lo), 0) // block_k
-    last = (jnp.max(pos) + block_k) // block_k
+def _tile_blocks(pos, lo, block_k: int):
+    """The key blocks ``[first, last)`` holding every key some row of the tiles sees."""
+    return jnp.maximum(jnp.min(lo), 0) // block_k, (jnp.max(pos) + block_k) // block_k
 
-    def body(i, carry):
+
+def _part(qs, poss, los, L, anc_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block_k: int,
+          sm_scale: float, num_new: int, num_slots: int):
+    """The online softmax of each tile in ``qs`` (tiles whose rows read the same slots) over key
+    blocks ``[i0, i1)`` from a fresh state: per tile ``(max [R], sum [R], acc [R, D])``, float32.
+    A key block is loaded once for all of them; each tile's arithmetic is that of a tile alone."""
+    R, D = qs[0].shape
+    f32 = qs[0].dtype == jnp.float32
+    prec = lax.Precision.HIGHEST if f32 else None
+
+    def one(q, pos, lo, s_abs, k, v, carry):
         m_run, l_run, acc = carry
-        s_abs = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        rel = s_abs - L
-        a = anc_ref[jnp.clip(rel, 0, num_new - 1)]  # [N]: the new token at each depth
-        slot = jnp.clip(jnp.where(rel < 0, s_abs, L + a), 0, num_slots - 1)
-        k = k_ref[layer, b, h, slot, :]  # [N, D]
-        v = v_ref[layer, b, h, slot, :]
         ok = (s_abs[None, :] <= pos[:, None]) & (s_abs[None, :] >= lo[:, None])  # [R, N]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * sm_scale
@@ -90,28 +101,134 @@ def _kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, o
         pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
         return m_new, l_run, acc * scale[:, None] + pv
 
-    init = (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32),
+    def body(i, carry):
+        s_abs = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        rel = s_abs - L
+        a = anc_ref[jnp.clip(rel, 0, num_new - 1)]  # [N]: the new token at each depth
+        slot = jnp.clip(jnp.where(rel < 0, s_abs, L + a), 0, num_slots - 1)
+        k = k_ref[layer, b, h, slot, :]  # [N, D]
+        v = v_ref[layer, b, h, slot, :]
+        return tuple(one(q, pos, lo, s_abs, k, v, c)
+                     for q, pos, lo, c in zip(qs, poss, los, carry))
+
+    return lax.fori_loop(i0, i1, body, tuple(_fresh(R, D) for _ in qs))
+
+
+def _fold(state, part):
+    """``state`` followed by the next part's ``(max, sum, acc)``: the running max is kept or
+    replaced, the other side scaled by ``exp(difference)``; a part a row sees nothing of leaves
+    the row's state exactly as it was. Written with one product per sum, so every kernel that
+    folds computes the same bits."""
+    M, Ls, A = state
+    m, l, a = part
+    m_new = jnp.maximum(M, m)
+    m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
+    keep = M >= m
+    sa = jnp.exp(M - m_safe)
+    sc = jnp.exp(m - m_safe)
+    L_new = jnp.where(keep, Ls + l * sc, Ls * sa + l)
+    A_new = jnp.where(keep[:, None], A + a * sc[:, None], A * sa[:, None] + a)
+    empty = m == -jnp.inf
+    return (jnp.where(empty, M, m_new), jnp.where(empty, Ls, L_new),
+            jnp.where(empty[:, None], A, A_new))
+
+
+def _finish(state):
+    _, Ls, A = state
+    return A / jnp.where(Ls > 0, Ls, 1.0)[:, None]
+
+
+def _fresh(R, D):
+    return (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32),
             jnp.zeros((R, D), jnp.float32))
-    _, l_run, acc = lax.fori_loop(first, last, body, init)
-    o_ref[...] = (acc / jnp.where(l_run > 0, l_run, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
+def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, o_ref, *,
+                 block_k: int, chunk: int, **kw):
+    """A program per group of tiles (``q_ref [P, R, D]``, rows reading the same slots): their
+    parts in increasing order, each folded in as it is done."""
+    h, b = pl.program_id(1), pl.program_id(2)
+    P = q_ref.shape[0]
+    qs = tuple(q_ref[j] for j in range(P))
+    poss = tuple(pos_ref[j] for j in range(P))
+    los = tuple(lo_ref[j] for j in range(P))
+    first, last = _tile_blocks(pos_ref[...], lo_ref[...], block_k)
+    cb = chunk // block_k
+    R, D = qs[0].shape
+
+    def over(c, states):
+        parts = _part(qs, poss, los, len_ref[b], anc_ref, k_ref, v_ref, layer_ref[0], b, h,
+                      jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
+                      block_k=block_k, **kw)
+        return tuple(_fold(st, pt) for st, pt in zip(states, parts))
+
+    states = lax.fori_loop(first // cb, (last + cb - 1) // cb, over,
+                           tuple(_fresh(R, D) for _ in qs))
+    for j, st in enumerate(states):
+        o_ref[j] = _finish(st).astype(o_ref.dtype)
+
+
+def _split_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, m_ref,
+                  l_ref, a_ref, *, block_k: int, chunk: int, **kw):
+    """A program per (group of tiles, part): each tile's state of the part, written out for
+    `_merge_kernel`."""
+    c, h, b = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    if q_ref.ndim == 2:  # one tile: [R, D]
+        qs, poss, los = (q_ref[...],), (pos_ref[...],), (lo_ref[...],)
+        first, last = _tile_blocks(poss[0], los[0], block_k)
+    else:  # [P, R, D]
+        P = q_ref.shape[0]
+        qs = tuple(q_ref[j] for j in range(P))
+        poss = tuple(pos_ref[j] for j in range(P))
+        los = tuple(lo_ref[j] for j in range(P))
+        first, last = _tile_blocks(pos_ref[...], lo_ref[...], block_k)
+    cb = chunk // block_k
+    parts = _part(qs, poss, los, len_ref[b], anc_ref, k_ref, v_ref, layer_ref[0], b, h,
+                  jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
+                  block_k=block_k, **kw)
+    if q_ref.ndim == 2:
+        m_ref[...], l_ref[...], a_ref[...] = parts[0]
+    else:
+        for j, (m, l, a) in enumerate(parts):
+            m_ref[j], l_ref[j], a_ref[j] = m, l, a
+
+
+def _merge_kernel(m_ref, l_ref, a_ref, o_ref, *, parts: int):
+    """A program per tile: `_split_kernel`'s parts folded in increasing order."""
+    R, D = o_ref.shape
+
+    def over(c, state):
+        return _fold(state, (m_ref[c, :], l_ref[c, :], a_ref[c, :, :]))
+
+    o_ref[...] = _finish(lax.fori_loop(0, parts, over, _fresh(R, D))).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "mode",
+                                             "same_slots"))
 def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v_LBKSD, layer,
                         *, sm_scale: float, block_sizes: InvariantAttentionBlocks | None = None,
-                        interpret: bool = False):
+                        interpret: bool = False, mode: str = "auto", same_slots: bool = False):
     """Attention of query tiles ``q[B, K, NT, R, D]`` (R = ``block_rows``) over the stacked cache
     ``[L, B, K, S, D]`` at ``layer``. ``pos``/``lo`` ``[B, NT, R]``: each row's last and first
     visible key positions (padding rows: -1 and `FAR`); ``anc[B, NT, J]``: each tile's new token
     of depth d (J = the new tokens); ``lengths[B]``: the context before the new tokens. Returns
-    ``[B, K, NT, R, D]`` in q's dtype (module docstring)."""
+    ``[B, K, NT, R, D]`` in q's dtype (module docstring). ``mode``: ``"fold"`` (a program per
+    tile folds its parts), ``"split"`` (a program per tile and part, then a merge) or ``"auto"``
+    (split while the tiles are few); the same bits either way. ``same_slots``: every tile of a
+    sequence has the same ``anc`` (causal tiles), so a program may take ``fold_tiles`` /
+    ``split_tiles`` of them."""
     bs = DEFAULT_BLOCKS if block_sizes is None else block_sizes
     B, K, NT, R, D = q_BKNRD.shape
     J = anc_BNJ.shape[-1]
     S = k_LBKSD.shape[3]
-    if R != bs.block_rows or not supports(D):
+    if R != bs.block_rows or not supports(D) or bs.chunk % bs.block_k:
         raise ValueError(f"invariant_attention: tiles of {R} rows (want {bs.block_rows}), head "
-                         f"dim {D} (a power of two >= 16)")
+                         f"dim {D} (a power of two >= 16), chunk {bs.chunk} (a multiple of "
+                         f"block_k {bs.block_k})")
+    if mode not in ("auto", "fold", "split"):
+        raise ValueError(f"invariant_attention: mode {mode!r}")
+    parts = -(-S // bs.chunk)  # positions < S: every part a row can see
+    split = mode == "split" or (mode == "auto" and B * K * NT < SPLIT_BELOW and parts > 1)
     compiler_params = None
     if not interpret and pltriton is not None:
         compiler_params = pltriton.CompilerParams(num_warps=bs.num_warps,
@@ -120,22 +237,70 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     def full(shape):
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
-    kernel = functools.partial(_kernel, block_k=bs.block_k, sm_scale=float(sm_scale),
-                               num_new=J, num_slots=S)
-    return pl.pallas_call(
-        kernel,
-        grid=(B, K, NT),
+    kw = dict(block_k=bs.block_k, chunk=bs.chunk, sm_scale=float(sm_scale), num_new=J,
+              num_slots=S)
+    args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
+            q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
+            anc_BNJ.astype(jnp.int32), k_LBKSD, v_LBKSD)
+    # a program takes P tiles (that read the same slots), loading each key block once for them
+    P = max(1, min(bs.split_tiles if split else bs.fold_tiles, NT)) if same_slots else 1
+    NP = -(-NT // P) * P
+    if NP != NT:  # padding tiles: rows that see nothing
+        pad = NP - NT
+        args = (*args[:2], jnp.pad(q_BKNRD, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))),
+                jnp.pad(args[3], ((0, 0), (0, pad), (0, 0)), constant_values=-1),
+                jnp.pad(args[4], ((0, 0), (0, pad), (0, 0)), constant_values=FAR),
+                jnp.pad(args[5], ((0, 0), (0, pad), (0, 0))), *args[6:])
+    if not split:  # grid: tiles fastest, so the tiles of one sequence and head share K/V in L2
+        o = pl.pallas_call(
+            functools.partial(_fold_kernel, **kw),
+            grid=(NP // P, K, B),
+            in_specs=[full((1,)), full((B,)),
+                      pl.BlockSpec((None, None, P, R, D), lambda n, h, b: (b, h, n, 0, 0)),
+                      pl.BlockSpec((None, P, R), lambda n, h, b: (b, n, 0)),
+                      pl.BlockSpec((None, P, R), lambda n, h, b: (b, n, 0)),
+                      pl.BlockSpec((None, None, J), lambda n, h, b: (b, n * P, 0)),
+                      full(k_LBKSD.shape), full(v_LBKSD.shape)],
+            out_specs=pl.BlockSpec((None, None, P, R, D), lambda n, h, b: (b, h, n, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((B, K, NP, R, D), q_BKNRD.dtype),
+            compiler_params=compiler_params,
+            interpret=interpret,
+            name="invariant_attention",
+        )(*args)
+        return o[:, :, :NT] if NP != NT else o
+    C = parts
+    Pb = None if P == 1 else P  # one tile per program: the tile's dims squeezed
+    m, l, a = pl.pallas_call(
+        functools.partial(_split_kernel, **kw),
+        grid=(NP // P, C, K, B),
         in_specs=[full((1,)), full((B,)),
-                  pl.BlockSpec((None, None, None, R, D), lambda b, h, n: (b, h, n, 0, 0)),
-                  pl.BlockSpec((None, None, R), lambda b, h, n: (b, n, 0)),
-                  pl.BlockSpec((None, None, R), lambda b, h, n: (b, n, 0)),
-                  pl.BlockSpec((None, None, J), lambda b, h, n: (b, n, 0)),
+                  pl.BlockSpec((None, None, Pb, R, D), lambda n, c, h, b: (b, h, n, 0, 0)),
+                  pl.BlockSpec((None, Pb, R), lambda n, c, h, b: (b, n, 0)),
+                  pl.BlockSpec((None, Pb, R), lambda n, c, h, b: (b, n, 0)),
+                  pl.BlockSpec((None, None, J), lambda n, c, h, b: (b, n * P, 0)),
                   full(k_LBKSD.shape), full(v_LBKSD.shape)],
-        out_specs=pl.BlockSpec((None, None, None, R, D), lambda b, h, n: (b, h, n, 0, 0)),
+        out_specs=[pl.BlockSpec((None, None, Pb, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
+                   pl.BlockSpec((None, None, Pb, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
+                   pl.BlockSpec((None, None, Pb, None, R, D),
+                                lambda n, c, h, b: (b, h, n, c, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, K, NP, C, R), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, NP, C, R), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, NP, C, R, D), jnp.float32)],
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="invariant_attention_parts",
+    )(*args)
+    if NP != NT:
+        m, l, a = m[:, :, :NT], l[:, :, :NT], a[:, :, :NT]
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, parts=C),
+        grid=(NT, K, B),
+        in_specs=[pl.BlockSpec((None, None, None, C, R), lambda n, h, b: (b, h, n, 0, 0)),
+                  pl.BlockSpec((None, None, None, C, R), lambda n, h, b: (b, h, n, 0, 0)),
+                  pl.BlockSpec((None, None, None, C, R, D), lambda n, h, b: (b, h, n, 0, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, None, R, D), lambda n, h, b: (b, h, n, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(q_BKNRD.shape, q_BKNRD.dtype),
         compiler_params=compiler_params,
         interpret=interpret,
-        name="invariant_attention",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32), q_BKNRD,
-      pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32), anc_BNJ.astype(jnp.int32),
-      k_LBKSD, v_LBKSD)
+        name="invariant_attention_merge",
+    )(m, l, a)

@@ -1,17 +1,23 @@
 """A batch-invariant matrix product ``x[M, K] @ w[K, N]`` (Pallas, Triton lowering on GPUs).
 
 Each output row is computed by the same sequence of floating-point operations whatever M is and
-whatever the other rows hold: the rows are padded to whole tiles of ``block_m`` rows, every
-program computes one ``[block_m, block_n]`` output tile, and its reduction over K runs in one
-fixed order, blocks of ``block_k`` in increasing order accumulated in float32, each block one
-``[block_m, block_k] @ [block_k, block_n]`` product of fixed shape. The block sizes depend on K and
-N only (never on M), so a row gives the same bits in a decode step (M = batch), a verification
-(M = batch x (gamma + 1)) or a prefill chunk. XLA's own dot picks its algorithm from all three
-dimensions (on the CPU M = 1 is a matrix-vector product with another summation order; on GPUs
-cuBLAS changes tiles and split-K with M), which is what this kernel avoids.
+whatever the other rows hold: the rows are padded to whole tiles of ``block_m`` rows, and an
+output tile ``[block_m, block_n]`` reduces over K in fixed parts (`k_parts`: from K, N and the
+block sizes only, never from M), each part from a zero float32 accumulator over its blocks of
+``block_k`` in increasing order, each block one ``[block_m, block_k] @ [block_k, block_n]``
+product of fixed shape; the parts' sums are then added in increasing order, ``((p0 + p1) + p2)
++ ...``. So a row gives the same bits in a decode step (M = batch), a verification (M = batch x
+(gamma + 1)) or a prefill chunk. XLA's own dot picks its algorithm from all three dimensions (on
+the CPU M = 1 is a matrix-vector product with another summation order; on GPUs cuBLAS changes
+tiles and split-K with M), which is what this kernel avoids.
 
-The grid is ``(N / block_n, M_pad / block_m)``, N-major: the programs of one weight tile run next
-to each other, so a weight tile comes from HBM once and from L2 for the other row tiles.
+Two ways to run the same arithmetic: ``"fold"``, a program per output tile that adds its parts
+itself (prefill: many tiles), and ``"split"``, a program per (tile, part) writing float32
+partials that XLA then adds in the same order (decode: few tiles, too few programs to stream
+the weights at full bandwidth otherwise). The additions are plain float32 adds of the same
+values in the same order, so both give the same bits; ``"auto"`` splits while the tiles are
+fewer than `SPLIT_BELOW`. The programs run in groups of `GROUP_M` row tiles that take each
+column tile in turn, so a weight tile is read from HBM once for the group.
 
 `invariant_matmul_reference` is the plain-`jnp` statement of the same contract (tiles of
 ``block_m`` rows, one fixed-shape dot each, through `lax.map`), used on the CPU: XLA's CPU dot of
@@ -37,17 +43,24 @@ except ImportError:  # pragma: no cover - a jax without the Triton backend
 @dataclasses.dataclass(frozen=True)
 class InvariantMatmulBlocks:
     """Tile sizes of `invariant_matmul` (``block_n``/``block_k``: the largest power of two at
-    most this large dividing N / K, at least 16; otherwise the operand is padded)."""
+    most this large dividing N / K, at least 16; otherwise the operand is padded).
+    ``split_programs``: K is cut into fixed parts (`k_parts`, from K and N only) so that the
+    ``N / block_n`` column tiles times the parts make at least this many programs (0: one part),
+    each part at least ``min_part`` blocks long."""
 
-    block_m: int = 16
-    block_n: int = 64
+    block_m: int = 64
+    block_n: int = 128
     block_k: int = 64
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
+    split_programs: int = 264
+    min_part: int = 8  # blocks of block_k per K part, at least (short parts slow a prefill)
 
 
 DEFAULT_BLOCKS = InvariantMatmulBlocks()
 CPU_TILE_ROWS = 16  # rows per fixed-shape dot of `invariant_matmul_reference`
+SPLIT_BELOW = 132  # `invariant_matmul` mode "auto": parts as programs below this many tiles
+GROUP_M = 8  # row tiles that take each column tile in turn (weights from L2, rows too)
 
 
 def _fit(n: int, most: int) -> int:
@@ -69,8 +82,25 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, pad)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_k: int, w_nk: bool):
-    bm, bn = o_ref.shape
+def k_parts(K: int, N: int, bs: InvariantMatmulBlocks = None) -> tuple[int, int, int, int]:
+    """``(block_n, block_k, parts, blocks per part)`` for a ``[.., K] @ [K, N]`` product: the
+    reduction over K runs in ``parts`` fixed parts of ``blocks per part`` blocks of ``block_k``
+    (the last one shorter), from K, N and the block sizes only. Each part has at least two
+    blocks when there are several."""
+    bs = DEFAULT_BLOCKS if bs is None else bs
+    bn, bk = _fit(N, bs.block_n), _fit(K, bs.block_k)
+    n_k = -(-K // bk)
+    tiles = -(-N // bn)
+    parts = 1
+    if bs.split_programs > 0:
+        parts = max(1, min(-(-bs.split_programs // tiles), n_k // max(bs.min_part, 2)))
+    per = -(-n_k // parts)
+    return bn, bk, -(-n_k // per), per
+
+
+def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_k: int, per: int, parts: int, w_nk: bool,
+            split: bool):
+    bm, bn = o_ref.shape[-2:]
 
     def body(i, acc):
         xk = x_ref[:, pl.ds(i * block_k, block_k)]
@@ -81,47 +111,87 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_k: int, w_nk: bool):
         wk = w_ref[pl.ds(i * block_k, block_k), :]
         return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    def part(s):  # blocks [s * per, min((s + 1) * per, n_k)) from a zero accumulator
+        return lax.fori_loop(s * per, jnp.minimum((s + 1) * per, n_k), body,
+                             jnp.zeros((bm, bn), jnp.float32))
+
+    if split:  # this program's part, a float32 partial: the caller adds the parts in order
+        o_ref[...] = part(pl.program_id(1))
+        return
+    total = part(0)  # the parts added in increasing order: ((p0 + p1) + p2) + ...
+    if parts > 1:
+        total = lax.fori_loop(1, parts, lambda s, t: t + part(s), total)
+    o_ref[...] = total.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret",
-                                             "transpose_w"))
+                                             "transpose_w", "mode"))
 def invariant_matmul(x_MK, w_KN, *, out_dtype=None, block_sizes: InvariantMatmulBlocks | None = None,
-                     interpret: bool = False, transpose_w: bool = False):
+                     interpret: bool = False, transpose_w: bool = False, mode: str = "auto"):
     """``x @ w`` (``[M, K] @ [K, N] -> [M, N]`` in ``out_dtype``, default x's dtype), each row by
     one fixed sequence of operations (module docstring). ``transpose_w``: ``w`` is stored
     ``[N, K]`` (``x @ w.T``, read in place: a tied embedding as the LM head). Runs compiled on a
-    GPU (Triton) or in the Pallas interpreter with ``interpret=True``."""
+    GPU (Triton) or in the Pallas interpreter with ``interpret=True``. ``mode``: ``"fold"`` (a
+    program adds its tile's K parts itself), ``"split"`` (a program per part, float32 partials
+    added in order afterwards) or ``"auto"`` (split while the tiles are too few to fill the GPU);
+    the two give the same bits."""
     bs = DEFAULT_BLOCKS if block_sizes is None else block_sizes
     M, K = x_MK.shape
     K2, N = w_KN.shape[::-1] if transpose_w else w_KN.shape
     if K != K2:
         raise ValueError(f"invariant_matmul: x is [{M}, {K}] but w is {list(w_KN.shape)}"
                          f"{' (transposed)' if transpose_w else ''}")
+    if mode not in ("auto", "fold", "split"):
+        raise ValueError(f"invariant_matmul: mode {mode!r}")
     out_dtype = x_MK.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    bm, bn, bk = bs.block_m, _fit(N, bs.block_n), _fit(K, bs.block_k)
+    bm = bs.block_m
+    bn, bk, parts, per = k_parts(K, N, bs)
     x = _pad_to(_pad_to(x_MK, 0, bm), 1, bk)  # zero rows / columns: they add exact zeros
     kd, nd = (1, 0) if transpose_w else (0, 1)
     w = _pad_to(_pad_to(w_KN.astype(x_MK.dtype), kd, bk), nd, bn)  # (a copy only on a misfit)
     Mp, Kp = x.shape
     Np = w.shape[nd]
-    w_spec = (pl.BlockSpec((bn, Kp), lambda j, i: (j, 0)) if transpose_w
-              else pl.BlockSpec((Kp, bn), lambda j, i: (0, j)))
+    n_m, n_n = Mp // bm, Np // bn
+    split = parts > 1 and (mode == "split" or (mode == "auto" and n_m * n_n < SPLIT_BELOW))
+
+    def tile(t):  # program t -> (row tile, column tile): groups of GROUP_M row tiles, row-fastest
+        per_group = GROUP_M * n_n
+        first = (t // per_group) * GROUP_M
+        rows = jnp.minimum(n_m - first, GROUP_M)
+        r = t % per_group
+        return first + r % rows, r // rows
+
+    w_spec = (pl.BlockSpec((bn, Kp), lambda t, *_: (tile(t)[1], 0)) if transpose_w
+              else pl.BlockSpec((Kp, bn), lambda t, *_: (0, tile(t)[1])))
+    x_spec = pl.BlockSpec((bm, Kp), lambda t, *_: (tile(t)[0], 0))
     compiler_params = None
     if not interpret and pltriton is not None:
         compiler_params = pltriton.CompilerParams(num_warps=bs.num_warps,
                                                   num_stages=bs.num_stages)
+    if split:
+        grid = (n_m * n_n, parts)
+        out_spec = pl.BlockSpec((None, bm, bn), lambda t, s: (s, *tile(t)))
+        out_shape = jax.ShapeDtypeStruct((parts, Mp, Np), jnp.float32)
+    else:
+        grid = (n_m * n_n,)
+        out_spec = pl.BlockSpec((bm, bn), lambda t: tile(t))
+        out_shape = jax.ShapeDtypeStruct((Mp, Np), out_dtype)
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=bk, n_k=Kp // bk, w_nk=transpose_w),
-        grid=(Np // bn, Mp // bm),
-        in_specs=[pl.BlockSpec((bm, Kp), lambda j, i: (i, 0)), w_spec],
-        out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((Mp, Np), out_dtype),
+        functools.partial(_kernel, block_k=bk, n_k=Kp // bk, per=per, parts=parts,
+                          w_nk=transpose_w, split=split),
+        grid=grid,
+        in_specs=[x_spec, w_spec],
+        out_specs=out_spec,
+        out_shape=out_shape,
         compiler_params=compiler_params,
         interpret=interpret,
         name="invariant_matmul",
     )(x, w)
+    if split:  # the same additions as the fold: ((p0 + p1) + p2) + ..., in float32
+        total = out[0]
+        for s in range(1, parts):
+            total = total + out[s]
+        out = total.astype(out_dtype)
     return out[:M, :N]
 
 

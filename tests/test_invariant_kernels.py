@@ -1,0 +1,134 @@
+"""The batch-invariant Pallas kernels' two ways of running the same arithmetic, in the
+interpreter: the matmul's K parts folded in one program or split over programs and added
+afterwards, and the attention's key parts (fixed absolute positions) folded in one program (one
+or several tiles per program) or split over programs and merged. Each pair must give the same
+bits, and the results must still not depend on the batch, T, chunking or cache capacity with
+several parts in play (the model-level tests in ``test_batch_invariant.py`` run the default
+blocks, whose parts are longer than their contexts)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import invariant
+from jaxspec.tree import TokenTree
+from pallas_kernels.invariant_attention import InvariantAttentionBlocks
+from pallas_kernels.invariant_matmul import InvariantMatmulBlocks, invariant_matmul, k_parts
+
+BF16 = jnp.bfloat16
+MM_BLOCKS = InvariantMatmulBlocks(block_m=16, block_n=32, block_k=16, split_programs=16,
+                                  min_part=2)
+ATT_BLOCKS = InvariantAttentionBlocks(block_rows=16, block_k=16, chunk=32, fold_tiles=3,
+                                      split_tiles=2)
+
+
+def test_k_parts_depend_on_k_and_n_only():
+    assert k_parts(8960, 1536) == (128, 64, 16, 9)  # Qwen2.5-1.5B's down projection
+    assert k_parts(1536, 151936)[2] == 1  # an LM head: enough column tiles, one part
+    bn, bk, parts, per = k_parts(192, 160, MM_BLOCKS)
+    assert (bn, bk) == (32, 16) and parts > 1 and per >= MM_BLOCKS.min_part
+    assert (parts - 1) * per < 192 // bk <= parts * per
+
+
+@pytest.mark.parametrize("K,N,nk", [(192, 160, False), (200, 96, False), (192, 160, True)])
+def test_matmul_split_equals_fold_and_rows_are_invariant(K, N, nk):
+    rng = np.random.default_rng(K + N)
+    w = jnp.asarray(rng.normal(size=(N, K) if nk else (K, N)) / np.sqrt(K), BF16)
+    row = jnp.asarray(rng.normal(size=(1, K)), BF16)
+
+    def mm(x, mode):
+        return np.asarray(invariant_matmul(x, w, out_dtype=jnp.float32, interpret=True,
+                                           block_sizes=MM_BLOCKS, mode=mode, transpose_w=nk))
+    ref = mm(row, "fold")[0]
+    w64 = np.asarray(w, np.float64)
+    np.testing.assert_allclose(ref, np.asarray(row, np.float64)[0] @ (w64.T if nk else w64),
+                               rtol=1e-5, atol=1e-5)
+    for M in (5, 16, 40):
+        X = jnp.asarray(rng.normal(size=(M, K)), BF16)
+        for pos in (0, M - 1):
+            Xp = X.at[pos].set(row[0])
+            for mode in ("fold", "split", "auto"):
+                assert np.array_equal(mm(Xp, mode)[pos], ref), (M, pos, mode)
+
+
+def _tiles(q, k, v, L, *, T, mode, mask=None, window=None, blocks=ATT_BLOCKS):
+    return np.asarray(invariant._attention_tiles(
+        q, k, v, 0, L, mask, num_new=T, sm_scale=None, sliding_window=window, interpret=True,
+        blocks=blocks, mode=mode), np.float32)
+
+
+def _inputs(seed, B=3, T=12, H=8, K=2, D=32, S=200):
+    rng = np.random.default_rng(seed)
+    L = jnp.asarray([9, 70, S - T - 3][:B], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), BF16)
+    k = jnp.asarray(rng.normal(size=(1, B, K, S, D)), BF16)
+    v = jnp.asarray(rng.normal(size=(1, B, K, S, D)), BF16)
+    return q, k, v, L
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_attention_parts_split_fold_steps_chunks(window):
+    """Several 32-key parts: split (2 tiles per program) == fold (3 tiles per program) ==
+    one-token steps == a prefill in chunks of 4, and close to the `jnp` form."""
+    T = 12
+    q, k, v, L = _inputs(0, T=T)
+    fold = _tiles(q, k, v, L, T=T, mode="fold", window=window)
+    assert np.array_equal(fold, _tiles(q, k, v, L, T=T, mode="split", window=window))
+    one = dataclasses.replace(ATT_BLOCKS, fold_tiles=1, split_tiles=1)
+    for mode in ("fold", "split"):  # a tile per program
+        assert np.array_equal(fold, _tiles(q, k, v, L, T=T, mode=mode, window=window,
+                                           blocks=one)), mode
+    steps = np.stack([_tiles(q[:, t:t + 1], k, v, L + t, T=1, mode="auto", window=window)[:, 0]
+                      for t in range(T)], 1)
+    assert np.array_equal(fold, steps)
+    chunks = np.concatenate([_tiles(q[:, j:j + 4], k, v, L + j, T=4, mode="fold", window=window)
+                             for j in range(0, T, 4)], 1)
+    assert np.array_equal(fold, chunks)
+    ref = np.asarray(invariant.attention(q, k, v, 0, L, None, num_new=T, sliding_window=window,
+                                         impl="invariant"), np.float32)
+    np.testing.assert_allclose(fold, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_attention_parts_row_alone_and_tree():
+    """A row alone in a cache of its own capacity, and a tree node vs its path compacted, with
+    several parts; both modes."""
+    T = 6
+    q, k, v, L = _inputs(1, T=T)
+    full = _tiles(q, k, v, L, T=T, mode="split")
+    b = 1
+    S2 = int(L[b]) + T + 2
+    for mode in ("fold", "split"):
+        alone = _tiles(q[b:b + 1], k[:, b:b + 1, :, :S2], v[:, b:b + 1, :, :S2], L[b:b + 1], T=T,
+                       mode=mode)[0]
+        assert np.array_equal(alone, full[b]), mode
+    tree = TokenTree.from_parents([-1, 0, 0, 1, 2, 4])
+    path = [0, 2, 4, 5]
+    B = q.shape[0]
+    Ln = np.asarray(L)
+    b_idx = np.arange(B)[:, None]
+    kc = k.at[0, b_idx, :, Ln[:, None] + np.arange(4)[None]].set(
+        k[0, b_idx, :, Ln[:, None] + np.asarray(path)[None]])
+    vc = v.at[0, b_idx, :, Ln[:, None] + np.arange(4)[None]].set(
+        v[0, b_idx, :, Ln[:, None] + np.asarray(path)[None]])
+    step = _tiles(q[:, 5:6], kc, vc, L + 3, T=1, mode="split")[:, 0]
+    for mode in ("fold", "split"):
+        tv = _tiles(q, k, v, L, T=T, mode=mode, mask=jnp.asarray(tree.ancestor_mask))[:, 5]
+        assert np.array_equal(tv, step), mode
+
+
+def test_attention_kernels_lower_for_cuda_in_both_modes():
+    B, T, H, K, D, S = 4, 5, 12, 2, 128, 4200
+    q = jax.ShapeDtypeStruct((B, T, H, D), BF16)
+    kv = jax.ShapeDtypeStruct((2, B, K, S, D), BF16)
+    ln = jax.ShapeDtypeStruct((B,), jnp.int32)
+    two = InvariantAttentionBlocks(split_tiles=2)  # a verification's 2 tiles in one program
+    for mode, blocks in (("fold", None), ("split", None), ("split", two)):
+        f = jax.jit(lambda q, k, v, ln, mode=mode, blocks=blocks: invariant._attention_tiles(
+            q, k, v, 1, ln, None, num_new=T, sm_scale=None, sliding_window=None,
+            interpret=False, mode=mode, blocks=blocks))
+        txt = f.trace(q, kv, kv, ln).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in txt
+        assert ("invariant_attention_merge" in txt) == (mode == "split")

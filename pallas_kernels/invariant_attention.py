@@ -138,6 +138,13 @@ def _finish(state):
     return A / jnp.where(Ls > 0, Ls, 1.0)[:, None]
 
 
+def _group(q_ref, pos_ref, lo_ref):
+    """A group of tiles' queries, positions and window starts, one tuple entry per tile."""
+    P = q_ref.shape[0]
+    return (tuple(q_ref[j] for j in range(P)), tuple(pos_ref[j] for j in range(P)),
+            tuple(lo_ref[j] for j in range(P)))
+
+
 def _fresh(R, D):
     return (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32),
             jnp.zeros((R, D), jnp.float32))
@@ -148,10 +155,7 @@ def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_r
     """A program per group of tiles (``q_ref [P, R, D]``, rows reading the same slots): their
     parts in increasing order, each folded in as it is done."""
     h, b = pl.program_id(1), pl.program_id(2)
-    P = q_ref.shape[0]
-    qs = tuple(q_ref[j] for j in range(P))
-    poss = tuple(pos_ref[j] for j in range(P))
-    los = tuple(lo_ref[j] for j in range(P))
+    qs, poss, los = _group(q_ref, pos_ref, lo_ref)
     first, last = _tile_blocks(pos_ref[...], lo_ref[...], block_k)
     cb = chunk // block_k
     R, D = qs[0].shape
@@ -177,10 +181,7 @@ def _split_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_
         qs, poss, los = (q_ref[...],), (pos_ref[...],), (lo_ref[...],)
         first, last = _tile_blocks(poss[0], los[0], block_k)
     else:  # [P, R, D]
-        P = q_ref.shape[0]
-        qs = tuple(q_ref[j] for j in range(P))
-        poss = tuple(pos_ref[j] for j in range(P))
-        los = tuple(lo_ref[j] for j in range(P))
+        qs, poss, los = _group(q_ref, pos_ref, lo_ref)
         first, last = _tile_blocks(pos_ref[...], lo_ref[...], block_k)
     cb = chunk // block_k
     parts = _part(qs, poss, los, len_ref[b], anc_ref, k_ref, v_ref, layer_ref[0], b, h,

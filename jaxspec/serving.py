@@ -268,6 +268,11 @@ class ServingEngine:
                                      prefill_chunk=prefill_chunk, serving=True,
                                      batch_invariant=batch_invariant)
         self.batch_invariant = dec.batch_invariant
+        if self.batch_invariant and speculation is not None and (
+                speculation.adaptive or speculation.gamma == "auto"):
+            log.warning("batch-invariant serving with adaptive speculation: greedy requests are "
+                        "invariant; sampled ones are not (adaptive chunks are chosen from all "
+                        "the slots): use a fixed gamma with adaptive=False for those")
         self.model = dec.model
         self.config = cfg = dec.config
         self.tokenizer = model.tokenizer

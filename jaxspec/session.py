@@ -25,6 +25,7 @@ import functools
 import math
 import numbers
 import time
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -434,6 +435,15 @@ class Decoder:
                                     or isinstance(max_len, bool) or max_len < 1):
             raise ValueError(f"max_len must be an int >= 1 or None, got {max_len!r}")
         token_lists = encode_prompts(model, prompts, chat)
+        spec = self.speculation
+        if (self.batch_invariant and temperature > 0 and spec is not None
+                and (spec.adaptive or spec.gamma == "auto")):
+            warnings.warn(
+                "batch_invariant=True with sampling and adaptive speculation: the adaptive "
+                "rounds (plain stretches, gamma='auto') are chosen for the whole batch, so a "
+                "prompt's sampled tokens depend on the other rows; pass Speculation(..., "
+                "adaptive=False) with an int gamma (or a tree) for invariant sampled tokens",
+                stacklevel=3)
         if isinstance(seed, (list, tuple)) and len(seed) != len(token_lists):
             raise ValueError(f"seed has {len(seed)} values for {len(token_lists)} prompts: give "
                              f"one int, or one per prompt")

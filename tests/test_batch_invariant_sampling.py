@@ -282,3 +282,27 @@ def test_invariant_speculative_sampling_has_target_distribution(kind, tree, temp
                            top_k=top_k, seed=3, speculation=spec, batch_invariant=True)
     joint = _exact_two_token_dist(target, prompt, temperature, top_k)
     assert _chi2_pvalue([tuple(t[:2]) for t in res.tokens], joint) > 1e-3
+
+
+def test_adaptive_speculation_with_invariant_sampling_warns(caplog):
+    """Adaptive rounds are chosen for the whole batch: sampled tokens then depend on the other
+    rows, which `generate` says (greedy and non-adaptive calls say nothing)."""
+    import warnings
+
+    from jaxspec.serving import ServingEngine
+    model = tiny_model(seed=1, dtype=jnp.bfloat16)
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    with pytest.warns(UserWarning, match="adaptive speculation"):
+        jaxspec.generate(model, prompts, max_new_tokens=3, temperature=0.8, seed=[1, 2],
+                         batch_invariant=True, speculation=Speculation(gamma=2, sink=4, window=16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxspec.generate(model, prompts, max_new_tokens=3, temperature=0.0, batch_invariant=True,
+                         speculation=Speculation(gamma=2, sink=4, window=16))
+        jaxspec.generate(model, prompts, max_new_tokens=3, temperature=0.8, seed=[1, 2],
+                         batch_invariant=True,
+                         speculation=Speculation(gamma=2, sink=4, window=16, adaptive=False))
+    with caplog.at_level("WARNING", logger="jaxspec.serving"):
+        ServingEngine(model, max_batch=2, max_len=32, batch_invariant=True,
+                      speculation=Speculation(gamma=2, sink=4, window=16))
+    assert "sampled ones are not" in caplog.text

@@ -216,6 +216,15 @@ def uses_kernel(impl: str, head_dim: int) -> bool:
             and (impl == "invariant-interpret" or jax.default_backend() == "gpu"))
 
 
+
+def _layer_inputs(k_LBKSD, v_LBKSD, layer, sm_scale, D):
+    """``(sm_scale, k [B, K, S, D], v)``: the softmax scale (1 / sqrt(D) by default) and one
+    layer's keys and values of a stacked cache."""
+    layer = jnp.asarray(layer, jnp.int32)
+    k = jax.lax.dynamic_index_in_dim(k_LBKSD, layer, axis=0, keepdims=False)
+    v = jax.lax.dynamic_index_in_dim(v_LBKSD, layer, axis=0, keepdims=False)
+    return (1.0 / math.sqrt(D) if sm_scale is None else sm_scale), k, v
+
 def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: int,
               sm_scale=None, sliding_window=None, block: int = ATTENTION_BLOCK,
               impl: str = "invariant"):
@@ -232,12 +241,8 @@ def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: i
     K, S = k_LBKSD.shape[2], k_LBKSD.shape[3]
     G = H // K
     T_new = int(num_new)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
+    sm_scale, k_all, v_all = _layer_inputs(k_LBKSD, v_LBKSD, layer, sm_scale, D)  # [B, K, S, D]
     lengths = lengths.astype(jnp.int32)
-    layer = jnp.asarray(layer, jnp.int32)
-    k_all = jax.lax.dynamic_index_in_dim(k_LBKSD, layer, axis=0, keepdims=False)  # [B, K, S, D]
-    v_all = jax.lax.dynamic_index_in_dim(v_LBKSD, layer, axis=0, keepdims=False)
     if mask is None:
         depth = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (T_new - T), (B, T))
         anc = None
@@ -356,12 +361,8 @@ def sparse_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num
     G = H // K
     T_new = int(num_new)
     sink, window = int(sink or 0), int(window or 0)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
+    sm_scale, k_all, v_all = _layer_inputs(k_LBKSD, v_LBKSD, layer, sm_scale, D)  # [B, K, S, D]
     L = lengths.astype(jnp.int32)
-    layer = jnp.asarray(layer, jnp.int32)
-    k_all = jax.lax.dynamic_index_in_dim(k_LBKSD, layer, axis=0, keepdims=False)  # [B, K, S, D]
-    v_all = jax.lax.dynamic_index_in_dim(v_LBKSD, layer, axis=0, keepdims=False)
     # new-token visibility [B, T, T_new]: causal or the tree mask, windowed by W
     if mask is None:
         t = jnp.arange(T, dtype=jnp.int32)[:, None] + (T_new - T)

@@ -6,8 +6,9 @@ and without ``batch_invariant=True``; and what the invariant numerics cost.
 the first half, one row alone and the batch in another order (rows 32..63 first, then 31..0
 reversed: other neighbours and positions for every row), and default plain decoding at the full
 batch and the first half (timed). ``--part speculation``: invariant plain decoding against
-invariant `Speculation()` (a chain with adaptive rounds) and an invariant token tree, and default
-`Speculation()` (timed after warm-up calls). Rows run to the full budget (``ignore_eos``). Prints
+invariant `Speculation()` (a chain with adaptive rounds), an invariant token tree and, with
+``--draft``, an invariant chain of that draft model, and default `Speculation()` (timed after
+warm-up calls). Rows run to the full budget (``ignore_eos``). Prints
 one JSON line per call and the row counts that match, and writes ``--out``/invariance_<part>.json.
 
     python scripts/bench_batch_invariance.py --model checkpoints/qwen2.5-coder-1.5b-instruct \\
@@ -33,12 +34,15 @@ def main():
     p.add_argument("--source", default="shakespeare", help="a jaxspec.textdata source")
     p.add_argument("--seed", type=int, default=7, help="prompt seed")
     p.add_argument("--tree", default="2,2,1,1", help="the tree's expansion config")
+    p.add_argument("--draft", default=None,
+                   help="a draft model checkpoint (same tokenizer) for --part speculation")
     p.add_argument("--part", choices=("plain", "speculation"), default="plain")
     p.add_argument("--out", default=".")
     a = p.parse_args()
     if a.batch < 2 or a.batch % 2:
         p.error("--batch must be even and at least 2")
     model = jaxspec.load(a.model)
+    draft = jaxspec.load(a.draft) if a.draft else None
     prompts = textdata.make_prompts(model.tokenizer, n=a.batch, length=a.prompt, seed=a.seed,
                                     source=a.source)
     out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
@@ -96,6 +100,11 @@ def main():
             "speculation_vs_invariant_plain": [equal(default, ref), a.batch],
             "invariant_speculation_vs_invariant_plain": [equal(inv_default, ref), a.batch],
             "invariant_tree_vs_invariant_plain": [equal(inv_tree, ref), a.batch]}
+        if draft is not None:
+            inv_draft = run("invariant_draft_model", full, spec=jaxspec.Speculation(draft=draft),
+                            invariant=True, timed=False)
+            out["rows_equal"]["invariant_draft_model_vs_invariant_plain"] = [
+                equal(inv_draft, ref), a.batch]
     print("rows equal", json.dumps(out["rows_equal"]), flush=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

@@ -101,6 +101,9 @@ class AttentionPlan:
     # the forward also returns, per layer, each row's and KV head's largest logit per block of
     # this many context slots (`jaxspec.retrieval.block_scores`); None: not
     score_block: int | None = struct.field(pytree_node=False, default=None)
+    # the numerics of those scores (None: ``impl``'s): they only steer the drafts, so a greedy
+    # batch-invariant round computes them as its drafts run (`jaxspec.drafter.draft_impl`)
+    score_impl: str | None = struct.field(pytree_node=False, default=None)
 
     @property
     def sparse(self) -> bool:
@@ -506,7 +509,8 @@ def context_scores(q_BTHD, k_LBKSD, layer, plan: AttentionPlan, *, block: int):
         lengths = jnp.where(plan.active, lengths, 0)
     table = plan.block_table
 
-    scores = invariant.block_scores if invariant.is_invariant(plan.impl) else block_scores
+    scores = (invariant.block_scores if invariant.is_invariant(plan.score_impl or plan.impl)
+              else block_scores)
 
     def fn(q, k_all, _v, ln, _mask, lay, *tab):
         k = layer_view(k_all, lay, tab[0] if tab else None)

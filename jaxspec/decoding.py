@@ -42,7 +42,7 @@ from flax import struct
 from jaxspec import sampling
 from jaxspec.cache import KVCache, positions_of
 from jaxspec.config import ModelConfig
-from jaxspec.drafter import RetrievalState, plan_on
+from jaxspec.drafter import RetrievalState, draft_impl, plan_on
 from jaxspec.invariant import is_invariant
 from jaxspec.model import forward
 from jaxspec.paged import PagedKVCache, compact_pages
@@ -215,7 +215,7 @@ class Round:
         mask = None if chain else jnp.asarray(tree.ancestor_mask)
         # a retrieving self-draft's selection comes from this verification's block scores
         plan = plan_on(state.cache, L, mask=mask, impl=self.impl, active=self.active(state),
-                       score_block=self.drafter.score_block)
+                       score_block=self.drafter.score_block, score_impl=draft_impl(self))
         logits, cache, *scores = forward(self.config, params, node_tok,
                                          pos0[:, None] + depths[None], cache, plan)
         if scores:

@@ -74,10 +74,11 @@ plan_on = plan_for  # an `AttentionPlan` over a cache (prefix segments, block ta
 
 
 def draft_impl(rd) -> str:
-    """The numerics of the self-draft's forwards: the round's, except that a greedy
-    batch-invariant round drafts with the default ones (greedy drafts only propose: the
-    verification's invariant logits decide every token and rewrite every position the drafts
-    wrote; sampled drafts and their distributions decide tokens, so they stay invariant)."""
+    """The numerics of the self-draft's forwards and of the block scores that select what it
+    reads: the round's, except that a greedy batch-invariant round uses the default ones
+    (greedy drafts only propose: the verification's invariant logits decide every token and
+    rewrite every position the drafts wrote; sampled drafts and their distributions decide
+    tokens, so they stay invariant)."""
     if rd.greedy and is_invariant(rd.impl):
         return "auto"
     return rd.impl

@@ -165,9 +165,10 @@ def _per_row(a: Array, ndim: int) -> Array:
     return a.reshape(a.shape + (1,) * (ndim - a.ndim))
 
 
-def _sum(x: Array, axis: int = -1, keepdims: bool = False, inv: bool = False) -> Array:
-    """``sum(x, axis)``: `jaxspec.invariant.fixed_sum` when ``inv``, else XLA's reduction."""
-    if inv:
+def row_sum(x: Array, axis: int = -1, keepdims: bool = False, invariant: bool = False) -> Array:
+    """``sum(x, axis)``: `jaxspec.invariant.fixed_sum` when ``invariant`` (batch-invariant
+    decoding), else XLA's reduction."""
+    if invariant:
         return _inv.fixed_sum(x, axis, keepdims=keepdims)
     return jnp.sum(x, axis=axis, keepdims=keepdims)
 
@@ -271,7 +272,7 @@ def categorical(rng: Array, probs: Array, num: int | None = None, *,
     else:
         nb = -(-V // _BLOCK)
         pb = jnp.pad(probs, [(0, 0)] * len(lead) + [(0, nb * _BLOCK - V)]).reshape(lead + (nb, _BLOCK))
-        bsum = _sum(pb, -1, inv=invariant)  # [..., nb]
+        bsum = row_sum(pb, -1, invariant=invariant)  # [..., nb]
         bcdf = _cumsum(bsum, -1, invariant)
         t = u * bcdf[..., -1:]  # [..., S]
         blk = _first_above(bcdf, bsum, t)  # [..., S]

@@ -37,8 +37,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxspec.invariant import fixed_sum
-from jaxspec.sampling import categorical
+from jaxspec.sampling import categorical, row_sum
 from jaxspec.tree import TokenTree, as_tree
 
 Array = jax.Array
@@ -78,15 +77,10 @@ def verify_greedy(draft_tokens: Array, target_logits: Array) -> tuple[Array, Arr
     return n, nxt
 
 
-def _sum(x: Array, invariant: bool) -> Array:
-    """The sum over the last axis (kept): `jaxspec.invariant.fixed_sum` when ``invariant``."""
-    return fixed_sum(x, -1, keepdims=True) if invariant else jnp.sum(x, axis=-1, keepdims=True)
-
-
 def _residual(p: Array, q_eff: Array, invariant: bool = False) -> Array:
     """``norm(max(0, p - q))``, or ``p`` where that has zero mass."""
     r = jnp.maximum(p - q_eff, 0.0)
-    z = _sum(r, invariant)
+    z = row_sum(r, keepdims=True, invariant=invariant)
     return jnp.where(z > 0, r / jnp.where(z > 0, z, 1.0), p)
 
 
@@ -319,7 +313,7 @@ def verify_tree(
         p = jnp.where(rej[:, None], _residual(p, q_eff, invariant), p)
         if mode == "without_replacement":
             q_rm = jnp.where(onehot, 0.0, q)
-            zq = _sum(q_rm, invariant)
+            zq = row_sum(q_rm, keepdims=True, invariant=invariant)
             q_rm = jnp.where(zq > 0, q_rm / jnp.where(zq > 0, zq, 1.0), 0.0)
             q = jnp.where(rej[:, None], q_rm, q)
         moved = jnp.where(acc, c, moved)

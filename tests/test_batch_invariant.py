@@ -625,3 +625,23 @@ def test_bench_variants_name_invariant_decoding():
     assert split_variant("inv:g4-fixed") == (True, "g4-fixed")
     assert split_variant("g4-fixed") == (False, "g4-fixed")
     assert parse_variant(split_variant("inv:plain")[1]) is None
+
+
+def test_greedy_rounds_select_blocks_with_the_default_scores(monkeypatch):
+    """The block scores only steer a retrieving self-draft: a greedy invariant round computes
+    them (as its drafts) with the default numerics; a sampled one with the invariant ones (its
+    drafts decide tokens)."""
+    jax.clear_caches()  # the programs below are traced here, with the counting stand-in
+    model = _model(seed=2, layers=3)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 60, size=int(n)).tolist() for n in (150, 190)]
+    spec = Speculation(gamma=2, sink=4, window=16, retrieve=64, adaptive=False)
+    calls = []
+    fixed = invariant.block_scores
+    monkeypatch.setattr(invariant, "block_scores",
+                        lambda *a, **k: calls.append(1) or fixed(*a, **k))
+    jaxspec.generate(model, prompts, max_new_tokens=6, speculation=spec, batch_invariant=True)
+    assert not calls
+    jaxspec.generate(model, prompts, max_new_tokens=6, speculation=spec, batch_invariant=True,
+                     temperature=0.8, seed=[1, 2])
+    assert calls

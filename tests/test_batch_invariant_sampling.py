@@ -60,8 +60,9 @@ def _cdf(inv):
         p = jnp.exp(x)
         big = jnp.tile(p, (1, 3))  # > 1024: blocks of 1024
         return jnp.concatenate([sampling._cumsum(p, -1, inv),
-                                sampling._cumsum(sampling._sum(
-                                    big.reshape(big.shape[0], -1, 1000), -1, inv=inv), -1, inv)],
+                                sampling._cumsum(sampling.row_sum(
+                                    big.reshape(big.shape[0], -1, 1000), -1, invariant=inv),
+                                    -1, inv)],
                                -1)
     return fn
 

@@ -33,8 +33,9 @@ row (a token) with one fixed sequence of floating-point operations:
   new tokens) gathered into a fixed number of slots and reduced by `fixed_max` / `fixed_sum`;
   `block_scores`: the retrieval's block scores (`jaxspec.retrieval`) as `fixed_sum` dot products
   per block. When sampling, the drafts and the distributions they are drawn from decide tokens
-  too, so the draft's numbers are invariant as well; a greedy round's self-draft and block scores run the
-  default numerics instead (`jaxspec.drafter.draft_impl`: its drafts only propose).
+  too, so the draft's numbers are invariant as well; a greedy round's self-draft and block
+  scores run the default numerics instead (`jaxspec.drafter.draft_impl`: its drafts only
+  propose).
 - Sampling (`jaxspec.sampling.SamplingParams.invariant`, set by every round of a batch-invariant
   decoding): the softmax and log-softmax over the vocabulary (`fixed_softmax`,
   `fixed_logsumexp`), top-p's cumulative mass and the inverse CDF of a draw (`fixed_cumsum`, and

@@ -40,11 +40,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import sampling
+from jaxspec.attention import AttentionPlan
 from jaxspec.cache import KVCache, positions_of
 from jaxspec.config import ModelConfig
 from jaxspec.drafter import RetrievalState, draft_impl, plan_on
 from jaxspec.invariant import is_invariant
-from jaxspec.model import forward
+from jaxspec.model import forward, forward_mixed
 from jaxspec.paged import PagedKVCache, compact_pages
 from jaxspec.tree import TokenTree, compact_path
 from jaxspec.verify import verify_chain, verify_greedy, verify_tree, verify_tree_greedy
@@ -175,20 +176,28 @@ class Round:
         k = sampling.position_keys(state.rng, positions_of(state.cache))
         return state.rng, list(sampling.split_rows(k, num)) if num > 1 else [k]
 
-    def __call__(self, params, dparams, sp, state: DecodeState) -> DecodeState:
+    def __call__(self, params, dparams, sp, state: DecodeState, piece=None) -> DecodeState:
+        """One round on ``state``; ``piece`` (a plain round only): ``(tokens[1, C], row, start,
+        end)``, a piece of a prompt that the round's forward also prefills into row ``row`` of a
+        block pool (`run_mixed_chunk`)."""
         if self.invariant and not sp.invariant:
             sp = sp.replace(invariant=True)
         if not self.speculative:
-            return self._plain(params, dparams, sp, state)
+            return self._plain(params, dparams, sp, state, piece)
+        if piece is not None:
+            raise ValueError("a prompt piece rides on plain rounds only")
         return self._speculative(params, dparams, sp, state)
 
     # ------------------------------------------------------------------ plain step
-    def _plain(self, params, dparams, sp, state):
+    def _plain(self, params, dparams, sp, state, piece=None):
         cache = state.cache
         keys, (sub,) = self._keys(state, 1)
         plan = plan_on(cache, cache.lengths, impl=self.impl, active=self.active(state))
-        logits, new_cache = forward(self.config, params, state.last[:, None],
-                                    positions_of(cache)[:, None], cache, plan)
+        tokens, positions = state.last[:, None], positions_of(cache)[:, None]
+        if piece is None:
+            logits, new_cache = forward(self.config, params, tokens, positions, cache, plan)
+        else:
+            logits, new_cache = self._with_piece(params, cache, tokens, positions, plan, piece)
         nxt = sampling.sample_rows(sub, logits[:, 0], sp).astype(jnp.int32)
         st = commit_tokens(state.replace(cache=new_cache, rng=keys, steps=state.steps + 1),
                            nxt[:, None], jnp.where(self.active(state), 1, 0), self.stop_ids)
@@ -198,6 +207,20 @@ class Round:
         if stats is not None:
             st = st.replace(stats=stats.replace(plain_steps=stats.plain_steps + 1))
         return st
+
+    def _with_piece(self, params, cache, tokens, positions, plan, piece):
+        """The plain step's forward with a prompt piece in it (`forward_mixed`): the piece's
+        tokens go through row ``row``'s block table from slot ``start`` on, as
+        `jaxspec.prefill.prefill_paged_row` writes them (padding past ``end`` lands in the row's
+        own blocks or nowhere), and the row's length becomes ``end``."""
+        tok, row, start, end = piece
+        C = tok.shape[1]
+        table = jax.lax.dynamic_slice_in_dim(cache.block_table, row, 1, axis=0)
+        pplan = AttentionPlan(lengths=start[None], impl=self.impl, block_table=table)
+        ppos = start + jnp.arange(C, dtype=jnp.int32)[None]
+        (logits, _), cache = forward_mixed(
+            self.config, params, [(tokens, positions, plan, None), (tok, ppos, pplan, False)], cache)
+        return logits, cache.replace(lengths=cache.lengths.at[row].set(end))
 
     # ------------------------------------------------------------------ speculative round
     def _speculative(self, params, dparams, sp, state):
@@ -316,6 +339,40 @@ def run_chunk(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round)
     state = state.replace(budget=state.budget - state.n_out, n_out=jnp.zeros_like(state.n_out),
                           steps=jnp.zeros_like(state.steps), stats=RoundStats.zeros(B))
     st = _rounds_loop(params, dparams, sp, state, max_rounds, rd)
+    outs = ChunkOutputs(out=st.out, from_draft=st.from_draft, n_out=st.n_out, done=st.done,
+                        lengths=st.cache.lengths, steps=st.steps, stats=st.stats)
+    return st, outs
+
+
+@struct.dataclass
+class Pieces:
+    """Prompt pieces for `run_mixed_chunk`: piece i (``tokens[i]``, padded to C) goes into row
+    ``rows[i]`` from slot ``starts[i]`` on, and that row's length becomes ``ends[i]``."""
+
+    tokens: jax.Array  # [P, C] int32
+    rows: jax.Array  # [P] int32
+    starts: jax.Array  # [P] int32
+    ends: jax.Array  # [P] int32
+
+
+@functools.partial(jax.jit, static_argnames=("rd",), donate_argnames=("state",))
+def run_mixed_chunk(params, dparams, sp, state: DecodeState, num, pieces: Pieces, *, rd: Round):
+    """A serving chunk of exactly ``num`` plain rounds (``num <= P``), round i also prefilling
+    prompt piece i in the same forward (`jaxspec.model.forward_mixed`: the weights are read
+    once for the running rows' step and the piece), so prompts fill while the running rows keep
+    decoding at about their own step's pace. Outputs as `run_chunk`'s."""
+    if rd.speculative:
+        raise ValueError("prompt pieces ride on plain rounds only")
+    B = state.last.shape[0]
+    state = state.replace(budget=state.budget - state.n_out, n_out=jnp.zeros_like(state.n_out),
+                          steps=jnp.zeros_like(state.steps), stats=RoundStats.zeros(B))
+
+    def body(i, st):
+        piece = (jax.lax.dynamic_slice_in_dim(pieces.tokens, i, 1, axis=0), pieces.rows[i],
+                 pieces.starts[i], pieces.ends[i])
+        return rd(params, dparams, sp, st, piece)
+
+    st = jax.lax.fori_loop(0, num, body, state)
     outs = ChunkOutputs(out=st.out, from_draft=st.from_draft, n_out=st.n_out, done=st.done,
                         lengths=st.cache.lengths, steps=st.steps, stats=st.stats)
     return st, outs

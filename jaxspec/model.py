@@ -154,13 +154,43 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
     ``scores``: with ``plan.score_block``, the layer's block scores
     (`jaxspec.attention.context_scores`, [B, K, NB]), else None."""
     x, k_cache, v_cache = carry
-    B, T, D = x.shape
+    (x,), k_cache, v_cache, (scores,) = _layer(c, p, (x,), k_cache, v_cache, layer, (rope,),
+                                               (plan,))
+    return (x, k_cache, v_cache), scores
+
+
+def _join(xs):
+    """Segments ``[B_i, T_i, F]`` as one ``[1, sum B_i T_i, F]`` (one segment: as it is)."""
+    if len(xs) == 1:
+        return xs[0]
+    return jnp.concatenate([x.reshape(1, -1, x.shape[-1]) for x in xs], axis=1)
+
+
+def _parts(y, shapes):
+    """Inverse of `_join`: ``y`` cut back into segments of ``shapes`` ((B_i, T_i) each)."""
+    if len(shapes) == 1:
+        return [y]
+    out, off = [], 0
+    for B, T in shapes:
+        out.append(y[0, off:off + B * T].reshape(B, T, y.shape[-1]))
+        off += B * T
+    return out
+
+
+def _layer(c: ModelConfig, p: dict, xs, k_cache, v_cache, layer, ropes, plans):
+    """One decoder layer over segments: ``xs[i]`` ``[B_i, T_i, D]`` attends by ``plans[i]`` with
+    RoPE ``ropes[i]``; every projection and the MLP run once over all segments' tokens (one
+    weight read), the attention (and the K/V writes, into the same cache) per segment.
+    Returns ``(xs, k_cache, v_cache, scores per segment)``."""
+    shapes = [x.shape[:2] for x in xs]
     H, K, Dh = c.num_heads, c.num_kv_heads, c.head_dim
-    dt = x.dtype
-    # batch-invariant numerics (`jaxspec.invariant`) when the plan's implementation asks for them
-    inv = invariant.is_invariant(plan.impl)
-    mm = invariant.matmul_for(plan.impl)
+    dt = xs[0].dtype
+    # batch-invariant numerics (`jaxspec.invariant`) when the plans' implementation asks for them
+    impl = plans[0].impl
+    inv = invariant.is_invariant(impl)
+    mm = invariant.matmul_for(impl)
     norm = invariant.rms_norm if inv else rms_norm
+    x = _join(xs)
     h = norm(x, p["attn_norm"], c.rms_norm_eps)
     if "wqkv" in p:
         qkv = mm(h, p["wqkv"])
@@ -171,34 +201,37 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
         q, k, v = mm(h, p["wq"]), mm(h, p["wk"]), mm(h, p["wv"])
         if c.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    cos, sin = rope
-    q, k = q.reshape(B, T, H, Dh), k.reshape(B, T, K, Dh)
-    if "q_norm" in p:  # Qwen3: each head RMS-normalized before RoPE
-        q = norm(q, p["q_norm"], c.rms_norm_eps)
-        k = norm(k, p["k_norm"], c.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    v = v.reshape(B, T, K, Dh)
+    attns, scores = [], []
+    for (B, T), qi, ki, vi, (cos, sin), plan in zip(shapes, _parts(q, shapes), _parts(k, shapes),
+                                                   _parts(v, shapes), ropes, plans):
+        qi, ki = qi.reshape(B, T, H, Dh), ki.reshape(B, T, K, Dh)
+        if "q_norm" in p:  # Qwen3: each head RMS-normalized before RoPE
+            qi = norm(qi, p["q_norm"], c.rms_norm_eps)
+            ki = norm(ki, p["k_norm"], c.rms_norm_eps)
+        qi, ki = apply_rope(qi, cos, sin), apply_rope(ki, cos, sin)
+        vi = vi.reshape(B, T, K, Dh)
 
-    # Write the T new K/V at slots lengths + (T_new - T) + t: these T tokens are the last T of the
-    # plan's T_new new tokens (T_new == T unless the plan says otherwise: `AttentionPlan`). Slots
-    # past the cache are dropped.
-    first = plan.new_tokens(T) - T
-    slots = plan.lengths[:, None] + (first + jnp.arange(T, dtype=jnp.int32))[None, :]
-    b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
-    if plan.block_table is not None:  # a block pool (jaxspec.paged)
-        if plan.active is not None:  # an idle row must not write into blocks it gave back
-            slots = jnp.where(plan.active[:, None], slots, jnp.iinfo(jnp.int32).max // 2)
-        k_cache = write_pages(k_cache, layer, plan.block_table, slots, k)
-        v_cache = write_pages(v_cache, layer, plan.block_table, slots, v)
-    else:
-        k_cache = write_slots(k_cache, layer, b_idx, slots, k)
-        v_cache = write_slots(v_cache, layer, b_idx, slots, v)
-
-    attn = attend(q, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
-    scores = None
-    if plan.score_block is not None:  # and each row's largest logit per block of its context
-        attn, scores = attn
-    o = mm(attn.reshape(B, T, H * Dh).astype(dt), p["wo"])
+        # Write the T new K/V at slots lengths + (T_new - T) + t: these T tokens are the last T
+        # of the plan's T_new new tokens (T_new == T unless the plan says otherwise:
+        # `AttentionPlan`). Slots past the cache are dropped.
+        first = plan.new_tokens(T) - T
+        slots = plan.lengths[:, None] + (first + jnp.arange(T, dtype=jnp.int32))[None, :]
+        b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+        if plan.block_table is not None:  # a block pool (jaxspec.paged)
+            if plan.active is not None:  # an idle row must not write into blocks it gave back
+                slots = jnp.where(plan.active[:, None], slots, jnp.iinfo(jnp.int32).max // 2)
+            k_cache = write_pages(k_cache, layer, plan.block_table, slots, ki)
+            v_cache = write_pages(v_cache, layer, plan.block_table, slots, vi)
+        else:
+            k_cache = write_slots(k_cache, layer, b_idx, slots, ki)
+            v_cache = write_slots(v_cache, layer, b_idx, slots, vi)
+        attn = attend(qi, k_cache, v_cache, layer, plan)  # [B, T, H, Dh]
+        sc = None
+        if plan.score_block is not None:  # and each row's largest logit per block of its context
+            attn, sc = attn
+        attns.append(attn.reshape(B, T, H * Dh).astype(dt))
+        scores.append(sc)
+    o = mm(_join(attns), p["wo"])
     x = x + (o + p["bo"] if "bo" in p else o)
     h = norm(x, p["mlp_norm"], c.rms_norm_eps)
     if "w_gateup" in p:
@@ -212,7 +245,7 @@ def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPl
             gate, up = gate + p["b_gate"], up + p["b_up"]
     down = mm(nn.silu(gate) * up, p["w_down"])
     x = x + (down + p["b_down"] if "b_down" in p else down)
-    return (x, k_cache, v_cache), scores
+    return _parts(x, shapes), k_cache, v_cache, scores
 
 
 def fuse_layer_params(params, *, in_place: bool = False):
@@ -379,6 +412,45 @@ def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache
                                  dtype)
     model = Transformer(config, dtype=dtype)
     return model.apply({"params": params}, tokens_BT, positions_BT, cache, plan, logits_at)
+
+
+def forward_mixed(config: ModelConfig, params, segments, cache: KVCache):
+    """One forward over several segments of tokens that share the weights and the cache: each
+    segment ``(tokens[B_i, T_i], positions[B_i, T_i], plan, logits_at)`` attends by its own plan
+    (a decode round's rows and one row's chunk of prompt, say), and every projection and MLP
+    runs once over all their tokens, so the weights are read once for all of them. A segment's
+    ``logits_at`` is as in `forward`, or False for no logits (a prefill chunk's). Returns
+    ``([logits or None per segment], cache)``; block scores (``plan.score_block``) are not
+    returned here. Each segment's outputs equal its own `forward`'s up to the rounding of
+    matrix products over a different number of rows (bitwise the same with batch-invariant
+    numerics, whose products do not depend on the rows beside them)."""
+    W = sliding_window_of(config)
+    plans = tuple(s[2].replace(sliding_window=W) if s[2].sliding_window is None and W is not None
+                  else s[2] for s in segments)
+    if len({pl.impl for pl in plans}) != 1:
+        raise ValueError("the segments of one forward share one attention implementation")
+    if any(pl.score_block is not None for pl in plans):
+        raise ValueError("forward_mixed returns no block scores (plan.score_block)")
+    xs = tuple(jnp.take(params["embed"], s[0], axis=0) for s in segments)
+    ropes = tuple(rope_tables(config, s[1]) for s in segments)
+    if isinstance(params["layers"], (list, tuple)):
+        k, v = cache.k, cache.v
+        for layer, p in enumerate(params["layers"]):
+            xs, k, v, _ = _layer(config, p, xs, k, v, jnp.int32(layer), ropes, plans)
+    else:
+        def body(carry, lp):
+            xs_, k_, v_ = carry
+            p, layer = lp
+            xs_, k_, v_, _ = _layer(config, p, xs_, k_, v_, layer, ropes, plans)
+            return (tuple(xs_), k_, v_), None
+
+        L = config.num_layers
+        (xs, k, v), _ = jax.lax.scan(body, (xs, cache.k, cache.v),
+                                     (params["layers"], jnp.arange(L, dtype=jnp.int32)))
+    logits = [None if s[3] is False else
+              lm_logits(config, x, params["final_norm"], params["embed"], params.get("lm_head"),
+                        s[3], impl=pl.impl) for s, x, pl in zip(segments, xs, plans)]
+    return logits, cache.replace(k=k, v=v)
 
 
 def init_params(config: ModelConfig, rng, dtype=jnp.float32):

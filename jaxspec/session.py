@@ -36,7 +36,8 @@ from jaxspec import compile_cache, sampling
 from jaxspec.cache import SLOT_ALIGN, KVCache, compute_dtype, round_up
 from jaxspec.config import sliding_window_of
 from jaxspec.costs import EXPLORE_ACCEPTANCE, CostModel
-from jaxspec.decoding import DecodeState, Round, RoundStats, run_chunk, run_rounds
+from jaxspec.decoding import (DecodeState, Pieces, Round, RoundStats, run_chunk, run_mixed_chunk,
+                              run_rounds)
 from jaxspec.drafter import (DraftState, ModelDrafter, RetrievalState, SelfDrafter, ring_cache_len,
                              ring_prefill)
 from jaxspec.invariant import invariant_impl, is_invariant
@@ -416,10 +417,29 @@ class Decoder:
         state, outs = self.call_chunk(compiled, sp, state, jnp.int32(max_rounds))
         return state, outs, t_compile
 
-    def call_chunk(self, program, sp, state: DecodeState, max_rounds):
-        """Runs a `chunk_program` on ``state`` (donated): ``(state, outputs)``."""
+    def call_chunk(self, program, sp, state: DecodeState, max_rounds, pieces=None):
+        """Runs a `chunk_program` (with ``pieces``: a `mixed_program`) on ``state`` (donated):
+        ``(state, outputs)``."""
         with use_mesh(self.mesh):
+            if pieces is not None:
+                return program(self.params, self.dparams, sp, state, max_rounds, pieces)
             return program(self.params, self.dparams, sp, state, max_rounds)
+
+    def mixed_program(self, rd: Round, sp, state: DecodeState, pieces: Pieces):
+        """The compiled serving chunk of plain rounds ``rd`` that prefill prompt ``pieces`` as
+        they run (`jaxspec.decoding.run_mixed_chunk`), for these shapes: ``(program, seconds
+        compiling)``. The program takes ``(params, draft params, sp, state, rounds, pieces)``."""
+        args = (self.params, self.dparams, sp, state)
+        key = ("mixed", rd, _avals(args), _avals(pieces))
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled, 0.0
+        with use_mesh(self.mesh):
+            t = time.perf_counter()
+            compiled = run_mixed_chunk.lower(*args, jnp.int32(0), pieces, rd=rd).compile(
+                compiler_options=loop_compiler_options())
+        self._compiled[key] = compiled
+        return compiled, time.perf_counter() - t
 
     # ------------------------------------------------------------------ a static batch
     def prepare(self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,

@@ -1,0 +1,114 @@
+"""Mixed batches: a plain decode step and a piece of another row's prompt in one forward
+(`jaxspec.model.forward_mixed`, `jaxspec.decoding.run_mixed_chunk`). Each part must be what its
+own forward gives: the decode rows' logits and the K/V of both parts, against a decode step
+followed by `jaxspec.prefill.prefill_paged_row` of the piece (float32, close; batch-invariant
+bfloat16, bitwise)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import invariant
+from jaxspec.attention import AttentionPlan
+from jaxspec.model import forward, forward_mixed, fuse_layer_params, init_params, unstack_layers
+from jaxspec.paged import PagedKVCache
+from jaxspec.prefill import prefill_paged_row
+
+from tiny import tiny_config
+
+BS, MB = 8, 8  # block size, table entries per row
+
+
+def _setup(rng, dtype, layout, **cfg):
+    c = tiny_config(vocab=97, hidden=32, heads=4, kv_heads=2, head_dim=8, **cfg)
+    params = init_params(c, jax.random.PRNGKey(int(rng.integers(1 << 30))), dtype=dtype)
+    if layout != "scan":
+        params = unstack_layers(params)
+    if layout == "fused":
+        params = fuse_layer_params(params)
+    cache = PagedKVCache.create(c, 3, 3 * MB + 2, BS, MB, dtype=dtype)
+    # rows' blocks scattered over the pool (row 2 gets the piece)
+    perm = rng.permutation(3 * MB + 2)[:3 * MB].reshape(3, MB)
+    cache = cache.replace(block_table=jnp.asarray(perm, jnp.int32))
+    return c, params, cache
+
+
+@pytest.mark.parametrize("layout", ["scan", "unrolled", "fused"])
+@pytest.mark.parametrize("piece_start", [0, 16])
+def test_a_piece_in_a_decode_step_equals_both_apart(layout, piece_start):
+    rng = np.random.default_rng()
+    c, params, cache = _setup(rng, jnp.float32, layout)
+    impl = "xla"
+    lens = [int(rng.integers(9, 30)), int(rng.integers(1, 30))]
+    for row, n in enumerate(lens):
+        cache = prefill_paged_row(c, params, cache, row, rng.integers(0, 97, n).tolist(), 0,
+                                  impl=impl, chunk=16)
+    if piece_start:  # row 2's first tokens already in (an earlier piece)
+        cache = prefill_paged_row(c, params, cache, 2, rng.integers(0, 97, piece_start).tolist(),
+                                  0, impl=impl, chunk=16)
+    C = 16
+    n_piece = int(rng.integers(1, C + 1))
+    piece = rng.integers(0, 97, n_piece).tolist()
+    tok = jnp.asarray(rng.integers(0, 97, (3, 1)), jnp.int32)
+    lengths = cache.lengths
+    active = jnp.asarray([True, True, False])
+    plan = AttentionPlan(lengths=lengths, impl=impl, block_table=cache.block_table, active=active)
+    pos = lengths[:, None]
+
+    ref_logits, ref = forward(c, params, tok, pos, cache, plan)
+    # (the prefill donates its cache: a copy, the original serves the mixed forward below)
+    ref = prefill_paged_row(c, params, jax.tree.map(jnp.copy, ref), 2, piece, piece_start,
+                            impl=impl, chunk=C)
+
+    buf = np.zeros((1, C), np.int32)
+    buf[0, :n_piece] = piece
+    pplan = AttentionPlan(lengths=jnp.asarray([piece_start], jnp.int32), impl=impl,
+                          block_table=cache.block_table[2:3])
+    ppos = piece_start + jnp.arange(C, dtype=jnp.int32)[None]
+    (logits, none), got = forward_mixed(
+        c, params, [(tok, pos, plan, None), (jnp.asarray(buf), ppos, pplan, False)], cache)
+    assert none is None
+    np.testing.assert_allclose(np.asarray(logits[:2]), np.asarray(ref_logits[:2]), rtol=2e-5,
+                               atol=2e-5)
+    # every slot written: the decode rows' new K/V and the piece's (its padding too, as the
+    # prefill pads its last chunk)
+    np.testing.assert_allclose(np.asarray(got.k), np.asarray(ref.k), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got.v), np.asarray(ref.v), rtol=2e-5, atol=2e-5)
+    # and the piece changed the pool (the check above is not vacuous)
+    assert not np.allclose(np.asarray(got.k), np.asarray(cache.k))
+
+
+def test_a_piece_in_a_decode_step_is_bitwise_with_invariant_numerics():
+    rng = np.random.default_rng()
+    c, params, cache = _setup(rng, jnp.bfloat16, "scan")
+    impl = invariant.invariant_impl("auto")
+    for row, n in enumerate([int(rng.integers(9, 30)), int(rng.integers(1, 30))]):
+        cache = prefill_paged_row(c, params, cache, row, rng.integers(0, 97, n).tolist(), 0,
+                                  impl=impl, chunk=16)
+    piece = rng.integers(0, 97, 16).tolist()
+    tok = jnp.asarray(rng.integers(0, 97, (3, 1)), jnp.int32)
+    plan = AttentionPlan(lengths=cache.lengths, impl=impl, block_table=cache.block_table,
+                         active=jnp.asarray([True, True, False]))
+    pos = cache.lengths[:, None]
+    ref_logits, ref = forward(c, params, tok, pos, cache, plan)
+    ref = prefill_paged_row(c, params, jax.tree.map(jnp.copy, ref), 2, piece, 0, impl=impl,
+                            chunk=16)
+    pplan = AttentionPlan(lengths=jnp.zeros((1,), jnp.int32), impl=impl,
+                          block_table=cache.block_table[2:3])
+    (logits, _), got = forward_mixed(
+        c, params, [(tok, pos, plan, None),
+                    (jnp.asarray([piece], jnp.int32), jnp.arange(16)[None], pplan, False)], cache)
+    assert np.array_equal(np.asarray(logits[:2]), np.asarray(ref_logits[:2]))
+    assert np.array_equal(np.asarray(got.k), np.asarray(ref.k))
+    assert np.array_equal(np.asarray(got.v), np.asarray(ref.v))
+
+
+def test_segments_must_share_one_implementation():
+    rng = np.random.default_rng(0)
+    c, params, cache = _setup(rng, jnp.float32, "scan")
+    a = AttentionPlan(lengths=cache.lengths, impl="xla", block_table=cache.block_table)
+    b = AttentionPlan(lengths=cache.lengths[:1], impl="auto", block_table=cache.block_table[:1])
+    t = jnp.zeros((3, 1), jnp.int32)
+    with pytest.raises(ValueError, match="one attention implementation"):
+        forward_mixed(c, params, [(t, t, a, None), (t[:1], t[:1], b, False)], cache)

@@ -344,6 +344,10 @@ def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
            [({}, m.get("chunk_seconds", 0.0))])
     metric("decode_compact_chunks_total", "counter", "Chunks that ran only the busy rows "
            "(compact_rows).", [({}, m.get("compact_chunks", 0))])
+    metric("mixed_chunks_total", "counter", "Chunks whose plain rounds also prefilled prompt "
+           "pieces (mixed_prefill).", [({}, m.get("mixed_chunks", 0))])
+    metric("mixed_prefill_tokens_total", "counter", "Prompt tokens prefilled inside decode "
+           "rounds (mixed_prefill).", [({}, m.get("mixed_prefill_tokens", 0))])
     metric("target_steps_total", "counter", "Per-sequence target steps (rounds a sequence "
            "took part in).", [({}, m.get("target_row_steps", 0))])
     metric("draft_tokens_proposed_total", "counter", "Draft tokens proposed.",
@@ -1160,6 +1164,12 @@ def add_arguments(p: argparse.ArgumentParser):
                         "fewer requests decode than wait for their prefill, then as many as "
                         "take half a decode chunk's time; at least 2048 tokens, whole "
                         "--prefill-chunk chunks)")
+    p.add_argument("--mixed-prefill", type=int, default=None,
+                   help="paged: while some requests decode and others wait for their prefill, "
+                        "each decode round also prefills this many prompt tokens in the same "
+                        "forward (running streams keep their pace; speculation resumes once "
+                        "the prompts are in); 0: off, whole prefill steps between decode "
+                        "chunks (default: %s)" % "see README")
     p.add_argument("--share-min-tokens", type=int_or_none_arg, default=SHARE_MIN_TOKENS,
                    help="paged: running requests that begin with the same cached blocks (one "
                         "document, a long system prompt) attend to them once, together, when "
@@ -1266,6 +1276,7 @@ def build_engine(a) -> tuple[ServingEngine, str]:
                            page_size=getattr(a, "page_size", None),
                            kv_blocks=getattr(a, "kv_blocks", None),
                            prefill_budget=getattr(a, "prefill_budget", None),
+                           mixed_prefill=getattr(a, "mixed_prefill", None),
                            share_min_tokens=getattr(a, "share_min_tokens", SHARE_MIN_TOKENS),
                            compact_rows={"auto": None, "on": True, "off": False}[
                                getattr(a, "compact_rows", "auto")],

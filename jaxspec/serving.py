@@ -52,7 +52,7 @@ import numpy as np
 from jaxspec import compile_cache, sampling
 from jaxspec.cache import SLOT_ALIGN, round_up
 from jaxspec.blocks import BlockManager
-from jaxspec.decoding import (RoundStats, compactable, put_rows, set_block_tables, set_rows,
+from jaxspec.decoding import (Pieces, RoundStats, compactable, put_rows, set_block_tables, set_rows,
                               spread_outputs, stop_rows, take_rows)
 from jaxspec.model import Model
 from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
@@ -82,6 +82,9 @@ PREFILL_MIN_TOKENS = 2048  # (in whole prefill chunks, at least one)
 # the library's 512: their rows are sized in whole prefill chunks (`ServingEngine.S`), 18% more
 # memory per slot at the default 8192 tokens with 2048.
 SERVE_PREFILL_CHUNK = 2048
+# Mixed chunks (paged, ``mixed_prefill``): at most this many plain rounds per chunk, each with one
+# prompt piece in its forward
+MIXED_ROUNDS = 8
 
 
 def default_prefill_chunk(paged: bool) -> int:
@@ -243,6 +246,12 @@ class ServingEngine:
         speculation from all the slots); draws are keyed by token position, so a preempted
         sequence resumes with the draws it would have made. No shared-context attention then
         (``share_min_tokens`` is ignored); not on a mesh.
+    mixed_prefill: paged: while some sequences decode and others wait for their prefill, each
+        decode round is a plain step whose forward also prefills a piece of this many prompt
+        tokens (oldest admission first; `jaxspec.model.forward_mixed`: the weights are read once
+        for both), so running streams keep their pace while long prompts fill, instead of
+        waiting for whole prefill steps between decode chunks (speculation resumes once every
+        admitted prompt is in). 0: off. Not on a mesh.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -253,7 +262,8 @@ class ServingEngine:
                  page_size: int | None = None, kv_blocks: int | None = None,
                  prefill_budget: int | None = None,
                  share_min_tokens: int | None = SHARE_MIN_TOKENS, ignore_eos: bool = False,
-                 compact_rows: bool | None = None, batch_invariant: bool = False):
+                 compact_rows: bool | None = None, batch_invariant: bool = False,
+                 mixed_prefill: int | None = None):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         compile_cache.enable()  # as generate: compiled chunks outlive the process
@@ -327,6 +337,14 @@ class ServingEngine:
             self.prefill_budget = None if prefill_budget is None else int(prefill_budget)
             self._prefill_rate = None  # prompt tokens / s, measured
             self._chunk_s = 0.0  # device seconds of the last decode chunk
+        if mixed_prefill is None:
+            mixed_prefill = 0
+        if int(mixed_prefill) < 0:
+            raise ValueError(f"mixed_prefill must be >= 0, got {mixed_prefill!r}")
+        if mixed_prefill and not self.paged:
+            raise ValueError("mixed_prefill needs a block pool (page_size)")
+        # (a mesh splits the slots over its data axis: a prompt piece is one row's)
+        self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
         # (batch-invariant attention reads every row's keys through its own table: no sharing)
@@ -378,7 +396,7 @@ class ServingEngine:
             "finished_length", "finished_cancelled", "finished_error", "preemptions",
             "prefix_hit_tokens", "prefix_query_tokens", "shared_context_rows",
             "shared_context_tokens", "shared_context_copies", "shared_context_row_chunks",
-            "compact_chunks")})
+            "compact_chunks", "mixed_chunks", "mixed_prefill_tokens")})
         self.started_at = time.time()
         self.warm = False  # set once the programs are compiled (`warmup`)
 
@@ -578,6 +596,8 @@ class ServingEngine:
             for greedy, filtering in variants:
                 for r in self._round_kinds(bool(greedy)):
                     self._run_chunk(r, bool(greedy), bool(filtering), rounds=0, compile_only=True)
+                if self.mixed_prefill:
+                    self._compile_mixed(bool(greedy), bool(filtering))
         self._shared_want = None
         self._apply_shared()
         if self.compact_rows and jax.devices()[0].platform != "cpu":
@@ -601,6 +621,17 @@ class ServingEngine:
         self.state = stop_rows(set_rows(self.state, nowhere, zeros, zeros,
                                         jnp.zeros((B, 2), jnp.uint32), zeros), nowhere)
         self.warm = True
+
+    def _compile_mixed(self, greedy: bool, filtering: bool):
+        """Compiles the mixed chunk (`mixed_prefill`) of this sampling variant (warm-up)."""
+        rd = self._round(greedy)
+        rd = rd.plain() if rd.speculative else rd
+        sp = self._sampling(greedy, filtering)
+        state = self._with_shared(self.state)
+        try:
+            self.decoder.mixed_program(rd, sp, state, self._piece_arrays([]))
+        finally:
+            self.state = self._without_shared(state)
 
     def _choose_gamma(self):
         """gamma='auto': the cost model at full slots, each at half the context."""
@@ -689,14 +720,16 @@ class ServingEngine:
         except Exception:  # noqa: BLE001 - the full batch keeps serving
             log.exception("compiling a chunk of %d rows failed", state.last.shape[0])
 
-    def _run_chunk(self, rd, greedy, filtering, rounds, compile_only=False, active=()):
+    def _run_chunk(self, rd, greedy, filtering, rounds, compile_only=False, active=(),
+                   pieces=None):
         """Dispatches a decode chunk. It runs on a device thread of its own: a decode loop with a
         data-dependent trip count holds the calling thread until the loop is done (XLA reads the
         loop's condition on the host), so the engine thread detokenizes and streams the last
         chunk's tokens meanwhile (measured on an H100: a plain 8-step chunk held its caller
         63 ms, and the device idled for the host's 4-5 ms between chunks). Returns a future of
         ``(state, outputs, seconds compiling, seconds on the device)``; ``compile_only`` runs a
-        zero-round chunk on this thread (warm-up)."""
+        zero-round chunk on this thread (warm-up). With ``pieces`` (a `Pieces`) a mixed chunk
+        (`jaxspec.decoding.run_mixed_chunk`) of ``rounds`` plain rounds over every slot."""
         sp = self._sampling(greedy, filtering)
         if self.decoder.mesh is not None:
             sp = put_batch(sp, self.decoder.mesh, self.B)
@@ -704,9 +737,12 @@ class ServingEngine:
             state, _, _ = self.decoder.run_chunk(rd, sp, self._with_shared(self.state), 0)
             self.state = self._without_shared(state)
             return None
-        compact = self._compact(rd, greedy, filtering, active)
+        compact = None if pieces is not None else self._compact(rd, greedy, filtering, active)
         rows = None
-        if compact is None:
+        if pieces is not None:
+            state = self._with_shared(self.state)
+            program, t_compile = self.decoder.mixed_program(rd, sp, state, pieces)
+        elif compact is None:
             state = self._with_shared(self.state)  # waits for the chunk before (in order)
             program, t_compile = self.decoder.chunk_program(rd, sp, state)  # compiled here
         else:
@@ -718,7 +754,7 @@ class ServingEngine:
                 max_workers=1, thread_name_prefix="jaxspec-device")
         started = threading.Event()
         fut = self._device.submit(self._chunk_on_device, program, sp, state, rounds, t_compile,
-                                  started, rows)
+                                  started, rows, pieces)
         del compact
         del state  # donated to the chunk
         self._pending = fut
@@ -728,16 +764,17 @@ class ServingEngine:
             pass
         return fut
 
-    def _chunk_on_device(self, program, sp, state, rounds, t_compile, started, rows=None):
+    def _chunk_on_device(self, program, sp, state, rounds, t_compile, started, rows=None,
+                         pieces=None):
         """Runs a chunk on ``state`` (the slots', or with ``rows`` the state of those rows alone,
-        whose outputs are spread over the slots)."""
+        whose outputs are spread over the slots; with ``pieces`` a mixed chunk)."""
         try:
             max_rounds = jnp.int32(rounds)
             jax.block_until_ready(state)  # what was dispatched before (prefills, row updates)
         finally:
             started.set()
         t = time.perf_counter()
-        state, outs = self.decoder.call_chunk(program, sp, state, max_rounds)
+        state, outs = self.decoder.call_chunk(program, sp, state, max_rounds, pieces)
         if rows is not None:
             outs = spread_outputs(outs, jnp.asarray(rows), batch=self.B)
         jax.block_until_ready(outs)
@@ -815,13 +852,18 @@ class ServingEngine:
         for s in cancelled + dropped:
             self._finish(s, "cancelled")
         try:
+            pieces = None
             if self.paged:
                 self._admit_paged(admits)
-                self._prefill_step()
+                pieces = self._pieces()
+                if pieces is None:
+                    self._prefill_step()
             else:
                 self._admit_all(admits)
             if any(s is not None for s in self.slots):
-                self._step()
+                done = self._step(pieces)
+                if pieces is not None:
+                    self._pieces_done(pieces[:done])
             else:
                 self._drain()
                 self._share([])  # nothing runs: no shared context is held
@@ -1131,6 +1173,59 @@ class ServingEngine:
             rate = done / max(time.perf_counter() - t0, 1e-6)
             self._prefill_rate = rate if self._prefill_rate is None else \
                 0.5 * self._prefill_rate + 0.5 * rate
+        self._start_filled()
+
+    def _pieces(self):
+        """The prompt pieces of the next chunk when it is a mixed one (`mixed_prefill`): some
+        sequences decode and some wait for their prefill. ``[(sequence, start, tokens), ...]``,
+        at most `MIXED_ROUNDS` pieces of at most ``mixed_prefill`` tokens, oldest admission
+        first; None: no mixed chunk."""
+        C = self.mixed_prefill
+        if not C:
+            return None
+        if not any(self.slots[b] is not None and not self.done[b] for b in range(self.B)):
+            return None  # nothing decodes: whole prefill steps
+        filling = sorted((s for s in self.slots if s is not None and s.fill is not None
+                          and s.filled < len(s.fill)), key=lambda s: s.t_submit)
+        if not filling:
+            return None
+        out = []
+        P = min(MIXED_ROUNDS, self.rounds)
+        for s in filling:
+            self._late_hits(s)
+            pos = s.filled
+            while pos < len(s.fill) and len(out) < P:
+                n = min(C, len(s.fill) - pos)
+                out.append((s, pos, s.fill[pos:pos + n]))
+                pos += n
+            if len(out) >= P:
+                break
+        return out or None
+
+    def _pieces_done(self, pieces):
+        """The host's side of pieces a mixed chunk prefills (dispatched: the device runs them in
+        order before anything later): the sequences' filled counts, their full blocks cached
+        (later admissions find them), and the sequences whose prompt is in start decoding."""
+        for s, pos, toks in pieces:
+            if s.slot is None or s.finished_flag:
+                continue
+            s.filled = pos + len(toks)
+            self.m["mixed_prefill_tokens"] += len(toks)
+            self.blocks.register(s.fill[:s.filled], s.blocks, s.fill_keys)
+        if pieces:
+            self._start_filled()
+
+    def _piece_arrays(self, pieces) -> Pieces:
+        P, C = min(MIXED_ROUNDS, self.rounds), self.mixed_prefill
+        tokens = np.zeros((P, C), np.int32)
+        rows, starts, ends = (np.zeros(P, np.int32) for _ in range(3))
+        for i, (s, pos, toks) in enumerate(pieces):
+            tokens[i, :len(toks)] = toks
+            rows[i], starts[i], ends[i] = s.slot, pos, pos + len(toks)
+        return Pieces(tokens=tokens, rows=rows, starts=starts, ends=ends)
+
+    def _start_filled(self):
+        """Sequences whose prompt is in start decoding (their rows set on the device)."""
         starts = [s for s in self.slots if s is not None and s.filled >= len(s.fill)
                   and self.done[s.slot] and not s.finished_flag and s.fill is not None
                   and s.slot not in self._started]
@@ -1175,7 +1270,7 @@ class ServingEngine:
         slots; when the pool is short the most recently admitted sequence is preempted. Returns
         the rounds to run (0: the running rows changed)."""
         tpr = (rd.tree.num_nodes if rd.speculative else 1)
-        ahead = sum(f[-1] for f in self._inflight) + rounds
+        ahead = sum(f[4] for f in self._inflight) + rounds
         want = {}
         for b in active:
             s = self.slots[b]
@@ -1230,9 +1325,12 @@ class ServingEngine:
         with self._cv:
             self.waiting.appendleft(s)
 
-    def _step(self):
+    def _step(self, pieces=None) -> int:
         """Dispatches the next chunk, then handles the previous chunk's tokens while it runs (the
-        device never waits for detokenization and streaming)."""
+        device never waits for detokenization and streaming). With ``pieces`` (`_pieces`) the
+        chunk is a mixed one: plain rounds, each prefilling one piece. Returns the number of
+        pieces dispatched."""
+        n_pieces = 0
         if self._stop_rows:
             rows = sorted(self._stop_rows)
             self.state = stop_rows(self.state, np.asarray(rows + [self.B] * (self.B - len(rows)),
@@ -1245,31 +1343,41 @@ class ServingEngine:
             greedy = bool(np.all(self.temperature[active] <= 0))
             filtering = bool(np.any((self.top_k[active] > 0) | (self.top_p[active] < 1.0)))
             rd, rounds, ctx = self._choose_chunk(greedy)
+            if pieces is not None:  # plain rounds, one per piece
+                rd, rounds = (rd.plain() if rd.speculative else rd), len(pieces)
             if self.paged:
                 rounds = self._grow(active, rounds, rd)
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
                     self._drain()
-                    return
+                    return 0
                 self._share(active)
                 if self._shared_want is not None:
                     self.m["shared_context_row_chunks"] += len(self._shared_want[1])
-            chunk = self._run_chunk(rd, greedy, filtering, rounds, active=active)
+            if pieces is not None:
+                pieces = pieces[:rounds]
+                n_pieces = rounds
+                self.m["mixed_chunks"] += 1
+            chunk = self._run_chunk(rd, greedy, filtering, rounds, active=active,
+                                    pieces=None if pieces is None else
+                                    self._piece_arrays(pieces))
             # the rows this chunk decodes: a slot whose sequence is still being prefilled (paged)
             # is idle on the device, and its "done" must not end the sequence
             owners = [self.slots[b] if b in active else None for b in range(self.B)]
-            self._inflight.append((chunk, owners, rd, ctx, rounds))
+            self._inflight.append((chunk, owners, rd, ctx, rounds, pieces is not None))
         while self._inflight and (len(self._inflight) > 1 or not active):
             self._process(*self._inflight.popleft())
         if not active:  # nothing runs now: let go of a context whose rows are gone
             self._share([])
             self._apply_shared()
+        return n_pieces
 
     def _drain(self):
         while self._inflight:
             self._process(*self._inflight.popleft())
 
-    def _process(self, chunk, owners, rd, ctx, rounds=0):
-        """The tokens of a finished chunk: to their sequences (if they still own their slots)."""
+    def _process(self, chunk, owners, rd, ctx, rounds=0, mixed=False):
+        """The tokens of a finished chunk: to their sequences (if they still own their slots).
+        A ``mixed`` chunk's time is not a decode step's: the cost model does not learn from it."""
         _, outs, _, dt, _, _ = chunk.result()
         host = jax.device_get(outs)
         out, flags, n_out, done, lengths = (np.asarray(x) for x in (
@@ -1284,7 +1392,8 @@ class ServingEngine:
         self.lengths[mine] = np.asarray(lengths, np.int64)[mine]
         if dt > 0:
             still = [b for b in ran if not done[b]]
-            self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
+            if not mixed:
+                self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
             self.m["chunk_seconds"] += dt
             self._chunk_s = dt
         self.m["chunks"] += 1

@@ -391,9 +391,9 @@ def test_client_disconnect_frees_the_slot(model, server, monkeypatch):
     eng = server.engine
     slow_step = eng._step
 
-    def step():  # slow the engine down so the stream is still running when we hang up
+    def step(*args):  # slow the engine down so the stream is still running when we hang up
         time.sleep(0.1)
-        slow_step()
+        return slow_step(*args)
     monkeypatch.setattr(eng, "_step", step)
     # a greedy prompt that does not reach EOS within its budget: it can only end by the hang-up
     prompts = _prompts(20, seed=11)

@@ -27,8 +27,8 @@ def model():
     return served_model(eos=False)
 
 
-@pytest.mark.parametrize("spec", [None, "self"])
-def test_paged_engine_equals_generate(model, spec):
+@pytest.mark.parametrize("spec,mixed", [(None, 0), ("self", 0), (None, 8), ("self", 16)])
+def test_paged_engine_equals_generate(model, spec, mixed):
     rng = np.random.default_rng(random.randrange(1 << 30))
     shared = rng.integers(5, 60, size=27).tolist()  # three full blocks of 8 and a bit
     prompts = [shared + rng.integers(5, 60, size=int(n)).tolist() for n in (3, 11)]
@@ -38,7 +38,7 @@ def test_paged_engine_equals_generate(model, spec):
     speculation = None if spec is None else jaxspec.Speculation(
         draft="self", gamma=3, sink=2, window=6, adaptive=False)
     kw = dict(max_batch=3, max_len=96, rounds_per_chunk=2, prefill_chunk=16, page_size=8,
-              speculation=speculation, prefill_budget=16)
+              speculation=speculation, prefill_budget=16, mixed_prefill=mixed)
     one = ServingEngine(model, **kw).max_blocks  # the blocks one sequence of max_len needs
     # a pool short of three full sequences: admissions wait for blocks and running ones are
     # preempted, then resumed from their prompt and tokens
@@ -52,6 +52,8 @@ def test_paged_engine_equals_generate(model, spec):
             assert s.tokens == r, (s.prompt_ids[:5], s.preemptions)
         m = e.metrics()
         assert m["preemptions"] > 0, "the small pool should have forced a preemption"
+        # with mixed_prefill, prompts filled inside decode rounds (else never)
+        assert (m["mixed_prefill_tokens"] > 0) == (mixed > 0)
         assert m["prompt_tokens"] == sum(map(len, prompts))
         # one after the other on the idle engine: the second finds at least the first's three
         # full blocks of the shared prefix in the cache (whole blocks only; its own fourth one

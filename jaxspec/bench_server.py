@@ -13,10 +13,11 @@ rate; every variant sees the same prompts and arrival times.
 
 ``--servers`` compares server setups, each with every variant: ``dense`` (one K/V row of
 ``max_len`` slots per slot, the default) and
-``paged[N][-blocksM][-budgetT][-mixedC|-nomixed][-noshare]`` (paged K/V in pages of N slots,
-default 16, with automatic prefix caching; M blocks in the pool, T prefill tokens between decode
-chunks, C prompt tokens prefilled inside each decode round or ``-nomixed`` none; default: the
-server's; ``-noshare``: without the shared-context attention). Speedups are then relative to the first setup
+``paged[N][-blocksM][-budgetT][-mixedC|-nomixed][-shareP][-noshare]`` (paged K/V in pages of N
+slots, default 16, with automatic prefix caching; M blocks in the pool, T prefill tokens between
+decode chunks, at most C prompt tokens prefilled inside each decode round or ``-nomixed`` none,
+prefill adding at most P% to a decode round's time; default: the server's; ``-noshare``: without
+the shared-context attention). Speedups are then relative to the first setup
 with speculation off. ``--workload`` (comma-separated, run in turn on each server): ``independent``
 (the prompts above) or ``shared-doc``: every request is the same ``--doc``-token document followed
 by its own ``--question`` tokens (both cut from the text source); with ``--doc-cache warm`` one
@@ -31,7 +32,9 @@ server-sent event as it arrives:
 
 - TTFT: request sent -> first event carrying tokens (queueing + prefill + the first chunk);
 - ITL: the gap between two token-carrying events, split evenly over the tokens the later one
-  brought (the server streams once per decode chunk; the raw gaps are ``chunk_gap_s``);
+  brought (the server streams once per decode chunk; the raw gaps are ``chunk_gap_s``); also
+  over the gaps that begin after every request's first token (``itl_after_last_first_token_s``:
+  with all requests sent at once, the streams' ITL once no prompt is left to prefill);
 - e2e: request sent -> ``data: [DONE]``; TPOT: (e2e - TTFT) / (tokens - 1) per request;
 - throughput: tokens (requests) completed / (first send -> last completion).
 
@@ -294,7 +297,7 @@ def parse_servers(text: str) -> list[dict]:
     row per slot) or ``paged[N]`` (paged K/V, pages of N slots, default 16) with optional
     ``-blocksM`` (blocks in the pool), ``-budgetT`` (prefill tokens between decode chunks),
     ``-mixedC`` / ``-nomixed`` (``mixed_prefill=C`` / 0: prompt tokens prefilled inside each
-    decode round) and ``-noshare`` (no shared-context attention: ``share_min_tokens=None``);
+    decode round), ``-shareP`` (``prefill_share=P/100``) and ``-noshare`` (no shared-context attention: ``share_min_tokens=None``);
     any setup takes
     ``-slotsN`` (N slots instead of ``--max-batch``: a paged pool of the dense cache's size with
     more slots)."""
@@ -307,7 +310,8 @@ def parse_servers(text: str) -> list[dict]:
         seen.add(name)
         head, *opts = name.split("-")
         setup = {"name": name, "page_size": None, "kv_blocks": None, "prefill_budget": None,
-                 "mixed_prefill": None, "share": True, "max_batch": None}
+                 "mixed_prefill": None, "prefill_share": None, "share": True,
+                 "max_batch": None}
         slots = [o for o in opts if o.startswith("slots") and o[5:].isdigit()]
         if slots:
             setup["max_batch"] = int(slots[-1][5:])
@@ -328,20 +332,20 @@ def parse_servers(text: str) -> list[dict]:
                     setup["mixed_prefill"] = 0
                     continue
                 for key, word in (("kv_blocks", "blocks"), ("prefill_budget", "budget"),
-                                  ("mixed_prefill", "mixed")):
+                                  ("mixed_prefill", "mixed"), ("prefill_share", "share")):
                     if o.startswith(word) and o[len(word):].isdigit():
                         setup[key] = int(o[len(word):])
                         break
                 else:
                     raise ValueError(f"--servers: {name!r}: unknown option {o!r} (blocksM, "
-                                     f"budgetT, mixedC, nomixed, noshare, slotsN)")
-            if min(v for v in (setup["page_size"], setup["kv_blocks"], setup["prefill_budget"])
-                   if v is not None) < 1 \
+                                     f"budgetT, mixedC, nomixed, shareP, noshare, slotsN)")
+            if min(v for v in (setup["page_size"], setup["kv_blocks"], setup["prefill_budget"],
+                               setup["prefill_share"]) if v is not None) < 1 \
                     or any(o.startswith("mixed") and int(o[5:]) < 1 for o in opts):
                 raise ValueError(f"--servers: {name!r}: sizes must be >= 1")
         else:
             raise ValueError(f"--servers: {name!r} is not 'dense' or 'paged[N][-blocksM]"
-                             f"[-budgetT][-mixedC|-nomixed][-noshare]'")
+                             f"[-budgetT][-mixedC|-nomixed][-shareP][-noshare]'")
         out.append(setup)
     if not out:
         raise ValueError("--servers: give at least one server setup")
@@ -375,6 +379,8 @@ def summarize(records: list[dict]) -> dict:
     ok = [r for r in records if r["status"] == "ok" and r["events"]]
     sent = [r["t_send"] for r in records if r["t_send"] is not None]
     ttft, e2e, tpot, itl, gaps, finish = [], [], [], [], [], {}
+    quiet = []  # ITL of the gaps that begin once every request had its first token
+    last_first = max((r["events"][0][0] for r in ok), default=None)
     tokens = 0
     for r in ok:
         ev = r["events"]
@@ -387,6 +393,8 @@ def summarize(records: list[dict]) -> dict:
         for (t0, n0), (t1, n1) in zip(ev, ev[1:]):
             gaps.append(t1 - t0)
             itl.extend([(t1 - t0) / (n1 - n0)] * (n1 - n0))
+            if t0 >= last_first:
+                quiet.extend([(t1 - t0) / (n1 - n0)] * (n1 - n0))
         finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
     duration = (max(r["t_done"] for r in ok) - min(sent)) if ok else 0.0
     errors = sorted({r["error"] for r in records if r["status"] == "error"})
@@ -400,6 +408,9 @@ def summarize(records: list[dict]) -> dict:
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_tok_s": tokens / duration if duration > 0 else 0.0,
         "ttft_s": _pct(ttft), "itl_s": _pct(itl), "e2e_s": _pct(e2e), "tpot_s": _pct(tpot),
+        # with every request sent at once, no prompt is left to prefill then: the streams'
+        # inter-token latency without prefills in their way
+        "itl_after_last_first_token_s": _pct(quiet),
         "chunk_gap_s": _pct(gaps), "finish_reasons": finish,
         # prompt tokens the server found in its prefix cache, summed over the completed requests
         # whose usage said (None: no response carried usage.prompt_tokens_details)
@@ -817,6 +828,8 @@ def bench_server(args, model=None, draft=None) -> dict:
                                  "kv_blocks": setup["kv_blocks"],
                                  "prefill_budget": setup["prefill_budget"],
                                  "mixed_prefill": setup.get("mixed_prefill")}
+                        if setup.get("prefill_share"):  # (percent)
+                            paged["prefill_share"] = setup["prefill_share"] / 100
                         if not setup.get("share", True):
                             paged["share_min_tokens"] = None
                     engine = ServingEngine(model, max_batch=setup.get("max_batch") or B,
@@ -832,6 +845,7 @@ def bench_server(args, model=None, draft=None) -> dict:
                                     blocks_per_sequence=engine.max_blocks,
                                     prefill_budget=engine.prefill_budget,
                                     mixed_prefill=engine.mixed_prefill,
+                                    prefill_share=engine.prefill_share,
                                     share_min_tokens=engine.share_min_tokens)
                     engine.start(variants=[(True, False)])  # greedy requests only
                     server = BackgroundServer(engine, SERVED_NAME, limits=limits)
@@ -1093,15 +1107,16 @@ def markdown(out: dict) -> str:
         return ((f"| {p.get('setup')} " if multi else "") +
                 (f"| {p.get('workload')} " if multi_w else "") + f"| {p['variant']} ")
     lines += ["", f"{col}| variant | gamma | rate req/s | done/sent | running at most | req/s | "
-              "out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | e2e p50 / p99 s | "
-              "server decode tok/s | accept | tok/step | finish | = generate |",
-              f"{sep}|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | ITL p99 after the "
+              "last first token ms | e2e p50 / p99 s | server decode tok/s | accept | tok/step | "
+              "finish | = generate |",
+              f"{sep}|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in out["points"]:
         info = out["servers"].get(server_key(out, p.get("setup"), p["variant"]), {})
         gamma = _f(info.get("gamma"), "d")
         if p.get("status") not in ("ok", "incomplete"):
             lines.append(f"{cells(p)}| {gamma} | {p['rate']} | {p.get('status')}: "
-                         f"{p.get('error')} | | | | | | | | | | | |")
+                         f"{p.get('error')} | | | | | | | | | | | | |")
             continue
         s = p["server"]
         e2e = p["e2e_s"]
@@ -1109,7 +1124,8 @@ def markdown(out: dict) -> str:
         lines.append(
             f"{cells(p)}| {gamma} | {p['rate']} | {p['completed']}/{p['requests']} | "
             f"{_f(p.get('peak_running'), 'd')} | {p['request_throughput']:.2f} | {p['output_tok_s']:.1f} | {_ms(p['ttft_s'])} | "
-            f"{_ms(p['itl_s'])} | {_f(e2e['p50'], '.3f')} / {_f(e2e['p99'], '.3f')} | "
+            f"{_ms(p['itl_s'])} | {_ms(p.get('itl_after_last_first_token_s'), ('p99',))} | "
+            f"{_f(e2e['p50'], '.3f')} / {_f(e2e['p99'], '.3f')} | "
             f"{_f(s['decode_tok_s'], '.1f')} | {_f(s['acceptance_rate'])} | "
             f"{_f(s['tokens_per_target_step'])} | {fin} | "
             f"{p['rows_equal_generate']}/{p['rows_checked']} |")
@@ -1190,7 +1206,8 @@ def add_arguments(sub) -> None:
                         f"{SETUP_PAGE_SIZE} slots, prefix caching), 'pagedN' (pages of N), "
                         "options '-blocksM' (pool size) '-budgetT' (prefill tokens between "
                         "decode chunks) '-mixedC' / '-nomixed' (prompt tokens prefilled inside "
-                        "each decode round, or none) '-noshare' (requests that share leading blocks do not "
+                        "each decode round, at most, or none) '-shareP' (prefill adds at most P%% "
+                        "to a decode round) '-noshare' (requests that share leading blocks do not "
                         "read them together); e.g. dense,paged,paged32-budget8192 (default: dense "
                         "only, reported as before); speedups are vs the first setup's off")
     s.add_argument("--workload", default="independent",

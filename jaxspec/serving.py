@@ -67,11 +67,12 @@ CHUNK_SECONDS = 0.08  # a decode chunk (the streaming granularity) takes about t
 # ((sharing rows - 1) x shared tokens): below it, the extra kernel and merge per layer cost about
 # what they save
 SHARE_MIN_TOKENS = 32768
-# Paged prefill between decode chunks (unless a fixed ``prefill_budget`` is given, see
-# `ServingEngine._prefill_tokens`): once most admitted sequences decode, as many prompt tokens as
-# take this share of a decode chunk's time (their inter-token latency grows by about this share);
-# while fewer decode than wait for their prefill, as many as take this long (the engine comes back
-# between them to admit and cancel).
+# Paged prefill while sequences decode (the default ``prefill_share``): a mixed round's prompt
+# piece adds at most this share of a plain round's time (`ServingEngine._piece_size`); without
+# mixed rounds (see `ServingEngine._prefill_tokens`), once most admitted sequences decode, as many
+# prompt tokens as take this share of a decode chunk's time between chunks (their inter-token
+# latency grows by about this share), and while fewer decode than wait for their prefill, as many
+# as take PREFILL_IDLE_SECONDS (the engine comes back between them to admit and cancel).
 PREFILL_SHARE = 0.5
 PREFILL_IDLE_SECONDS = 0.5
 PREFILL_MIN_TOKENS = 2048  # (in whole prefill chunks, at least one)
@@ -83,8 +84,10 @@ PREFILL_MIN_TOKENS = 2048  # (in whole prefill chunks, at least one)
 # memory per slot at the default 8192 tokens with 2048.
 SERVE_PREFILL_CHUNK = 2048
 # Mixed chunks (paged, ``mixed_prefill``): at most this many plain rounds per chunk, each with one
-# prompt piece in its forward
+# prompt piece in its forward; pieces are powers of two of at least MIXED_MIN_PIECE tokens (or
+# ``mixed_prefill`` if smaller), each size its own compiled chunk
 MIXED_ROUNDS = 8
+MIXED_MIN_PIECE = 256
 
 
 def default_prefill_chunk(paged: bool) -> int:
@@ -247,11 +250,16 @@ class ServingEngine:
         sequence resumes with the draws it would have made. No shared-context attention then
         (``share_min_tokens`` is ignored); not on a mesh.
     mixed_prefill: paged: while some sequences decode and others wait for their prefill, each
-        decode round is a plain step whose forward also prefills a piece of this many prompt
-        tokens (oldest admission first; `jaxspec.model.forward_mixed`: the weights are read once
-        for both), so running streams keep their pace while long prompts fill, instead of
-        waiting for whole prefill steps between decode chunks (speculation resumes once every
-        admitted prompt is in). 0: off. Not on a mesh.
+        decode round is a plain step whose forward also prefills a piece of at most this many
+        prompt tokens (oldest admission first; `jaxspec.model.forward_mixed`: the weights are
+        read once for both), so running streams keep their pace while long prompts fill,
+        instead of waiting for whole prefill steps between decode chunks (speculation resumes
+        once every admitted prompt is in). A piece is the largest power of two (from 256 tokens)
+        that adds at most ``prefill_share`` of a plain round's predicted time, at the measured
+        cost per piece token. Default: ``prefill_chunk`` for a block pool (unless
+        ``prefill_budget`` is given); 0: off. Not on a mesh.
+    prefill_share: paged: the share of a decode round's (or chunk's) time that prefill may add
+        to it while sequences decode: their inter-token latency grows by about this share.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -263,7 +271,7 @@ class ServingEngine:
                  prefill_budget: int | None = None,
                  share_min_tokens: int | None = SHARE_MIN_TOKENS, ignore_eos: bool = False,
                  compact_rows: bool | None = None, batch_invariant: bool = False,
-                 mixed_prefill: int | None = None):
+                 mixed_prefill: int | None = None, prefill_share: float = PREFILL_SHARE):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         compile_cache.enable()  # as generate: compiled chunks outlive the process
@@ -337,14 +345,24 @@ class ServingEngine:
             self.prefill_budget = None if prefill_budget is None else int(prefill_budget)
             self._prefill_rate = None  # prompt tokens / s, measured
             self._chunk_s = 0.0  # device seconds of the last decode chunk
-        if mixed_prefill is None:
-            mixed_prefill = 0
+        if not prefill_share > 0:
+            raise ValueError(f"prefill_share must be > 0, got {prefill_share!r}")
+        self.prefill_share = float(prefill_share)
+        if mixed_prefill is None:  # on for a pool, unless a fixed budget between chunks is asked
+            mixed_prefill = self.prefill_chunk if self.paged and prefill_budget is None else 0
         if int(mixed_prefill) < 0:
             raise ValueError(f"mixed_prefill must be >= 0, got {mixed_prefill!r}")
         if mixed_prefill and not self.paged:
             raise ValueError("mixed_prefill needs a block pool (page_size)")
         # (a mesh splits the slots over its data axis: a prompt piece is one row's)
         self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
+        # the piece sizes a mixed chunk may take: powers of two up to mixed_prefill (and it)
+        sizes, c = [], min(MIXED_MIN_PIECE, self.mixed_prefill)
+        while c and c < self.mixed_prefill:
+            sizes.append(c)
+            c *= 2
+        self.piece_sizes = sizes + ([self.mixed_prefill] if self.mixed_prefill else [])
+        self._piece_cost = None  # device seconds per piece token inside a round, measured
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
         # (batch-invariant attention reads every row's keys through its own table: no sharing)
@@ -596,8 +614,8 @@ class ServingEngine:
             for greedy, filtering in variants:
                 for r in self._round_kinds(bool(greedy)):
                     self._run_chunk(r, bool(greedy), bool(filtering), rounds=0, compile_only=True)
-                if self.mixed_prefill:
-                    self._compile_mixed(bool(greedy), bool(filtering))
+                for C in self.piece_sizes:
+                    self._compile_mixed(C, bool(greedy), bool(filtering))
         self._shared_want = None
         self._apply_shared()
         if self.compact_rows and jax.devices()[0].platform != "cpu":
@@ -622,14 +640,15 @@ class ServingEngine:
                                         jnp.zeros((B, 2), jnp.uint32), zeros), nowhere)
         self.warm = True
 
-    def _compile_mixed(self, greedy: bool, filtering: bool):
-        """Compiles the mixed chunk (`mixed_prefill`) of this sampling variant (warm-up)."""
+    def _compile_mixed(self, C: int, greedy: bool, filtering: bool):
+        """Compiles the mixed chunk (`mixed_prefill`) with pieces of ``C`` tokens of this sampling
+        variant (warm-up)."""
         rd = self._round(greedy)
         rd = rd.plain() if rd.speculative else rd
         sp = self._sampling(greedy, filtering)
         state = self._with_shared(self.state)
         try:
-            self.decoder.mixed_program(rd, sp, state, self._piece_arrays([]))
+            self.decoder.mixed_program(rd, sp, state, self._piece_arrays(C, []))
         finally:
             self.state = self._without_shared(state)
 
@@ -863,7 +882,7 @@ class ServingEngine:
             if any(s is not None for s in self.slots):
                 done = self._step(pieces)
                 if pieces is not None:
-                    self._pieces_done(pieces[:done])
+                    self._pieces_done(pieces[1][:done])
             else:
                 self._drain()
                 self._share([])  # nothing runs: no shared context is held
@@ -1121,7 +1140,7 @@ class ServingEngine:
         else, at the measured prefill rate, `PREFILL_IDLE_SECONDS` worth while fewer sequences
         decode than wait for their prefill (the batch fills first: a decode round costs the
         weights and a fixed part whatever its rows, so rounds over a few rows waste the device
-        while prompts wait), and `PREFILL_SHARE` of the last decode chunk's time once most of
+        while prompts wait), and ``prefill_share`` of the last decode chunk's time once most of
         them decode (their inter-token latency then grows by about that share); whole prefill
         chunks, never fewer than `PREFILL_MIN_TOKENS` (and one chunk)."""
         if self.prefill_budget is not None:
@@ -1132,7 +1151,7 @@ class ServingEngine:
         decoding = sum(self.slots[b] is not None for b in self._started)
         filling = sum(s is not None and s.fill is not None and s.filled < len(s.fill)
                       for s in self.slots)
-        seconds = PREFILL_IDLE_SECONDS if decoding < filling else PREFILL_SHARE * self._chunk_s
+        seconds = PREFILL_IDLE_SECONDS if decoding < filling else self.prefill_share * self._chunk_s
         return max(self._min_prefill_chunks(), int(self._prefill_rate * seconds) // C) * C
 
     def _min_prefill_chunks(self) -> int:
@@ -1189,6 +1208,7 @@ class ServingEngine:
                           and s.filled < len(s.fill)), key=lambda s: s.t_submit)
         if not filling:
             return None
+        C = self._piece_size()
         out = []
         P = min(MIXED_ROUNDS, self.rounds)
         for s in filling:
@@ -1200,7 +1220,21 @@ class ServingEngine:
                 pos += n
             if len(out) >= P:
                 break
-        return out or None
+        return (C, out) if out else None
+
+    def _piece_size(self) -> int:
+        """The largest piece size whose tokens add at most ``prefill_share`` of a plain round's
+        predicted time over the running rows (per piece token: measured in earlier mixed chunks,
+        else the measured prefill rate's; neither yet: the smallest size)."""
+        cost = self._piece_cost
+        if cost is None and self._prefill_rate:
+            cost = 1.0 / self._prefill_rate
+        if cost is None:
+            return self.piece_sizes[0]
+        act = [b for b in range(self.B) if self.slots[b] is not None and not self.done[b]]
+        t_plain = self.decoder.costs.plain_time(self.lengths[act].astype(np.float64))
+        fit = [c for c in self.piece_sizes if c * cost <= self.prefill_share * t_plain]
+        return fit[-1] if fit else self.piece_sizes[0]
 
     def _pieces_done(self, pieces):
         """The host's side of pieces a mixed chunk prefills (dispatched: the device runs them in
@@ -1215,8 +1249,8 @@ class ServingEngine:
         if pieces:
             self._start_filled()
 
-    def _piece_arrays(self, pieces) -> Pieces:
-        P, C = min(MIXED_ROUNDS, self.rounds), self.mixed_prefill
+    def _piece_arrays(self, C: int, pieces) -> Pieces:
+        P = min(MIXED_ROUNDS, self.rounds)
         tokens = np.zeros((P, C), np.int32)
         rows, starts, ends = (np.zeros(P, np.int32) for _ in range(3))
         for i, (s, pos, toks) in enumerate(pieces):
@@ -1344,7 +1378,9 @@ class ServingEngine:
             filtering = bool(np.any((self.top_k[active] > 0) | (self.top_p[active] < 1.0)))
             rd, rounds, ctx = self._choose_chunk(greedy)
             if pieces is not None:  # plain rounds, one per piece
+                C, pieces = pieces
                 rd, rounds = (rd.plain() if rd.speculative else rd), len(pieces)
+                ctx = (ctx, C, self.decoder.costs.plain_time(ctx))
             if self.paged:
                 rounds = self._grow(active, rounds, rd)
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
@@ -1359,7 +1395,7 @@ class ServingEngine:
                 self.m["mixed_chunks"] += 1
             chunk = self._run_chunk(rd, greedy, filtering, rounds, active=active,
                                     pieces=None if pieces is None else
-                                    self._piece_arrays(pieces))
+                                    self._piece_arrays(C, pieces))
             # the rows this chunk decodes: a slot whose sequence is still being prefilled (paged)
             # is idle on the device, and its "done" must not end the sequence
             owners = [self.slots[b] if b in active else None for b in range(self.B)]
@@ -1377,7 +1413,11 @@ class ServingEngine:
 
     def _process(self, chunk, owners, rd, ctx, rounds=0, mixed=False):
         """The tokens of a finished chunk: to their sequences (if they still own their slots).
-        A ``mixed`` chunk's time is not a decode step's: the cost model does not learn from it."""
+        A ``mixed`` chunk's time is not a decode step's: the cost model does not learn from it;
+        its ``ctx`` is ``(contexts, piece size, predicted plain round time)``, from which the
+        cost per piece token is learned instead."""
+        if mixed:
+            ctx, C, t_plain = ctx
         _, outs, _, dt, _, _ = chunk.result()
         host = jax.device_get(outs)
         out, flags, n_out, done, lengths = (np.asarray(x) for x in (
@@ -1394,6 +1434,10 @@ class ServingEngine:
             still = [b for b in ran if not done[b]]
             if not mixed:
                 self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
+            elif n > 0:  # (an EMA: the rows and contexts change from chunk to chunk)
+                cost = max(dt / n - t_plain, 0.0) / C
+                self._piece_cost = cost if self._piece_cost is None else \
+                    0.5 * self._piece_cost + 0.5 * cost
             self.m["chunk_seconds"] += dt
             self._chunk_s = dt
         self.m["chunks"] += 1

@@ -177,16 +177,14 @@ class Round:
         return state.rng, list(sampling.split_rows(k, num)) if num > 1 else [k]
 
     def __call__(self, params, dparams, sp, state: DecodeState, piece=None) -> DecodeState:
-        """One round on ``state``; ``piece`` (a plain round only): ``(tokens[1, C], row, start,
-        end)``, a piece of a prompt that the round's forward also prefills into row ``row`` of a
-        block pool (`run_mixed_chunk`)."""
+        """One round on ``state``; ``piece``: ``(tokens[1, C], row, start, end)``, a piece of a
+        prompt that the round's target forward (a plain step's, or a speculative round's
+        verification) also prefills into row ``row`` of a block pool (`run_mixed_chunk`)."""
         if self.invariant and not sp.invariant:
             sp = sp.replace(invariant=True)
         if not self.speculative:
             return self._plain(params, dparams, sp, state, piece)
-        if piece is not None:
-            raise ValueError("a prompt piece rides on plain rounds only")
-        return self._speculative(params, dparams, sp, state)
+        return self._speculative(params, dparams, sp, state, piece)
 
     # ------------------------------------------------------------------ plain step
     def _plain(self, params, dparams, sp, state, piece=None):
@@ -209,8 +207,9 @@ class Round:
         return st
 
     def _with_piece(self, params, cache, tokens, positions, plan, piece):
-        """The plain step's forward with a prompt piece in it (`forward_mixed`): the piece's
-        tokens go through row ``row``'s block table from slot ``start`` on, as
+        """The target forward of ``tokens`` by ``plan`` with a prompt piece in it
+        (`forward_mixed`): ``(logits, cache)``, and the block scores when the plan asks for them.
+        The piece's tokens go through row ``row``'s block table from slot ``start`` on, as
         `jaxspec.prefill.prefill_paged_row` writes them (padding past ``end`` lands in the row's
         own blocks or nowhere), and the row's length becomes ``end``."""
         tok, row, start, end = piece
@@ -218,12 +217,13 @@ class Round:
         table = jax.lax.dynamic_slice_in_dim(cache.block_table, row, 1, axis=0)
         pplan = AttentionPlan(lengths=start[None], impl=self.impl, block_table=table)
         ppos = start + jnp.arange(C, dtype=jnp.int32)[None]
-        (logits, _), cache = forward_mixed(
+        (logits, _), cache, *sc = forward_mixed(
             self.config, params, [(tokens, positions, plan, None), (tok, ppos, pplan, False)], cache)
-        return logits, cache.replace(lengths=cache.lengths.at[row].set(end))
+        cache = cache.replace(lengths=cache.lengths.at[row].set(end))
+        return (logits, cache, *(s[0] for s in sc))
 
     # ------------------------------------------------------------------ speculative round
-    def _speculative(self, params, dparams, sp, state):
+    def _speculative(self, params, dparams, sp, state, piece=None):
         tree = self.tree
         chain = self.is_chain
         keys, (r_draft, r_verify) = self._keys(state, 2)
@@ -239,8 +239,12 @@ class Round:
         # a retrieving self-draft's selection comes from this verification's block scores
         plan = plan_on(state.cache, L, mask=mask, impl=self.impl, active=self.active(state),
                        score_block=self.drafter.score_block, score_impl=draft_impl(self))
-        logits, cache, *scores = forward(self.config, params, node_tok,
-                                         pos0[:, None] + depths[None], cache, plan)
+        if piece is None:
+            logits, cache, *scores = forward(self.config, params, node_tok,
+                                             pos0[:, None] + depths[None], cache, plan)
+        else:
+            logits, cache, *scores = self._with_piece(params, cache, node_tok,
+                                                      pos0[:, None] + depths[None], plan, piece)
         if scores:
             ctx = {**(ctx or {}), "scores": scores[0]}
         acc_nodes = None
@@ -357,12 +361,10 @@ class Pieces:
 
 @functools.partial(jax.jit, static_argnames=("rd",), donate_argnames=("state",))
 def run_mixed_chunk(params, dparams, sp, state: DecodeState, num, pieces: Pieces, *, rd: Round):
-    """A serving chunk of exactly ``num`` plain rounds (``num <= P``), round i also prefilling
-    prompt piece i in the same forward (`jaxspec.model.forward_mixed`: the weights are read
-    once for the running rows' step and the piece), so prompts fill while the running rows keep
-    decoding at about their own step's pace. Outputs as `run_chunk`'s."""
-    if rd.speculative:
-        raise ValueError("prompt pieces ride on plain rounds only")
+    """A serving chunk of exactly ``num`` rounds of ``rd`` (``num <= P``), round i also
+    prefilling prompt piece i in its target forward (`jaxspec.model.forward_mixed`: the weights
+    are read once for the running rows' step or verification and the piece), so prompts fill
+    while the running rows keep decoding at about their own pace. Outputs as `run_chunk`'s."""
     B = state.last.shape[0]
     state = state.replace(budget=state.budget - state.n_out, n_out=jnp.zeros_like(state.n_out),
                           steps=jnp.zeros_like(state.steps), stats=RoundStats.zeros(B))

@@ -420,8 +420,8 @@ def forward_mixed(config: ModelConfig, params, segments, cache: KVCache):
     (a decode round's rows and one row's chunk of prompt, say), and every projection and MLP
     runs once over all their tokens, so the weights are read once for all of them. A segment's
     ``logits_at`` is as in `forward`, or False for no logits (a prefill chunk's). Returns
-    ``([logits or None per segment], cache)``; block scores (``plan.score_block``) are not
-    returned here. Each segment's outputs equal its own `forward`'s up to the rounding of
+    ``([logits or None per segment], cache)``, and when a segment's plan has ``score_block``
+    also ``[scores [L, B_i, K, NB] or None per segment]`` (as `forward`'s). Each segment's outputs equal its own `forward`'s up to the rounding of
     matrix products over a different number of rows (bitwise the same with batch-invariant
     numerics, whose products do not depend on the rows beside them)."""
     W = sliding_window_of(config)
@@ -429,28 +429,34 @@ def forward_mixed(config: ModelConfig, params, segments, cache: KVCache):
                   else s[2] for s in segments)
     if len({pl.impl for pl in plans}) != 1:
         raise ValueError("the segments of one forward share one attention implementation")
-    if any(pl.score_block is not None for pl in plans):
-        raise ValueError("forward_mixed returns no block scores (plan.score_block)")
+    scored = [pl.score_block is not None for pl in plans]
     xs = tuple(jnp.take(params["embed"], s[0], axis=0) for s in segments)
     ropes = tuple(rope_tables(config, s[1]) for s in segments)
     if isinstance(params["layers"], (list, tuple)):
         k, v = cache.k, cache.v
+        per_layer = []
         for layer, p in enumerate(params["layers"]):
-            xs, k, v, _ = _layer(config, p, xs, k, v, jnp.int32(layer), ropes, plans)
+            xs, k, v, sc = _layer(config, p, xs, k, v, jnp.int32(layer), ropes, plans)
+            per_layer.append([x for x, want in zip(sc, scored) if want])
+        kept = [jnp.stack(z) for z in zip(*per_layer)] if any(scored) else []
     else:
         def body(carry, lp):
             xs_, k_, v_ = carry
             p, layer = lp
-            xs_, k_, v_, _ = _layer(config, p, xs_, k_, v_, layer, ropes, plans)
-            return (tuple(xs_), k_, v_), None
+            xs_, k_, v_, sc = _layer(config, p, xs_, k_, v_, layer, ropes, plans)
+            return (tuple(xs_), k_, v_), tuple(x for x, want in zip(sc, scored) if want)
 
         L = config.num_layers
-        (xs, k, v), _ = jax.lax.scan(body, (xs, cache.k, cache.v),
-                                     (params["layers"], jnp.arange(L, dtype=jnp.int32)))
+        (xs, k, v), kept = jax.lax.scan(body, (xs, cache.k, cache.v),
+                                        (params["layers"], jnp.arange(L, dtype=jnp.int32)))
+        kept = list(kept)
     logits = [None if s[3] is False else
               lm_logits(config, x, params["final_norm"], params["embed"], params.get("lm_head"),
                         s[3], impl=pl.impl) for s, x, pl in zip(segments, xs, plans)]
-    return logits, cache.replace(k=k, v=v)
+    if not any(scored):
+        return logits, cache.replace(k=k, v=v)
+    it = iter(kept)
+    return logits, cache.replace(k=k, v=v), [next(it) if want else None for want in scored]
 
 
 def init_params(config: ModelConfig, rng, dtype=jnp.float32):

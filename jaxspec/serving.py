@@ -88,6 +88,10 @@ SERVE_PREFILL_CHUNK = 2048
 # ``mixed_prefill`` if smaller), each size its own compiled chunk
 MIXED_ROUNDS = 8
 MIXED_MIN_PIECE = 256
+# ... and after this many mixed chunks in a row, a short plain chunk (at most MIXED_ROUNDS rounds)
+# times a plain round again: the cost model's chunk sizes and the piece cost both need it
+MIXED_CALIBRATE_EVERY = 16
+MIX_NONE, MIX_PIECES, MIX_CALIBRATE = 0, 1, 2  # `ServingEngine._mixing`
 
 
 def default_prefill_chunk(paged: bool) -> int:
@@ -363,6 +367,7 @@ class ServingEngine:
             c *= 2
         self.piece_sizes = sizes + ([self.mixed_prefill] if self.mixed_prefill else [])
         self._piece_cost = None  # device seconds per piece token inside a round, measured
+        self._mixed_run = 0  # mixed chunks dispatched since the last plain one
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
         # (batch-invariant attention reads every row's keys through its own table: no sharing)
@@ -615,7 +620,8 @@ class ServingEngine:
                 for r in self._round_kinds(bool(greedy)):
                     self._run_chunk(r, bool(greedy), bool(filtering), rounds=0, compile_only=True)
                 for C in self.piece_sizes:
-                    self._compile_mixed(C, bool(greedy), bool(filtering))
+                    for r in self._round_kinds(bool(greedy)):
+                        self._compile_mixed(r, C, bool(greedy), bool(filtering))
         self._shared_want = None
         self._apply_shared()
         if self.compact_rows and jax.devices()[0].platform != "cpu":
@@ -640,11 +646,9 @@ class ServingEngine:
                                         jnp.zeros((B, 2), jnp.uint32), zeros), nowhere)
         self.warm = True
 
-    def _compile_mixed(self, C: int, greedy: bool, filtering: bool):
-        """Compiles the mixed chunk (`mixed_prefill`) with pieces of ``C`` tokens of this sampling
-        variant (warm-up)."""
-        rd = self._round(greedy)
-        rd = rd.plain() if rd.speculative else rd
+    def _compile_mixed(self, rd, C: int, greedy: bool, filtering: bool):
+        """Compiles the mixed chunk (`mixed_prefill`) of rounds ``rd`` with pieces of ``C``
+        tokens of this sampling variant (warm-up)."""
         sp = self._sampling(greedy, filtering)
         state = self._with_shared(self.state)
         try:
@@ -871,18 +875,16 @@ class ServingEngine:
         for s in cancelled + dropped:
             self._finish(s, "cancelled")
         try:
-            pieces = None
+            mix = MIX_NONE
             if self.paged:
                 self._admit_paged(admits)
-                pieces = self._pieces()
-                if pieces is None:
+                mix = self._mixing()
+                if mix == MIX_NONE:
                     self._prefill_step()
             else:
                 self._admit_all(admits)
             if any(s is not None for s in self.slots):
-                done = self._step(pieces)
-                if pieces is not None:
-                    self._pieces_done(pieces[1][:done])
+                self._step(mix)
             else:
                 self._drain()
                 self._share([])  # nothing runs: no shared context is held
@@ -1194,24 +1196,32 @@ class ServingEngine:
                 0.5 * self._prefill_rate + 0.5 * rate
         self._start_filled()
 
-    def _pieces(self):
-        """The prompt pieces of the next chunk when it is a mixed one (`mixed_prefill`): some
-        sequences decode and some wait for their prefill. ``[(sequence, start, tokens), ...]``,
-        at most `MIXED_ROUNDS` pieces of at most ``mixed_prefill`` tokens, oldest admission
-        first; None: no mixed chunk."""
-        C = self.mixed_prefill
-        if not C:
-            return None
+    def _filling(self):
+        """Sequences in slots whose prompt is not all in, oldest admission first."""
+        return sorted((s for s in self.slots if s is not None and s.fill is not None
+                       and s.filled < len(s.fill)), key=lambda s: s.t_submit)
+
+    def _mixing(self) -> int:
+        """How the next chunk prefills (`mixed_prefill`): `MIX_PIECES` while some sequences decode
+        and some wait for their prefill, but `MIX_CALIBRATE` (a short chunk without pieces, and
+        no prefill step) when the cost model has timed no round yet, and after
+        `MIXED_CALIBRATE_EVERY` mixed chunks in a row (it learns only from chunks without
+        pieces); `MIX_NONE` otherwise (whole prefill steps, if any)."""
+        if not self.mixed_prefill or not self._filling():
+            return MIX_NONE
         if not any(self.slots[b] is not None and not self.done[b] for b in range(self.B)):
-            return None  # nothing decodes: whole prefill steps
-        filling = sorted((s for s in self.slots if s is not None and s.fill is not None
-                          and s.filled < len(s.fill)), key=lambda s: s.t_submit)
-        if not filling:
-            return None
-        C = self._piece_size()
+            return MIX_NONE  # nothing decodes: whole prefill steps
+        if self._mixed_run >= MIXED_CALIBRATE_EVERY or not self.decoder.costs.fits:
+            return MIX_CALIBRATE
+        return MIX_PIECES
+
+    def _pieces(self, C: int):
+        """The next mixed chunk's prompt pieces of ``C`` tokens (the last one of a prompt may be
+        shorter): ``[(sequence, start, tokens), ...]``, at most `MIXED_ROUNDS`, oldest admission
+        first."""
         out = []
         P = min(MIXED_ROUNDS, self.rounds)
-        for s in filling:
+        for s in self._filling():
             self._late_hits(s)
             pos = s.filled
             while pos < len(s.fill) and len(out) < P:
@@ -1220,20 +1230,18 @@ class ServingEngine:
                 pos += n
             if len(out) >= P:
                 break
-        return (C, out) if out else None
+        return out
 
-    def _piece_size(self) -> int:
-        """The largest piece size whose tokens add at most ``prefill_share`` of a plain round's
-        predicted time over the running rows (per piece token: measured in earlier mixed chunks,
-        else the measured prefill rate's; neither yet: the smallest size)."""
+    def _piece_size(self, t_round: float) -> int:
+        """The largest piece size whose tokens add at most ``prefill_share`` of ``t_round`` (the
+        round's predicted time over the running rows), at the cost per piece token measured in
+        earlier mixed chunks, else the measured prefill rate's (neither yet: the smallest)."""
         cost = self._piece_cost
         if cost is None and self._prefill_rate:
             cost = 1.0 / self._prefill_rate
         if cost is None:
             return self.piece_sizes[0]
-        act = [b for b in range(self.B) if self.slots[b] is not None and not self.done[b]]
-        t_plain = self.decoder.costs.plain_time(self.lengths[act].astype(np.float64))
-        fit = [c for c in self.piece_sizes if c * cost <= self.prefill_share * t_plain]
+        fit = [c for c in self.piece_sizes if c * cost <= self.prefill_share * t_round]
         return fit[-1] if fit else self.piece_sizes[0]
 
     def _pieces_done(self, pieces):
@@ -1359,12 +1367,12 @@ class ServingEngine:
         with self._cv:
             self.waiting.appendleft(s)
 
-    def _step(self, pieces=None) -> int:
+    def _step(self, mix: int = 0):
         """Dispatches the next chunk, then handles the previous chunk's tokens while it runs (the
-        device never waits for detokenization and streaming). With ``pieces`` (`_pieces`) the
-        chunk is a mixed one: plain rounds, each prefilling one piece. Returns the number of
-        pieces dispatched."""
-        n_pieces = 0
+        device never waits for detokenization and streaming). ``mix`` (`_mixing`):
+        `MIX_PIECES`: a mixed chunk, each round prefilling a prompt piece; `MIX_CALIBRATE`: at
+        most `MIXED_ROUNDS` rounds."""
+        pieces = None
         if self._stop_rows:
             rows = sorted(self._stop_rows)
             self.state = stop_rows(self.state, np.asarray(rows + [self.B] * (self.B - len(rows)),
@@ -1377,10 +1385,15 @@ class ServingEngine:
             greedy = bool(np.all(self.temperature[active] <= 0))
             filtering = bool(np.any((self.top_k[active] > 0) | (self.top_p[active] < 1.0)))
             rd, rounds, ctx = self._choose_chunk(greedy)
-            if pieces is not None:  # plain rounds, one per piece
-                C, pieces = pieces
-                rd, rounds = (rd.plain() if rd.speculative else rd), len(pieces)
-                ctx = (ctx, C, self.decoder.costs.plain_time(ctx))
+            if mix == MIX_CALIBRATE:
+                rounds = min(rounds, MIXED_ROUNDS)
+            if mix == MIX_PIECES:  # one piece per round
+                t_round = self._round_time(rd, ctx)
+                C = self._piece_size(t_round)
+                pieces = self._pieces(C) or None  # (none: cached blocks came in meanwhile)
+                if pieces:
+                    rounds = len(pieces)
+                    ctx = (ctx, C, t_round)
             if self.paged:
                 rounds = self._grow(active, rounds, rd)
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
@@ -1391,8 +1404,10 @@ class ServingEngine:
                     self.m["shared_context_row_chunks"] += len(self._shared_want[1])
             if pieces is not None:
                 pieces = pieces[:rounds]
-                n_pieces = rounds
                 self.m["mixed_chunks"] += 1
+                self._mixed_run += 1
+            else:
+                self._mixed_run = 0
             chunk = self._run_chunk(rd, greedy, filtering, rounds, active=active,
                                     pieces=None if pieces is None else
                                     self._piece_arrays(C, pieces))
@@ -1400,12 +1415,20 @@ class ServingEngine:
             # is idle on the device, and its "done" must not end the sequence
             owners = [self.slots[b] if b in active else None for b in range(self.B)]
             self._inflight.append((chunk, owners, rd, ctx, rounds, pieces is not None))
+            if pieces:
+                self._pieces_done(pieces)
         while self._inflight and (len(self._inflight) > 1 or not active):
             self._process(*self._inflight.popleft())
         if not active:  # nothing runs now: let go of a context whose rows are gone
             self._share([])
             self._apply_shared()
-        return n_pieces
+
+    def _round_time(self, rd, ctx) -> float:
+        """The cost model's time of one round of ``rd`` over contexts ``ctx``."""
+        costs = self.decoder.costs
+        if rd.speculative:
+            return costs.round_time(ctx, *self.decoder._levels(rd))
+        return costs.plain_time(ctx)
 
     def _drain(self):
         while self._inflight:
@@ -1414,10 +1437,10 @@ class ServingEngine:
     def _process(self, chunk, owners, rd, ctx, rounds=0, mixed=False):
         """The tokens of a finished chunk: to their sequences (if they still own their slots).
         A ``mixed`` chunk's time is not a decode step's: the cost model does not learn from it;
-        its ``ctx`` is ``(contexts, piece size, predicted plain round time)``, from which the
-        cost per piece token is learned instead."""
+        its ``ctx`` is ``(contexts, piece size, predicted round time)``, from which the cost per
+        piece token is learned instead."""
         if mixed:
-            ctx, C, t_plain = ctx
+            ctx, C, t_round = ctx
         _, outs, _, dt, _, _ = chunk.result()
         host = jax.device_get(outs)
         out, flags, n_out, done, lengths = (np.asarray(x) for x in (
@@ -1435,7 +1458,7 @@ class ServingEngine:
             if not mixed:
                 self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
             elif n > 0:  # (an EMA: the rows and contexts change from chunk to chunk)
-                cost = max(dt / n - t_plain, 0.0) / C
+                cost = max(dt / n - t_round, 0.0) / C
                 self._piece_cost = cost if self._piece_cost is None else \
                     0.5 * self._piece_cost + 0.5 * cost
             self.m["chunk_seconds"] += dt

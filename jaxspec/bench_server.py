@@ -13,11 +13,10 @@ rate; every variant sees the same prompts and arrival times.
 
 ``--servers`` compares server setups, each with every variant: ``dense`` (one K/V row of
 ``max_len`` slots per slot, the default) and
-``paged[N][-blocksM][-budgetT][-mixedC|-nomixed][-shareP][-noshare]`` (paged K/V in pages of N
-slots, default 16, with automatic prefix caching; M blocks in the pool, T prefill tokens between
-decode chunks, at most C prompt tokens prefilled inside each decode round or ``-nomixed`` none,
-prefill adding at most P% to a decode round's time; default: the server's; ``-noshare``: without
-the shared-context attention). Speedups are then relative to the first setup
+``paged[N][-blocksM][-budgetT][-mixedC|-nomixed][-noshare]`` (paged K/V in pages of N slots,
+default 16, with automatic prefix caching; M blocks in the pool, T prefill tokens between decode
+chunks, C prompt tokens prefilled inside each decode round or ``-nomixed`` none; default: the
+server's; ``-noshare``: without the shared-context attention). Speedups are then relative to the first setup
 with speculation off. ``--workload`` (comma-separated, run in turn on each server): ``independent``
 (the prompts above) or ``shared-doc``: every request is the same ``--doc``-token document followed
 by its own ``--question`` tokens (both cut from the text source); with ``--doc-cache warm`` one
@@ -297,7 +296,7 @@ def parse_servers(text: str) -> list[dict]:
     row per slot) or ``paged[N]`` (paged K/V, pages of N slots, default 16) with optional
     ``-blocksM`` (blocks in the pool), ``-budgetT`` (prefill tokens between decode chunks),
     ``-mixedC`` / ``-nomixed`` (``mixed_prefill=C`` / 0: prompt tokens prefilled inside each
-    decode round), ``-shareP`` (``prefill_share=P/100``) and ``-noshare`` (no shared-context attention: ``share_min_tokens=None``);
+    decode round) and ``-noshare`` (no shared-context attention: ``share_min_tokens=None``);
     any setup takes
     ``-slotsN`` (N slots instead of ``--max-batch``: a paged pool of the dense cache's size with
     more slots)."""
@@ -310,8 +309,7 @@ def parse_servers(text: str) -> list[dict]:
         seen.add(name)
         head, *opts = name.split("-")
         setup = {"name": name, "page_size": None, "kv_blocks": None, "prefill_budget": None,
-                 "mixed_prefill": None, "prefill_share": None, "share": True,
-                 "max_batch": None}
+                 "mixed_prefill": None, "share": True, "max_batch": None}
         slots = [o for o in opts if o.startswith("slots") and o[5:].isdigit()]
         if slots:
             setup["max_batch"] = int(slots[-1][5:])
@@ -332,20 +330,20 @@ def parse_servers(text: str) -> list[dict]:
                     setup["mixed_prefill"] = 0
                     continue
                 for key, word in (("kv_blocks", "blocks"), ("prefill_budget", "budget"),
-                                  ("mixed_prefill", "mixed"), ("prefill_share", "share")):
+                                  ("mixed_prefill", "mixed")):
                     if o.startswith(word) and o[len(word):].isdigit():
                         setup[key] = int(o[len(word):])
                         break
                 else:
                     raise ValueError(f"--servers: {name!r}: unknown option {o!r} (blocksM, "
-                                     f"budgetT, mixedC, nomixed, shareP, noshare, slotsN)")
-            if min(v for v in (setup["page_size"], setup["kv_blocks"], setup["prefill_budget"],
-                               setup["prefill_share"]) if v is not None) < 1 \
+                                     f"budgetT, mixedC, nomixed, noshare, slotsN)")
+            if min(v for v in (setup["page_size"], setup["kv_blocks"], setup["prefill_budget"])
+                   if v is not None) < 1 \
                     or any(o.startswith("mixed") and int(o[5:]) < 1 for o in opts):
                 raise ValueError(f"--servers: {name!r}: sizes must be >= 1")
         else:
             raise ValueError(f"--servers: {name!r} is not 'dense' or 'paged[N][-blocksM]"
-                             f"[-budgetT][-mixedC|-nomixed][-shareP][-noshare]'")
+                             f"[-budgetT][-mixedC|-nomixed][-noshare]'")
         out.append(setup)
     if not out:
         raise ValueError("--servers: give at least one server setup")
@@ -828,8 +826,6 @@ def bench_server(args, model=None, draft=None) -> dict:
                                  "kv_blocks": setup["kv_blocks"],
                                  "prefill_budget": setup["prefill_budget"],
                                  "mixed_prefill": setup.get("mixed_prefill")}
-                        if setup.get("prefill_share"):  # (percent)
-                            paged["prefill_share"] = setup["prefill_share"] / 100
                         if not setup.get("share", True):
                             paged["share_min_tokens"] = None
                     engine = ServingEngine(model, max_batch=setup.get("max_batch") or B,
@@ -845,7 +841,6 @@ def bench_server(args, model=None, draft=None) -> dict:
                                     blocks_per_sequence=engine.max_blocks,
                                     prefill_budget=engine.prefill_budget,
                                     mixed_prefill=engine.mixed_prefill,
-                                    prefill_share=engine.prefill_share,
                                     share_min_tokens=engine.share_min_tokens)
                     engine.start(variants=[(True, False)])  # greedy requests only
                     server = BackgroundServer(engine, SERVED_NAME, limits=limits)
@@ -1206,8 +1201,7 @@ def add_arguments(sub) -> None:
                         f"{SETUP_PAGE_SIZE} slots, prefix caching), 'pagedN' (pages of N), "
                         "options '-blocksM' (pool size) '-budgetT' (prefill tokens between "
                         "decode chunks) '-mixedC' / '-nomixed' (prompt tokens prefilled inside "
-                        "each decode round, at most, or none) '-shareP' (prefill adds at most P%% "
-                        "to a decode round) '-noshare' (requests that share leading blocks do not "
+                        "each decode round, or none) '-noshare' (requests that share leading blocks do not "
                         "read them together); e.g. dense,paged,paged32-budget8192 (default: dense "
                         "only, reported as before); speedups are vs the first setup's off")
     s.add_argument("--workload", default="independent",

@@ -48,8 +48,8 @@ from typing import Any
 
 from jaxspec.args import (int_or_none_arg, merge_model_path, mesh_from_args, parse_gamma,
                           parse_tree, positive_int, retrieve_arg, window_arg)
-from jaxspec.serving import (PREFILL_SHARE, SHARE_MIN_TOKENS, EngineStopped, PromptTooLong,
-                             QueueFull, SamplingOptions, Sequence, ServingEngine)
+from jaxspec.serving import (SHARE_MIN_TOKENS, EngineStopped, PromptTooLong, QueueFull,
+                             SamplingOptions, Sequence, ServingEngine)
 from jaxspec.speculation import Speculation
 
 log = logging.getLogger("jaxspec.server")
@@ -1167,15 +1167,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--mixed-prefill", type=int, default=None,
                    help="paged: while some requests decode and others wait for their prefill, "
                         "each decode round also prefills this many prompt tokens in the same "
-                        "forward (running streams keep their pace; speculation resumes once "
-                        "the prompts are in); pieces are powers of two up to this size, as large "
-                        "as --prefill-share allows; 0: off, whole prefill steps between decode "
+                        "forward (running streams keep going; smaller: lower inter-token "
+                        "latency, slower prefill); 0: off, whole prefill steps between decode "
                         "chunks (default: --prefill-chunk with --page-size, unless "
                         "--prefill-budget is given)")
-    p.add_argument("--prefill-share", type=float, default=PREFILL_SHARE,
-                   help="paged: the share of a decode round's time that prefill may add while "
-                        "requests decode (their inter-token latency grows by about this much; "
-                        "default: %(default)s)")
     p.add_argument("--share-min-tokens", type=int_or_none_arg, default=SHARE_MIN_TOKENS,
                    help="paged: running requests that begin with the same cached blocks (one "
                         "document, a long system prompt) attend to them once, together, when "
@@ -1283,7 +1278,6 @@ def build_engine(a) -> tuple[ServingEngine, str]:
                            kv_blocks=getattr(a, "kv_blocks", None),
                            prefill_budget=getattr(a, "prefill_budget", None),
                            mixed_prefill=getattr(a, "mixed_prefill", None),
-                           prefill_share=getattr(a, "prefill_share", PREFILL_SHARE),
                            share_min_tokens=getattr(a, "share_min_tokens", SHARE_MIN_TOKENS),
                            compact_rows={"auto": None, "on": True, "off": False}[
                                getattr(a, "compact_rows", "auto")],

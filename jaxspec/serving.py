@@ -67,12 +67,11 @@ CHUNK_SECONDS = 0.08  # a decode chunk (the streaming granularity) takes about t
 # ((sharing rows - 1) x shared tokens): below it, the extra kernel and merge per layer cost about
 # what they save
 SHARE_MIN_TOKENS = 32768
-# Paged prefill while sequences decode (the default ``prefill_share``): a mixed round's prompt
-# piece adds at most this share of a plain round's time (`ServingEngine._piece_size`); without
-# mixed rounds (see `ServingEngine._prefill_tokens`), once most admitted sequences decode, as many
-# prompt tokens as take this share of a decode chunk's time between chunks (their inter-token
-# latency grows by about this share), and while fewer decode than wait for their prefill, as many
-# as take PREFILL_IDLE_SECONDS (the engine comes back between them to admit and cancel).
+# Paged prefill between decode chunks (without mixed chunks, or with a fixed ``prefill_budget``,
+# see `ServingEngine._prefill_tokens`): once most admitted sequences decode, as many prompt tokens
+# as take this share of a decode chunk's time (their inter-token latency grows by about this
+# share); while fewer decode than wait for their prefill, as many as take this long (the engine
+# comes back between them to admit and cancel).
 PREFILL_SHARE = 0.5
 PREFILL_IDLE_SECONDS = 0.5
 PREFILL_MIN_TOKENS = 2048  # (in whole prefill chunks, at least one)
@@ -83,11 +82,9 @@ PREFILL_MIN_TOKENS = 2048  # (in whole prefill chunks, at least one)
 # the library's 512: their rows are sized in whole prefill chunks (`ServingEngine.S`), 18% more
 # memory per slot at the default 8192 tokens with 2048.
 SERVE_PREFILL_CHUNK = 2048
-# Mixed chunks (paged, ``mixed_prefill``): at most this many plain rounds per chunk, each with one
-# prompt piece in its forward; pieces are powers of two of at least MIXED_MIN_PIECE tokens (or
-# ``mixed_prefill`` if smaller), each size its own compiled chunk
+# Mixed chunks (paged, ``mixed_prefill``): at most this many rounds per chunk, each with one
+# prompt piece in its forward
 MIXED_ROUNDS = 8
-MIXED_MIN_PIECE = 256
 # ... and after this many mixed chunks in a row, a short plain chunk (at most MIXED_ROUNDS rounds)
 # times a plain round again: the cost model's chunk sizes and the piece cost both need it
 MIXED_CALIBRATE_EVERY = 16
@@ -254,16 +251,14 @@ class ServingEngine:
         sequence resumes with the draws it would have made. No shared-context attention then
         (``share_min_tokens`` is ignored); not on a mesh.
     mixed_prefill: paged: while some sequences decode and others wait for their prefill, each
-        decode round is a plain step whose forward also prefills a piece of at most this many
-        prompt tokens (oldest admission first; `jaxspec.model.forward_mixed`: the weights are
-        read once for both), so running streams keep their pace while long prompts fill,
-        instead of waiting for whole prefill steps between decode chunks (speculation resumes
-        once every admitted prompt is in). A piece is the largest power of two (from 256 tokens)
-        that adds at most ``prefill_share`` of a plain round's predicted time, at the measured
-        cost per piece token. Default: ``prefill_chunk`` for a block pool (unless
-        ``prefill_budget`` is given); 0: off. Not on a mesh.
-    prefill_share: paged: the share of a decode round's (or chunk's) time that prefill may add
-        to it while sequences decode: their inter-token latency grows by about this share.
+        decode round (a plain step or a speculative round's verification) also prefills a piece
+        of this many prompt tokens in the same forward (oldest admission first;
+        `jaxspec.model.forward_mixed`: the weights are read once for both), so running streams
+        keep going while long prompts fill, instead of waiting for whole prefill steps between
+        decode chunks. Smaller pieces: lower inter-token latency, slower prefill (H100,
+        Qwen2.5-1.5B shape: `benchmarks/server_mixed_qwen15_h100.md`). Default:
+        ``prefill_chunk`` for a block pool (unless ``prefill_budget`` is given); 0: off. Not on
+        a mesh.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -275,7 +270,7 @@ class ServingEngine:
                  prefill_budget: int | None = None,
                  share_min_tokens: int | None = SHARE_MIN_TOKENS, ignore_eos: bool = False,
                  compact_rows: bool | None = None, batch_invariant: bool = False,
-                 mixed_prefill: int | None = None, prefill_share: float = PREFILL_SHARE):
+                 mixed_prefill: int | None = None):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         compile_cache.enable()  # as generate: compiled chunks outlive the process
@@ -349,9 +344,6 @@ class ServingEngine:
             self.prefill_budget = None if prefill_budget is None else int(prefill_budget)
             self._prefill_rate = None  # prompt tokens / s, measured
             self._chunk_s = 0.0  # device seconds of the last decode chunk
-        if not prefill_share > 0:
-            raise ValueError(f"prefill_share must be > 0, got {prefill_share!r}")
-        self.prefill_share = float(prefill_share)
         if mixed_prefill is None:  # on for a pool, unless a fixed budget between chunks is asked
             mixed_prefill = self.prefill_chunk if self.paged and prefill_budget is None else 0
         if int(mixed_prefill) < 0:
@@ -360,13 +352,6 @@ class ServingEngine:
             raise ValueError("mixed_prefill needs a block pool (page_size)")
         # (a mesh splits the slots over its data axis: a prompt piece is one row's)
         self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
-        # the piece sizes a mixed chunk may take: powers of two up to mixed_prefill (and it)
-        sizes, c = [], min(MIXED_MIN_PIECE, self.mixed_prefill)
-        while c and c < self.mixed_prefill:
-            sizes.append(c)
-            c *= 2
-        self.piece_sizes = sizes + ([self.mixed_prefill] if self.mixed_prefill else [])
-        self._piece_cost = None  # device seconds per piece token inside a round, measured
         self._mixed_run = 0  # mixed chunks dispatched since the last plain one
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
@@ -619,9 +604,8 @@ class ServingEngine:
             for greedy, filtering in variants:
                 for r in self._round_kinds(bool(greedy)):
                     self._run_chunk(r, bool(greedy), bool(filtering), rounds=0, compile_only=True)
-                for C in self.piece_sizes:
-                    for r in self._round_kinds(bool(greedy)):
-                        self._compile_mixed(r, C, bool(greedy), bool(filtering))
+                for r in self._round_kinds(bool(greedy)) if self.mixed_prefill else ():
+                    self._compile_mixed(r, bool(greedy), bool(filtering))
         self._shared_want = None
         self._apply_shared()
         if self.compact_rows and jax.devices()[0].platform != "cpu":
@@ -646,13 +630,13 @@ class ServingEngine:
                                         jnp.zeros((B, 2), jnp.uint32), zeros), nowhere)
         self.warm = True
 
-    def _compile_mixed(self, rd, C: int, greedy: bool, filtering: bool):
-        """Compiles the mixed chunk (`mixed_prefill`) of rounds ``rd`` with pieces of ``C``
-        tokens of this sampling variant (warm-up)."""
+    def _compile_mixed(self, rd, greedy: bool, filtering: bool):
+        """Compiles the mixed chunk (`mixed_prefill`) of rounds ``rd`` of this sampling variant
+        (warm-up)."""
         sp = self._sampling(greedy, filtering)
         state = self._with_shared(self.state)
         try:
-            self.decoder.mixed_program(rd, sp, state, self._piece_arrays(C, []))
+            self.decoder.mixed_program(rd, sp, state, self._piece_arrays([]))
         finally:
             self.state = self._without_shared(state)
 
@@ -1142,7 +1126,7 @@ class ServingEngine:
         else, at the measured prefill rate, `PREFILL_IDLE_SECONDS` worth while fewer sequences
         decode than wait for their prefill (the batch fills first: a decode round costs the
         weights and a fixed part whatever its rows, so rounds over a few rows waste the device
-        while prompts wait), and ``prefill_share`` of the last decode chunk's time once most of
+        while prompts wait), and `PREFILL_SHARE` of the last decode chunk's time once most of
         them decode (their inter-token latency then grows by about that share); whole prefill
         chunks, never fewer than `PREFILL_MIN_TOKENS` (and one chunk)."""
         if self.prefill_budget is not None:
@@ -1153,7 +1137,7 @@ class ServingEngine:
         decoding = sum(self.slots[b] is not None for b in self._started)
         filling = sum(s is not None and s.fill is not None and s.filled < len(s.fill)
                       for s in self.slots)
-        seconds = PREFILL_IDLE_SECONDS if decoding < filling else self.prefill_share * self._chunk_s
+        seconds = PREFILL_IDLE_SECONDS if decoding < filling else PREFILL_SHARE * self._chunk_s
         return max(self._min_prefill_chunks(), int(self._prefill_rate * seconds) // C) * C
 
     def _min_prefill_chunks(self) -> int:
@@ -1215,11 +1199,11 @@ class ServingEngine:
             return MIX_CALIBRATE
         return MIX_PIECES
 
-    def _pieces(self, C: int):
-        """The next mixed chunk's prompt pieces of ``C`` tokens (the last one of a prompt may be
-        shorter): ``[(sequence, start, tokens), ...]``, at most `MIXED_ROUNDS`, oldest admission
-        first."""
-        out = []
+    def _pieces(self):
+        """The next mixed chunk's prompt pieces of ``mixed_prefill`` tokens (the last one of a
+        prompt may be shorter): ``[(sequence, start, tokens), ...]``, at most `MIXED_ROUNDS`,
+        oldest admission first."""
+        C, out = self.mixed_prefill, []
         P = min(MIXED_ROUNDS, self.rounds)
         for s in self._filling():
             self._late_hits(s)
@@ -1231,18 +1215,6 @@ class ServingEngine:
             if len(out) >= P:
                 break
         return out
-
-    def _piece_size(self, t_round: float) -> int:
-        """The largest piece size whose tokens add at most ``prefill_share`` of ``t_round`` (the
-        round's predicted time over the running rows), at the cost per piece token measured in
-        earlier mixed chunks, else the measured prefill rate's (neither yet: the smallest)."""
-        cost = self._piece_cost
-        if cost is None and self._prefill_rate:
-            cost = 1.0 / self._prefill_rate
-        if cost is None:
-            return self.piece_sizes[0]
-        fit = [c for c in self.piece_sizes if c * cost <= self.prefill_share * t_round]
-        return fit[-1] if fit else self.piece_sizes[0]
 
     def _pieces_done(self, pieces):
         """The host's side of pieces a mixed chunk prefills (dispatched: the device runs them in
@@ -1257,8 +1229,8 @@ class ServingEngine:
         if pieces:
             self._start_filled()
 
-    def _piece_arrays(self, C: int, pieces) -> Pieces:
-        P = min(MIXED_ROUNDS, self.rounds)
+    def _piece_arrays(self, pieces) -> Pieces:
+        P, C = min(MIXED_ROUNDS, self.rounds), self.mixed_prefill
         tokens = np.zeros((P, C), np.int32)
         rows, starts, ends = (np.zeros(P, np.int32) for _ in range(3))
         for i, (s, pos, toks) in enumerate(pieces):
@@ -1388,12 +1360,9 @@ class ServingEngine:
             if mix == MIX_CALIBRATE:
                 rounds = min(rounds, MIXED_ROUNDS)
             if mix == MIX_PIECES:  # one piece per round
-                t_round = self._round_time(rd, ctx)
-                C = self._piece_size(t_round)
-                pieces = self._pieces(C) or None  # (none: cached blocks came in meanwhile)
+                pieces = self._pieces() or None  # (none: cached blocks came in meanwhile)
                 if pieces:
                     rounds = len(pieces)
-                    ctx = (ctx, C, t_round)
             if self.paged:
                 rounds = self._grow(active, rounds, rd)
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
@@ -1410,7 +1379,7 @@ class ServingEngine:
                 self._mixed_run = 0
             chunk = self._run_chunk(rd, greedy, filtering, rounds, active=active,
                                     pieces=None if pieces is None else
-                                    self._piece_arrays(C, pieces))
+                                    self._piece_arrays(pieces))
             # the rows this chunk decodes: a slot whose sequence is still being prefilled (paged)
             # is idle on the device, and its "done" must not end the sequence
             owners = [self.slots[b] if b in active else None for b in range(self.B)]
@@ -1423,24 +1392,14 @@ class ServingEngine:
             self._share([])
             self._apply_shared()
 
-    def _round_time(self, rd, ctx) -> float:
-        """The cost model's time of one round of ``rd`` over contexts ``ctx``."""
-        costs = self.decoder.costs
-        if rd.speculative:
-            return costs.round_time(ctx, *self.decoder._levels(rd))
-        return costs.plain_time(ctx)
-
     def _drain(self):
         while self._inflight:
             self._process(*self._inflight.popleft())
 
     def _process(self, chunk, owners, rd, ctx, rounds=0, mixed=False):
         """The tokens of a finished chunk: to their sequences (if they still own their slots).
-        A ``mixed`` chunk's time is not a decode step's: the cost model does not learn from it;
-        its ``ctx`` is ``(contexts, piece size, predicted round time)``, from which the cost per
-        piece token is learned instead."""
-        if mixed:
-            ctx, C, t_round = ctx
+        A ``mixed`` chunk's time is not its rounds' alone: the cost model does not learn from
+        it."""
         _, outs, _, dt, _, _ = chunk.result()
         host = jax.device_get(outs)
         out, flags, n_out, done, lengths = (np.asarray(x) for x in (
@@ -1457,10 +1416,6 @@ class ServingEngine:
             still = [b for b in ran if not done[b]]
             if not mixed:
                 self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
-            elif n > 0:  # (an EMA: the rows and contexts change from chunk to chunk)
-                cost = max(dt / n - t_round, 0.0) / C
-                self._piece_cost = cost if self._piece_cost is None else \
-                    0.5 * self._piece_cost + 0.5 * cost
             self.m["chunk_seconds"] += dt
             self._chunk_s = dt
         self.m["chunks"] += 1

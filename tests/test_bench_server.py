@@ -311,11 +311,10 @@ def test_server_setups_and_kv_numbers():
     dense, paged, p8, ns = bench_server.parse_servers(
         "dense, paged, paged8-blocks300-budget64, paged-noshare")
     assert dense == {"name": "dense", "page_size": None, "kv_blocks": None,
-                     "prefill_budget": None, "mixed_prefill": None, "prefill_share": None,
-                     "share": True, "max_batch": None}
-    m512, m0 = bench_server.parse_servers("paged-mixed512-share75, paged-nomixed")
+                     "prefill_budget": None, "mixed_prefill": None, "share": True,
+                     "max_batch": None}
+    m512, m0 = bench_server.parse_servers("paged-mixed512, paged-nomixed")
     assert (m512["mixed_prefill"], m0["mixed_prefill"]) == (512, 0)
-    assert (m512["prefill_share"], m0["prefill_share"]) == (75, None)
     with pytest.raises(ValueError, match="--servers"):
         bench_server.parse_servers("paged-mixed0")
     d16, p48 = bench_server.parse_servers("dense-slots16, paged-blocks64-slots48")

@@ -8,7 +8,10 @@ queued, and then, on the engine's background thread:
 
 1. admitted into a free slot: its prompt (all but the last token) is prefilled into the slot's row
    (`Decoder.prefill_row`: through a small cache of a power-of-two bucket of the prompt length, so
-   the number of compilations stays bounded; a draft model's cache too);
+   the number of compilations stays bounded; a draft model's cache too). With a block pool
+   (``page_size``) the prompt goes in pieces: while other slots decode, each decode round's
+   forward also prefills a piece of it (``mixed_prefill``, `jaxspec.decoding.run_mixed_chunk`);
+   while nothing decodes, in whole prefill steps;
 2. decoded together with every other active slot in *chunks*: one jitted call of
    `jaxspec.decoding.run_rounds` runs as many rounds as fit in about `chunk_seconds` (the cost
    model predicts a round's time and learns it from every chunk), so tokens reach clients at that

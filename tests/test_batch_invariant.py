@@ -7,6 +7,8 @@ programs), so that the tests which swap one invariant piece back for XLA's shape
 default see the swap; each swap test asserts that some comparison then differs (over a few
 seeds), which shows the bitwise checks are not vacuous."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -518,25 +520,35 @@ def test_bad_settings_are_refused(model):
 @pytest.mark.parametrize("paged", [False, True])
 def test_serving_engine_tokens_equal_generate_alone(model, texts, paged):
     """Requests submitted together to a batch-invariant engine (slots decoding side by side,
-    self-speculation, a paged pool with prefix caching) get the tokens each prompt gets alone
-    from `jaxspec.generate`."""
+    self-speculation, a paged pool with prefix caching and prompts filled inside decode rounds)
+    get the tokens each prompt gets alone from `jaxspec.generate`."""
     from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
     p, others = texts
     prompts = [p, others[1], others[4], p[:20] + others[3]]  # the last waits: a prefix hit
     alone = [jaxspec.generate(model, [q], max_new_tokens=NEW, batch_invariant=True).tokens[0]
              for q in prompts]
-    engine = ServingEngine(model, max_batch=3, max_len=256, rounds_per_chunk=3, prefill_chunk=16,
+    engine = ServingEngine(model, max_batch=3 + paged, max_len=256, rounds_per_chunk=3,
+                           prefill_chunk=16,
                            speculation=Speculation(gamma=3, sink=4, window=16, retrieve=0),
                            page_size=16 if paged else None, warmup_prefill=0,
                            batch_invariant=True).start()
     try:
         seqs = [Sequence(q, SamplingOptions(max_tokens=NEW, temperature=0)) for q in prompts]
-        engine.submit(seqs)
+        if paged:  # the last one arrives while the others decode (a free slot waits for it)
+            engine.submit(seqs[:3])
+            t = time.monotonic()
+            while engine.m["generation_tokens"] == 0 and time.monotonic() - t < 300:
+                time.sleep(0.01)
+            engine.submit(seqs[3:])
+        else:
+            engine.submit(seqs)
         for s in seqs:
             assert s.finished.wait(300)
         assert [s.tokens for s in seqs] == alone
         if paged:  # the last prompt's first block came from the prefix cache
             assert engine.m["prefix_hit_tokens"] > 0
+            # and it filled inside the others' decode rounds (mixed chunks, the paged default)
+            assert engine.m["mixed_prefill_tokens"] > 0
     finally:
         engine.stop()
 

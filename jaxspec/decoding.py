@@ -270,7 +270,9 @@ class Round:
                     lambda k, t, qq, pp: verify_tree(k, tree, t, qq, pp, mode=self.tree_mode,
                                                      invariant=sp.invariant),
                     r_verify, node_tok, q, p)
-            acc_nodes = acc_nodes.astype(jnp.int32)
+            # an idle row (finished, or a prompt filling through its table) moves nothing: its
+            # verification saw no context, and its slots hold a prompt or another's blocks
+            acc_nodes = jnp.where(self.active(state)[:, None], acc_nodes.astype(jnp.int32), -1)
             # the accepted path's K/V to consecutive slots L + 0..n (the root is already at L)
             table = getattr(cache, "block_table", None)
             if table is None:
@@ -350,7 +352,7 @@ def run_chunk(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round)
 
 @struct.dataclass
 class Pieces:
-    """Prompt pieces for `run_mixed_chunk`: piece i (``tokens[i]``, padded to C) goes into row
+    """Prompt pieces for `run_mixed_chunk` (one per round, plain or speculative): piece i (``tokens[i]``, padded to C) goes into row
     ``rows[i]`` from slot ``starts[i]`` on, and that row's length becomes ``ends[i]``."""
 
     tokens: jax.Array  # [P, C] int32

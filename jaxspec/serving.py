@@ -347,12 +347,15 @@ class ServingEngine:
             self.prefill_budget = None if prefill_budget is None else int(prefill_budget)
             self._prefill_rate = None  # prompt tokens / s, measured
             self._chunk_s = 0.0  # device seconds of the last decode chunk
+        asked = mixed_prefill is not None
         if mixed_prefill is None:  # on for a pool, unless a fixed budget between chunks is asked
             mixed_prefill = self.prefill_chunk if self.paged and prefill_budget is None else 0
         if int(mixed_prefill) < 0:
             raise ValueError(f"mixed_prefill must be >= 0, got {mixed_prefill!r}")
         if mixed_prefill and not self.paged:
             raise ValueError("mixed_prefill needs a block pool (page_size)")
+        if mixed_prefill and asked and dec.mesh is not None:
+            log.warning("mixed_prefill is off on a mesh: prompts fill between decode chunks")
         # (a mesh splits the slots over its data axis: a prompt piece is one row's)
         self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
         self._mixed_run = 0  # mixed chunks dispatched since the last plain one
@@ -884,6 +887,7 @@ class ServingEngine:
                 self._fail(s, f"decoding failed: {type(e).__name__}: {e}")
             self._stop_rows.clear()
             self._started.clear()
+            self._mixed_run = 0
             self.state = self._fresh_state()
         return True
 
@@ -1229,8 +1233,6 @@ class ServingEngine:
             s.filled = pos + len(toks)
             self.m["mixed_prefill_tokens"] += len(toks)
             self.blocks.register(s.fill[:s.filled], s.blocks, s.fill_keys)
-        if pieces:
-            self._start_filled()
 
     def _piece_arrays(self, pieces) -> Pieces:
         P, C = min(MIXED_ROUNDS, self.rounds), self.mixed_prefill
@@ -1370,7 +1372,7 @@ class ServingEngine:
                 rounds = self._grow(active, rounds, rd)
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
                     self._drain()
-                    return 0
+                    return
                 self._share(active)
                 if self._shared_want is not None:
                     self.m["shared_context_row_chunks"] += len(self._shared_want[1])
@@ -1391,6 +1393,8 @@ class ServingEngine:
                 self._pieces_done(pieces)
         while self._inflight and (len(self._inflight) > 1 or not active):
             self._process(*self._inflight.popleft())
+        if mix != MIX_NONE:  # sequences whose prompt is in (pieces, or the prefix cache) start:
+            self._start_filled()  # (after the last chunk's tokens: this waits for the new one)
         if not active:  # nothing runs now: let go of a context whose rows are gone
             self._share([])
             self._apply_shared()
@@ -1417,10 +1421,10 @@ class ServingEngine:
         self.lengths[mine] = np.asarray(lengths, np.int64)[mine]
         if dt > 0:
             still = [b for b in ran if not done[b]]
-            if not mixed:
+            if not mixed:  # (a mixed chunk's time includes its prefill)
                 self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
+                self._chunk_s = dt
             self.m["chunk_seconds"] += dt
-            self._chunk_s = dt
         self.m["chunks"] += 1
         self.m["speculative_chunks" if rd.speculative else "plain_chunks"] += 1
         self.m["rounds"] += n

@@ -426,8 +426,8 @@ class Decoder:
             return program(self.params, self.dparams, sp, state, max_rounds)
 
     def mixed_program(self, rd: Round, sp, state: DecodeState, pieces: Pieces):
-        """The compiled serving chunk of plain rounds ``rd`` that prefill prompt ``pieces`` as
-        they run (`jaxspec.decoding.run_mixed_chunk`), for these shapes: ``(program, seconds
+        """The compiled serving chunk of rounds ``rd`` (plain or speculative) that prefill prompt
+        ``pieces`` as they run (`jaxspec.decoding.run_mixed_chunk`), for these shapes: ``(program, seconds
         compiling)``. The program takes ``(params, draft params, sp, state, rounds, pieces)``."""
         args = (self.params, self.dparams, sp, state)
         key = ("mixed", rd, _avals(args), _avals(pieces))

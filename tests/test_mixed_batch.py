@@ -112,3 +112,60 @@ def test_segments_must_share_one_implementation():
     t = jnp.zeros((3, 1), jnp.int32)
     with pytest.raises(ValueError, match="one attention implementation"):
         forward_mixed(c, params, [(t, t, a, None), (t[:1], t[:1], b, False)], cache)
+
+
+# ----------------------------------------------------------------------------- mixed chunks
+@pytest.mark.parametrize("kind", ["plain", "chain", "tree"])
+def test_a_mixed_chunk_prefills_as_prefill_and_decodes_as_a_chunk(kind):
+    """`run_mixed_chunk`: rows 1 and 2 decode while row 0's prompt goes in, one piece per round
+    (the last one short). Row 0's K/V equal `prefill_paged_row`'s, and rows 1 and 2 commit what
+    a chunk of the same rounds without pieces commits (greedy, float32), for plain steps, chain
+    and tree speculation (a tree round must not move an idle row's slots)."""
+    from jaxspec import Speculation
+    from jaxspec.decoding import Pieces, run_chunk, run_mixed_chunk, set_block_tables, set_rows
+    from jaxspec.serving import ServingEngine
+    from serverkit import served_model
+
+    model = served_model(eos=False)
+    spec = None if kind == "plain" else Speculation(
+        draft="self", gamma=2, tree=(2, 2) if kind == "tree" else None, sink=2, window=6,
+        adaptive=False)
+    e = ServingEngine(model, max_batch=3, max_len=128, rounds_per_chunk=4, prefill_chunk=16,
+                      page_size=8, speculation=spec, mixed_prefill=8)
+    rd, dec, MB = e._round(True), e.decoder, e.max_blocks
+    rng = np.random.default_rng()
+    st = set_block_tables(e.state, np.arange(3, dtype=np.int32),
+                          rng.permutation(e.n_blocks)[:3 * MB].reshape(3, MB).astype(np.int32))
+    prompts = [rng.integers(5, 60, size=n).tolist() for n in (20, 19, 12)]
+    for b in (1, 2):  # the decoding rows
+        st = dec.prefill_paged_row(st, b, prompts[b][:-1], 0)
+    st = set_rows(st, np.asarray([1, 2, 3], np.int32),
+                  np.asarray([prompts[1][-1], prompts[2][-1], 0], np.int32),
+                  np.asarray([12, 12, 0], np.int32), np.zeros((3, 2), np.uint32),
+                  np.asarray([len(prompts[1]) - 1, len(prompts[2]) - 1, 0], np.int32))
+    fill, C = prompts[0][:-1], 8  # 19 tokens: pieces of 8, 8, 3
+    tokens = np.zeros((4, C), np.int32)
+    starts = np.arange(4, dtype=np.int32) * C
+    ends = np.minimum(starts + C, len(fill)).astype(np.int32)
+    for i in range(3):
+        tokens[i, :ends[i] - starts[i]] = fill[starts[i]:ends[i]]
+    pieces = Pieces(tokens=tokens, rows=np.zeros(4, np.int32), starts=starts, ends=ends)
+    sp = e._sampling(True, False)
+
+    got, outs = run_mixed_chunk(dec.params, dec.dparams, sp, jax.tree.map(jnp.copy, st),
+                                jnp.int32(3), pieces, rd=rd)
+    ref = dec.prefill_paged_row(jax.tree.map(jnp.copy, st), 0, fill, 0)
+    ref, ref_outs = run_chunk(dec.params, dec.dparams, sp, ref, jnp.int32(3), rd=rd)
+
+    assert int(got.cache.lengths[0]) == len(fill) and int(outs.steps) == 3
+    tab = np.asarray(st.cache.block_table[0])
+    blocks = tab[:-(-len(fill) // 8)]
+    for a, b in ((got.cache.k, ref.cache.k), (got.cache.v, ref.cache.v)):
+        a = np.asarray(a)[:, blocks].transpose(0, 1, 3, 2, 4).reshape(a.shape[0], -1, *a.shape[2::2])
+        b = np.asarray(b)[:, blocks].transpose(0, 1, 3, 2, 4).reshape(b.shape[0], -1, *b.shape[2::2])
+        np.testing.assert_allclose(a[:, :len(fill)], b[:, :len(fill)], rtol=2e-5, atol=2e-5)
+    n = np.asarray(outs.n_out)
+    assert n[0] == 0 and (n[1:] > 0).all()
+    np.testing.assert_array_equal(n, np.asarray(ref_outs.n_out))
+    for b in (1, 2):
+        assert np.asarray(outs.out)[b, :n[b]].tolist() == np.asarray(ref_outs.out)[b, :n[b]].tolist()

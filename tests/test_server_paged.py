@@ -14,6 +14,7 @@ import jaxspec
 from jaxspec.blocks import BlockManager
 from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
 from serverkit import served_model
+from tiny import tiny_model
 
 
 def _wait(seqs, timeout=600):
@@ -27,7 +28,8 @@ def model():
     return served_model(eos=False)
 
 
-@pytest.mark.parametrize("spec,mixed", [(None, 0), ("self", 0), (None, 8), ("self", 16)])
+@pytest.mark.parametrize("spec,mixed", [(None, 0), ("self", 0), (None, 8), ("self", 16),
+                                        pytest.param("ring", 8, marks=pytest.mark.slow)])
 def test_paged_engine_equals_generate(model, spec, mixed):
     rng = np.random.default_rng(random.randrange(1 << 30))
     shared = rng.integers(5, 60, size=27).tolist()  # three full blocks of 8 and a bit
@@ -37,6 +39,9 @@ def test_paged_engine_equals_generate(model, spec, mixed):
     ref = jaxspec.generate(model, prompts, max_new_tokens=new).tokens
     speculation = None if spec is None else jaxspec.Speculation(
         draft="self", gamma=3, sink=2, window=6, adaptive=False)
+    if spec == "ring":  # a draft model with a ring-buffer cache, prefilled once a prompt is in
+        speculation = jaxspec.Speculation(draft=tiny_model(seed=7, scale=3.0), gamma=3, window=16,
+                                          adaptive=False)
     kw = dict(max_batch=3, max_len=96, rounds_per_chunk=2, prefill_chunk=16, page_size=8,
               speculation=speculation, prefill_budget=16, mixed_prefill=mixed)
     one = ServingEngine(model, **kw).max_blocks  # the blocks one sequence of max_len needs

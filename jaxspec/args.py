@@ -259,7 +259,8 @@ def check_serve(a) -> None:
     for attr, lo, optional in (("max_batch", 1, True), ("max_len", 2, True), ("max_queue", 0, False),
                                ("rounds_per_chunk", 1, False), ("prefill_chunk", 1, True),
                                ("warmup_prefill", 0, False), ("page_size", 1, True),
-                               ("kv_blocks", 1, True), ("prefill_budget", 1, True)):
+                               ("kv_blocks", 1, True), ("prefill_budget", 1, True),
+                               ("mixed_prefill", 0, True)):
         if not hasattr(a, attr):
             continue
         v = getattr(a, attr)

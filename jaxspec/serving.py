@@ -354,6 +354,9 @@ class ServingEngine:
             raise ValueError(f"mixed_prefill must be >= 0, got {mixed_prefill!r}")
         if mixed_prefill and not self.paged:
             raise ValueError("mixed_prefill needs a block pool (page_size)")
+        if int(mixed_prefill) > self.max_len:  # (a forward of MIXED_ROUNDS x that many tokens)
+            raise ValueError(f"mixed_prefill={mixed_prefill} is more than max_len={self.max_len} "
+                             f"tokens: a piece is at most one prompt")
         if mixed_prefill and asked and dec.mesh is not None:
             log.warning("mixed_prefill is off on a mesh: prompts fill between decode chunks")
         # (a mesh splits the slots over its data axis: a prompt piece is one row's)

@@ -139,6 +139,7 @@ def test_serve_convert_fetch_and_tree_search_arguments(ckpt: Path, tmp_path: Pat
         "--max-len": [*m, "--max-len", "1"],
         "--max-queue": [*m, "--max-queue", "-1"],
         "--prefill-chunk": [*m, "--prefill-chunk", "0"],
+        "--mixed-prefill": [*m, "--mixed-prefill", "-1"],
         "--port": [*m, "--port", "70000"],
         "--log-level": [*m, "--log-level", "loud"],
         "--dtype": [*m, "--dtype", "int8"],

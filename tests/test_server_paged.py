@@ -93,6 +93,16 @@ def test_paged_engine_rejects_bad_sizes(model):
         ServingEngine(model, max_batch=2, max_len=64, page_size=0)
     with pytest.raises(ValueError, match="kv_blocks"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, kv_blocks=2)
+    with pytest.raises(ValueError, match="mixed_prefill"):
+        ServingEngine(model, max_batch=2, max_len=64, page_size=8, mixed_prefill=-1)
+    with pytest.raises(ValueError, match="more than max_len"):
+        ServingEngine(model, max_batch=2, max_len=64, page_size=8, mixed_prefill=128)
+    with pytest.raises(ValueError, match="block pool"):
+        ServingEngine(model, max_batch=2, max_len=64, mixed_prefill=16)
+    assert ServingEngine(model, max_batch=2, max_len=64, page_size=8,
+                         prefill_budget=16).mixed_prefill == 0  # a fixed budget between chunks
+    assert ServingEngine(model, max_batch=2, max_len=64, page_size=8,
+                         prefill_chunk=16).mixed_prefill == 16  # the default: one prefill chunk
 
 
 def test_prefill_budget_follows_the_measured_rate(model):

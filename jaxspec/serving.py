@@ -745,7 +745,8 @@ class ServingEngine:
         63 ms, and the device idled for the host's 4-5 ms between chunks). Returns a future of
         ``(state, outputs, seconds compiling, seconds on the device)``; ``compile_only`` runs a
         zero-round chunk on this thread (warm-up). With ``pieces`` (a `Pieces`) a mixed chunk
-        (`jaxspec.decoding.run_mixed_chunk`) of ``rounds`` plain rounds over every slot."""
+        (`jaxspec.decoding.run_mixed_chunk`): ``rounds`` rounds of ``rd`` over every slot, each
+        prefilling one piece."""
         sp = self._sampling(greedy, filtering)
         if self.decoder.mesh is not None:
             sp = put_batch(sp, self.decoder.mesh, self.B)

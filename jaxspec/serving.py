@@ -260,8 +260,8 @@ class ServingEngine:
         keep going while long prompts fill, instead of waiting for whole prefill steps between
         decode chunks. Smaller pieces: lower inter-token latency, slower prefill (H100,
         Qwen2.5-1.5B shape: `benchmarks/server_mixed_qwen15_h100.md`). Default:
-        ``prefill_chunk`` for a block pool (unless ``prefill_budget`` is given); 0: off. Not on
-        a mesh.
+        ``prefill_chunk`` (at most ``max_len``) for a block pool (unless ``prefill_budget`` is
+        given); 0: off. Not on a mesh.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -349,12 +349,13 @@ class ServingEngine:
             self._chunk_s = 0.0  # device seconds of the last decode chunk
         asked = mixed_prefill is not None
         if mixed_prefill is None:  # on for a pool, unless a fixed budget between chunks is asked
-            mixed_prefill = self.prefill_chunk if self.paged and prefill_budget is None else 0
+            mixed_prefill = min(self.prefill_chunk, self.max_len) \
+                if self.paged and prefill_budget is None else 0
         if int(mixed_prefill) < 0:
             raise ValueError(f"mixed_prefill must be >= 0, got {mixed_prefill!r}")
         if mixed_prefill and not self.paged:
             raise ValueError("mixed_prefill needs a block pool (page_size)")
-        if int(mixed_prefill) > self.max_len:  # (a forward of MIXED_ROUNDS x that many tokens)
+        if asked and int(mixed_prefill) > self.max_len:  # (MIXED_ROUNDS x that many tokens)
             raise ValueError(f"mixed_prefill={mixed_prefill} is more than max_len={self.max_len} "
                              f"tokens: a piece is at most one prompt")
         if mixed_prefill and asked and dec.mesh is not None:

@@ -103,6 +103,8 @@ def test_paged_engine_rejects_bad_sizes(model):
                          prefill_budget=16).mixed_prefill == 0  # a fixed budget between chunks
     assert ServingEngine(model, max_batch=2, max_len=64, page_size=8,
                          prefill_chunk=16).mixed_prefill == 16  # the default: one prefill chunk
+    assert ServingEngine(model, max_batch=2, max_len=64, page_size=8,
+                         prefill_chunk=128).mixed_prefill == 64  # ... at most max_len
 
 
 def test_prefill_budget_follows_the_measured_rate(model):

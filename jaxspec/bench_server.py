@@ -16,7 +16,8 @@ rate; every variant sees the same prompts and arrival times.
 ``paged[N][-blocksM][-budgetT][-mixedC|-nomixed][-noshare]`` (paged K/V in pages of N slots,
 default 16, with automatic prefix caching; M blocks in the pool, T prefill tokens between decode
 chunks, C prompt tokens prefilled inside each decode round or ``-nomixed`` none; default: the
-server's; ``-noshare``: without the shared-context attention). Speedups are then relative to the first setup
+server's; ``-noshare``: without the shared-context attention). Speedups are then relative to the
+first setup
 with speculation off. ``--workload`` (comma-separated, run in turn on each server): ``independent``
 (the prompts above) or ``shared-doc``: every request is the same ``--doc``-token document followed
 by its own ``--question`` tokens (both cut from the text source); with ``--doc-cache warm`` one
@@ -1201,7 +1202,8 @@ def add_arguments(sub) -> None:
                         f"{SETUP_PAGE_SIZE} slots, prefix caching), 'pagedN' (pages of N), "
                         "options '-blocksM' (pool size) '-budgetT' (prefill tokens between "
                         "decode chunks) '-mixedC' / '-nomixed' (prompt tokens prefilled inside "
-                        "each decode round, or none) '-noshare' (requests that share leading blocks do not "
+                        "each decode round, or none) '-noshare' (requests that share leading "
+                        "blocks do not "
                         "read them together); e.g. dense,paged,paged32-budget8192 (default: dense "
                         "only, reported as before); speedups are vs the first setup's off")
     s.add_argument("--workload", default="independent",

@@ -217,8 +217,8 @@ class Round:
         table = jax.lax.dynamic_slice_in_dim(cache.block_table, row, 1, axis=0)
         pplan = AttentionPlan(lengths=start[None], impl=self.impl, block_table=table)
         ppos = start + jnp.arange(C, dtype=jnp.int32)[None]
-        (logits, _), cache, *sc = forward_mixed(
-            self.config, params, [(tokens, positions, plan, None), (tok, ppos, pplan, False)], cache)
+        segments = [(tokens, positions, plan, None), (tok, ppos, pplan, False)]
+        (logits, _), cache, *sc = forward_mixed(self.config, params, segments, cache)
         cache = cache.replace(lengths=cache.lengths.at[row].set(end))
         return (logits, cache, *(s[0] for s in sc))
 
@@ -352,8 +352,9 @@ def run_chunk(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round)
 
 @struct.dataclass
 class Pieces:
-    """Prompt pieces for `run_mixed_chunk` (one per round, plain or speculative): piece i (``tokens[i]``, padded to C) goes into row
-    ``rows[i]`` from slot ``starts[i]`` on, and that row's length becomes ``ends[i]``."""
+    """Prompt pieces for `run_mixed_chunk` (one per round, plain or speculative): piece i
+    (``tokens[i]``, padded to C) goes into row ``rows[i]`` from slot ``starts[i]`` on, and that
+    row's length becomes ``ends[i]``."""
 
     tokens: jax.Array  # [P, C] int32
     rows: jax.Array  # [P] int32

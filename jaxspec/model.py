@@ -421,9 +421,10 @@ def forward_mixed(config: ModelConfig, params, segments, cache: KVCache):
     runs once over all their tokens, so the weights are read once for all of them. A segment's
     ``logits_at`` is as in `forward`, or False for no logits (a prefill chunk's). Returns
     ``([logits or None per segment], cache)``, and when a segment's plan has ``score_block``
-    also ``[scores [L, B_i, K, NB] or None per segment]`` (as `forward`'s). Each segment's outputs equal its own `forward`'s up to the rounding of
-    matrix products over a different number of rows (bitwise the same with batch-invariant
-    numerics, whose products do not depend on the rows beside them)."""
+    also ``[scores [L, B_i, K, NB] or None per segment]`` (as `forward`'s). Each segment's
+    outputs equal its own `forward`'s up to the rounding of matrix products over a different
+    number of rows (bitwise the same with batch-invariant numerics, whose products do not depend
+    on the rows beside them)."""
     W = sliding_window_of(config)
     plans = tuple(s[2].replace(sliding_window=W) if s[2].sliding_window is None and W is not None
                   else s[2] for s in segments)

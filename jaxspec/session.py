@@ -427,8 +427,9 @@ class Decoder:
 
     def mixed_program(self, rd: Round, sp, state: DecodeState, pieces: Pieces):
         """The compiled serving chunk of rounds ``rd`` (plain or speculative) that prefill prompt
-        ``pieces`` as they run (`jaxspec.decoding.run_mixed_chunk`), for these shapes: ``(program, seconds
-        compiling)``. The program takes ``(params, draft params, sp, state, rounds, pieces)``."""
+        ``pieces`` as they run (`jaxspec.decoding.run_mixed_chunk`), for these shapes:
+        ``(program, seconds compiling)``. The program takes ``(params, draft params, sp, state,
+        rounds, pieces)``."""
         args = (self.params, self.dparams, sp, state)
         key = ("mixed", rd, _avals(args), _avals(pieces))
         compiled = self._compiled.get(key)

@@ -20,9 +20,15 @@ decode / verify (``decode_route``):
   4. ``"reference"``: elsewhere (CPU): ``reference.decode_attention_reference``.
 
 paged decode / verify (``paged_decode_route``; K/V in a block pool read through block tables):
-  1. ``"triton"``: ``interpret=True`` (the Pallas interpreter, any backend) or a GPU with the
-     Triton backend (``triton_paged``; no Hopper variant: the Triton kernel serves every T);
-  2. ``"reference"``: elsewhere (CPU, TPU): ``reference.paged_decode_attention_reference``
+  1. ``"hopper-gathered"``: on a Hopper GPU, for dense bf16/f16 attention with at least
+     ``PAGED_HOPPER_MIN_ROWS`` query rows (T x G) per KV head (a prompt chunk's prefill): the
+     sequences' blocks of the layer gathered into a dense cache (``reference.gather_pages``)
+     and the Hopper kernel over it. With that many rows per key the attention is bound by
+     matrix throughput, where the Hopper kernel's wgmma pipeline beats the Triton one's, and
+     the copy costs a few percent of the products;
+  2. ``"triton"``: ``interpret=True`` (the Pallas interpreter, any backend) or a GPU with the
+     Triton backend (``triton_paged``);
+  3. ``"reference"``: elsewhere (CPU, TPU): ``reference.paged_decode_attention_reference``
      (the sequences' blocks gathered into a dense cache).
 
 shared prefix (``prefix_route``):
@@ -62,6 +68,9 @@ from .triton_prefix import GPU_DEFAULTS as PREFIX_GPU_DEFAULTS
 # (T x G) per KV head: there verification turns bound by matrix throughput, and the Hopper
 # kernel's wgmma pipeline beats Triton's (benchmarks/hopper_attention_h100.md).
 HOPPER_MIN_ROWS_VERIFY = 128
+# ... and serves a paged cache from this many (its blocks gathered into a dense copy first: with
+# fewer rows per key that copy would cost more than the faster products save)
+PAGED_HOPPER_MIN_ROWS = 2048
 # ... and serves a shared prefix from this many query rows (B/P x T x G) per group and KV
 # head; with fewer, its 128-row tiles would be mostly padding.
 HOPPER_MIN_ROWS_PREFIX = 256
@@ -151,10 +160,18 @@ def decode_route(q, k_cache, *, block_sizes=None, sink=None, window=None,
                                          DECODE_GPU_DEFAULTS), on_gpu and not interpret)
 
 
-def paged_decode_route(q, k_pages, *, block_sizes=None, interpret=None) -> Route:
+def paged_decode_route(q, k_pages, *, block_sizes=None, sink=None, window=None,
+                       interpret=None) -> Route:
     """Which kernel ``paged_decode_attention`` runs for these arguments (see the module doc)."""
-    del q, k_pages  # every shape the contract allows has one route per platform
     on_gpu = dispatch_platform() in GPU_PLATFORMS
+    B, T, H, D = q.shape
+    K, BS = k_pages.shape[-3], k_pages.shape[-2]
+    if (block_sizes is None and on_gpu and not interpret and not sink and not window
+            and BS % 8 == 0
+            and hopper.supports(q.dtype, D) and k_pages.dtype == q.dtype
+            and T * (H // K) >= PAGED_HOPPER_MIN_ROWS
+            and hopper.default_block_sizes(D) is not None and hopper.available()):
+        return Route("hopper-gathered", hopper.default_block_sizes(D), True)
     if not (bool(interpret) or (on_gpu and pltriton is not None)):
         return Route("reference", None, False)
     return Route("triton", _triton_sizes(block_sizes, DecodeAttentionBlockSizes,
@@ -343,7 +360,16 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask=
     T_new = check_paged_decode_args(q, k_pages, v_pages, block_table, lengths, tree_mask, layer,
                                     num_new)
     sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
-    route = paged_decode_route(q, k_pages, block_sizes=block_sizes, interpret=interpret)
+    route = paged_decode_route(q, k_pages, block_sizes=block_sizes, sink=sink, window=window,
+                               interpret=interpret)
+    if route.kernel == "hopper-gathered" and retrieved is None and score_block is None:
+        lay = layer if k_pages.ndim == 5 else None
+        return _verify_hopper(q, gather_pages(k_pages, block_table, lay),
+                              gather_pages(v_pages, block_table, lay), lengths, tree_mask, None,
+                              sm_scale=sm_scale, num_new=T_new, block_sizes=route.block_sizes,
+                              interpret=False)
+    if route.kernel == "hopper-gathered":  # (block scores / retrieved blocks: the Triton kernel)
+        route = Route("triton", DECODE_GPU_DEFAULTS, True)
     if retrieved is not None or score_block is not None:
         if (retrieved is not None) != bool(sink or window):
             raise ValueError("retrieved blocks go with a sparse view (sink / window), block "

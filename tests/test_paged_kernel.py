@@ -302,6 +302,26 @@ def test_cpu_route_is_the_reference():
   assert_close(*out, *want, tol=1e-5)
 
 
+def test_gpu_route_of_prompt_chunks(monkeypatch):
+  """On a Hopper GPU a paged call with many query rows per KV head (a prompt chunk) gathers the
+  blocks and runs the Hopper kernel; decode / verify shapes, sparse views and explicit Triton
+  tiles keep the Triton paged kernel."""
+  from pallas_kernels import dispatch, hopper
+  monkeypatch.setattr(hopper, "available", lambda: True)
+  k = jnp.zeros((3, 8, 2, 16, 128), jnp.bfloat16)
+  rows = dispatch.PAGED_HOPPER_MIN_ROWS
+  with dispatch.target_platform("gpu"):
+    for T, G, kw, want in ((rows // 4, 4, {}, "hopper-gathered"),
+                           (rows // 4 - 1, 4, {}, "triton"),
+                           (5, 4, {}, "triton"),
+                           (rows, 4, {"sink": 4, "window": 64}, "triton"),
+                           (rows, 4, {"block_sizes": DecodeAttentionBlockSizes()}, "triton")):
+      q = jnp.zeros((1, T, 2 * G, 128), jnp.bfloat16)
+      assert paged_decode_route(q, k, **kw).kernel == want, (T, G, kw)
+    q = jnp.zeros((1, rows, 8, 128), jnp.float32)  # float32: no Hopper kernel
+    assert paged_decode_route(q, k.astype(jnp.float32)).kernel == "triton"
+
+
 def test_plan_page_tiles():
   """Default key tiles: the dense choice (128 keys here) on power-of-2 pages (whole pages or
   part of one), halved until it divides other pages; splits of whole tiles."""
@@ -354,6 +374,9 @@ GPU_DEFAULT_CASES = [
     Case(8, 1, 4, 4, 128, 8, 512, (4000, 17, 2049, 0, 4095, 1000, 3333, 64), dtype="bfloat16"),
     Case(4, 5, 4, 2, 128, 1, 2048, (2000, 17, 1000, 600), dtype="bfloat16", sink=16,
          window=496, mask="tree_b"),
+    # a prompt chunk (T x G >= PAGED_HOPPER_MIN_ROWS): the blocks gathered, the Hopper kernel
+    Case(2, 512, 4, 2, 128, 16, 256, (3000, 0), dtype="bfloat16", layers=2, spare=30),
+    Case(1, 384, 6, 2, 128, 16, 160, (1700,), dtype="bfloat16"),
 ]
 
 

@@ -360,6 +360,36 @@ def row_keys(seed, rows: int, first: int = 0) -> Array:
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(idx)
 
 
+@jax.jit
+def _folded_keys(lo, first, then, refold):
+    def one(seed, i, j, again):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), i)
+        return jnp.where(again, jax.random.fold_in(key, j), key)
+    return jax.vmap(one)(lo, first, then, refold)
+
+
+def start_keys(seeds, firsts, refolds=None) -> np.ndarray:
+    """``[n, 2]`` uint32 keys on the host, one per sequence a server starts: row i's is
+    ``row_keys(seeds[i], 1, first=firsts[i])[0]``, folded once more with ``refolds[i]`` where
+    that is not None. One compiled call for all of them (eager key arithmetic costs about a
+    millisecond per key on a GPU, while the device waits for the rows to start)."""
+    n = len(seeds)
+    refolds = [None] * n if refolds is None else list(refolds)
+    if not n:
+        return np.zeros((0, 2), np.uint32)
+    plain = [-(2 ** 31) <= int(s) < 2 ** 32 for s in seeds]  # (key_from_seed: PRNGKey(lo))
+    out = np.array(_folded_keys(
+        np.asarray([int(s) & 0xFFFFFFFF for s in seeds], np.uint32),
+        np.asarray(firsts, np.uint32), np.asarray([r or 0 for r in refolds], np.uint32),
+        np.asarray([r is not None for r in refolds])), np.uint32)
+    for i in (i for i in range(n) if not plain[i]):  # seeds past 32 bits: the slow path
+        key = row_keys(seeds[i], 1, first=int(firsts[i]))[0]
+        if refolds[i] is not None:
+            key = jax.random.fold_in(key, int(refolds[i]))
+        out[i] = np.asarray(key, np.uint32)
+    return out
+
+
 def split_rows(keys: Array, num: int = 2) -> tuple[Array, ...]:
     """Splits every row's key: ``num`` arrays of ``[B, 2]`` keys."""
     out = jax.vmap(lambda k: jax.random.split(k, num))(keys)  # [B, num, 2]

@@ -915,7 +915,7 @@ class ServingEngine:
     def _admit_all(self, admits):
         """Prefills the admitted sequences into their slots and starts their rows (one update of
         the device state for all of them); a sequence whose admission fails fails alone."""
-        rows, last, budget, keys = [], [], [], []
+        rows, last, budget, seeds, firsts = [], [], [], [], []
         for b, s in admits:
             try:
                 if self.fault_hook is not None:
@@ -930,11 +930,11 @@ class ServingEngine:
             self.temperature[b] = o.temperature
             self.top_k[b] = o.top_k
             self.top_p[b] = o.top_p
-            seed = o.seed if o.seed is not None else int.from_bytes(os.urandom(4), "little")
             rows.append(b)
             last.append(ids[-1])
             budget.append(s.budget)
-            keys.append(np.asarray(sampling.row_keys(seed, 1, first=s.index)[0], np.uint32))
+            seeds.append(o.seed if o.seed is not None else int.from_bytes(os.urandom(4), "little"))
+            firsts.append(s.index)
             self.done[b] = s.budget <= 0
             self.lengths[b] = len(ids) - 1
             self.row_rounds[b] = 0
@@ -947,11 +947,11 @@ class ServingEngine:
             self.m["prefill_tokens"] += len(ids) - 1
         if rows:
             pad = self.B - len(rows)  # one shape for any number of admissions
+            keys = sampling.start_keys(seeds, firsts)
             self.state = set_rows(self.state, np.asarray(rows + [self.B] * pad, jnp.int32),
                                   np.asarray(last + [0] * pad, jnp.int32),
                                   np.asarray(budget + [0] * pad, jnp.int32),
-                                  np.asarray(np.concatenate(
-                                      [np.stack(keys), np.zeros((pad, 2), np.uint32)])),
+                                  np.concatenate([keys, np.zeros((pad, 2), np.uint32)]),
                                   np.asarray([int(self.lengths[b]) for b in rows] + [0] * pad,
                                               jnp.int32))
             for b in rows:
@@ -1001,8 +1001,12 @@ class ServingEngine:
         bm = self.blocks
         first = s.preemptions == 0 and not s.counted
         # the cache holds all but the last token (it is fed to the next step)
-        s.fill = (s.prompt_ids + s.tokens)[:-1]
-        s.fill_keys = bm.keys(s.fill)  # hashed once: looked up and registered again later
+        fill = (s.prompt_ids + s.tokens)[:-1]
+        if len(fill) != len(s.fill) or not s.fill_keys and len(fill) >= self.page_size:
+            # hashed once (a sequence waiting for blocks tries again every pass of the loop;
+            # its tokens only grow, so the same length is the same tokens)
+            s.fill_keys = bm.keys(fill)
+        s.fill = fill
         hit = bm.lookup(s.fill, s.fill_keys)
         need = -(-(len(s.fill) + 1) // self.page_size)
         bm.acquire(hit)
@@ -1253,35 +1257,33 @@ class ServingEngine:
         starts = [s for s in self.slots if s is not None and s.filled >= len(s.fill)
                   and self.done[s.slot] and not s.finished_flag and s.fill is not None
                   and s.slot not in self._started]
-        rows, last, budgets, keys = [], [], [], []
+        rows, last, budgets, seeds, firsts, refolds = [], [], [], [], [], []
         for s in starts:
             b = s.slot
             self.blocks.register(s.fill, s.blocks, s.fill_keys)
             self.state = self.decoder.prefill_draft_row(self.state, b, s.fill)
-            seed = s.options.seed if s.options.seed is not None else \
-                int.from_bytes(os.urandom(4), "little")
+            seeds.append(s.options.seed if s.options.seed is not None else
+                         int.from_bytes(os.urandom(4), "little"))
+            firsts.append(s.index)
+            # a resumed sequence: a key of its own, not the first one again (batch-invariant
+            # rounds draw with the key folded with each token's position: the same key
+            # continues where the sequence left off)
+            refolds.append(len(s.tokens) if s.tokens and not self.batch_invariant else None)
             toks = s.prompt_ids + s.tokens
             rows.append(b)
             last.append(toks[-1])
             budgets.append(s.budget - len(s.tokens))
-            key = sampling.row_keys(seed, 1, first=s.index)[0]
-            if s.tokens and not self.batch_invariant:
-                # a resumed sequence: a key of its own, not the first one again (batch-invariant
-                # rounds draw with the key folded with each token's position: the same key
-                # continues where the sequence left off)
-                key = jax.random.fold_in(key, len(s.tokens))
-            keys.append(np.asarray(key, np.uint32))
             self.done[b] = budgets[-1] <= 0
             self.lengths[b] = len(s.fill)
             self._started.add(b)
             self._shared_dirty = True
         if rows:
             pad = self.B - len(rows)
+            keys = sampling.start_keys(seeds, firsts, refolds)
             self.state = set_rows(self.state, np.asarray(rows + [self.B] * pad, jnp.int32),
                                   np.asarray(last + [0] * pad, jnp.int32),
                                   np.asarray(budgets + [0] * pad, jnp.int32),
-                                  np.asarray(np.concatenate(
-                                      [np.stack(keys), np.zeros((pad, 2), np.uint32)])),
+                                  np.concatenate([keys, np.zeros((pad, 2), np.uint32)]),
                                   np.asarray([int(self.lengths[b]) for b in rows] + [0] * pad,
                                               jnp.int32))
             for b in rows:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from jaxspec import sampling
 from jaxspec.sampling import SamplingParams, categorical, draft_children, probs_from_logits, sample, sample_children
 
 ALPHA = 1e-3  # fixed significance of every chi-square test in this suite
@@ -232,3 +233,21 @@ def test_draft_children(mode):
                 assert np.all(qn[b, t, kn[b, t, : min(k, support)]] > 0)  # positive tokens first
             else:
                 assert np.all(qn[b, t, kn[b, t]] > 0)
+
+
+def test_start_keys_equal_row_keys_for_every_seed_range():
+    """The server's batched key arithmetic gives exactly the keys of `row_keys` (and of a second
+    fold for a resumed sequence), for seeds inside and outside 32 bits, in one call."""
+    rng = np.random.default_rng()
+    seeds = [0, 1, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1, -1, -(2 ** 31), 2 ** 32, 2 ** 40 + 7,
+             -(2 ** 31) - 1, -(2 ** 50)] + [int(x) for x in rng.integers(0, 2 ** 32, 5)]
+    firsts = [int(x) for x in rng.integers(0, 1000, len(seeds))]
+    refolds = [None if i % 3 else int(rng.integers(1, 500)) for i in range(len(seeds))]
+    got = sampling.start_keys(seeds, firsts, refolds)
+    assert got.dtype == np.uint32 and got.shape == (len(seeds), 2)
+    for i, (s, f, r) in enumerate(zip(seeds, firsts, refolds)):
+        want = sampling.row_keys(s, 1, first=f)[0]
+        if r is not None:
+            want = jax.random.fold_in(want, r)
+        np.testing.assert_array_equal(got[i], np.asarray(want, np.uint32), err_msg=f"seed {s}")
+    assert sampling.start_keys([], []).shape == (0, 2)

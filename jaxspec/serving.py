@@ -376,6 +376,7 @@ class ServingEngine:
         self._shared_dirty = True  # block tables or running rows changed since it was chosen
         self._pending = None  # the chunk running on the device thread (see `state`)
         self._rows = None  # (rows, their state) after compact chunks (see `_compact`)
+        self._moves: dict = {}  # the compiled row moves of compact chunks, by shapes
         self._device: concurrent.futures.ThreadPoolExecutor | None = None
         self.state = self._fresh_state()
         if compact_rows is None:
@@ -428,7 +429,7 @@ class ServingEngine:
         if self._rows is not None:  # compact rows back into the slots' state
             rows, sub = self._rows
             self._rows = None
-            self._state = put_rows(self._state, jnp.asarray(rows), sub)
+            self._state = put_rows(self._state, jnp.asarray(rows), sub, self._moves)
         return self._state
 
     def _resolve(self):
@@ -685,7 +686,7 @@ class ServingEngine:
         else:
             idle = [b for b in range(self.B) if b not in set(active)]
             rows = np.asarray(list(active) + idle[:n - len(active)], np.int32)
-            sub = take_rows(self.state, jnp.asarray(rows))
+            sub = take_rows(self.state, jnp.asarray(rows), self._moves)
         sp = self._sampling(greedy, filtering, rows)
         program, _ = self.decoder.chunk_program(rd, sp, sub, compile=False)
         if program is not None:
@@ -715,8 +716,9 @@ class ServingEngine:
         n = 1
         while 2 * n <= self.B:
             rows = np.arange(n, dtype=np.int32)
-            taken = take_rows(self.state, jnp.asarray(rows))
-            self.state = put_rows(self.state, jnp.asarray(rows), taken)  # (the same rows back)
+            taken = take_rows(self.state, jnp.asarray(rows), self._moves)
+            # (the same rows back)
+            self.state = put_rows(self.state, jnp.asarray(rows), taken, self._moves)
             sub = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like),
                                taken)
             del taken

@@ -224,13 +224,15 @@ def test_block_manager_against_a_model():
         bm.release([0])
 
 
-@pytest.mark.parametrize("spec", [None, "self"])
-def test_shared_context_rows_equal_generate(model, spec):
+@pytest.mark.parametrize("spec,mixed", [(None, 0), ("self", 0), ("self", 8)])
+def test_shared_context_rows_equal_generate(model, spec, mixed):
     """Requests about one document, running together on the paged engine with the shared
     context on (`share_min_tokens=0`): their common cached blocks are attended to once for all
     of them, and every greedy completion still equals `jaxspec.generate` (float32); a request
     about something else runs beside them. The shared context was built once (its blocks stay
-    the same while its rows finish one by one) and the chunks ran with it."""
+    the same while its rows finish one by one) and the chunks ran with it. ``mixed``: the
+    prompts fill in pieces inside the running rows' rounds, so rows join the shared context
+    while others still fill."""
     rng = np.random.default_rng(random.randrange(1 << 30))
     doc = rng.integers(5, 60, size=35).tolist()  # four full blocks of 8 and a bit
     prompts = [doc + rng.integers(5, 60, size=int(n)).tolist() for n in (2, 5, 9)]
@@ -241,24 +243,86 @@ def test_shared_context_rows_equal_generate(model, spec):
     speculation = None if spec is None else jaxspec.Speculation(
         draft="self", gamma=3, sink=2, window=6, adaptive=False)
     e = ServingEngine(model, max_batch=4, max_len=96, rounds_per_chunk=2, prefill_chunk=16,
-                      page_size=8, speculation=speculation, prefill_budget=64,
+                      page_size=8, speculation=speculation,
+                      prefill_budget=None if mixed else 64, mixed_prefill=mixed,
                       share_min_tokens=0).start(variants=[(True, False)])
     try:
         e.pause_admission()
         seqs = [Sequence(p, SamplingOptions(max_tokens=n, temperature=0))
                 for p, n in zip(prompts, news)]
-        e.submit(seqs)
-        e.resume_admission()
+        if mixed:  # the others come as the longest one starts decoding: they fill in its rounds
+            later = [seqs[:2] + seqs[3:]]
+
+            def submit_later(_active):  # (the engine thread, before its first decode chunk)
+                if later:
+                    e.submit(later.pop())
+            e.step_fault_hook = submit_later
+            e.submit([seqs[2]])
+            e.resume_admission()
+        else:
+            e.submit(seqs)
+            e.resume_admission()
         _wait(seqs)
         for s, r in zip(seqs, ref):
             assert s.tokens == r, s.prompt_ids[:5]
         m = e.metrics()
-        assert m["shared_context_copies"] == 1 and m["shared_context_row_chunks"] >= 4, m
+        # (rows that start later may share fewer blocks with the first: a new copy)
+        assert (m["shared_context_copies"] == 1 if not mixed else
+                m["shared_context_copies"] >= 1), m
+        assert m["shared_context_row_chunks"] >= 4, m
+        assert (m["mixed_prefill_tokens"] > 0) == (mixed > 0), m
         assert m["kv_blocks_used"] == 0, m
         t0 = time.time()  # the engine lets go of the context after its last chunk
         while e.metrics()["shared_context_rows"] and time.time() - t0 < 30:
             time.sleep(0.01)
         assert e.metrics()["shared_context_rows"] == 0 and e._shared_ctx is None
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("spec", [None, "self"])
+def test_a_request_cancelled_while_its_prompt_fills(model, spec):
+    """A request cancelled while its prompt is prefilled in pieces inside another request's
+    decode rounds (mixed chunks) ends "cancelled" and gives its blocks back; the running request
+    still completes as `jaxspec.generate` does (float32). The same prompt sent again finds the
+    full blocks the cancelled fill wrote in the prefix cache, and completes as `generate` does:
+    the cached blocks hold exactly its K/V."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    short = rng.integers(5, 60, size=9).tolist()
+    long = rng.integers(5, 60, size=70).tolist()
+    new = 24
+    ref = jaxspec.generate(model, [short, long], max_new_tokens=new).tokens
+    speculation = None if spec is None else jaxspec.Speculation(
+        draft="self", gamma=3, sink=2, window=6, adaptive=False)
+    e = ServingEngine(model, max_batch=2, max_len=120, rounds_per_chunk=2, prefill_chunk=16,
+                      page_size=8, speculation=speculation, mixed_prefill=8)
+    opts = SamplingOptions(max_tokens=new, temperature=0)
+    first, second = Sequence(short, opts), Sequence(long, opts)
+    caught = []
+
+    def cancel_mid_fill(_active):  # (the engine thread, before each decode chunk)
+        if not caught and second.slot is not None and 8 <= second.filled <= len(long) - 16:
+            caught.append(second.filled)
+            e.cancel(second)
+    e.step_fault_hook = cancel_mid_fill
+    e.start(variants=[(True, False)])
+    try:
+        e.submit([first])
+        t0 = time.time()
+        while not first.tokens and time.time() - t0 < 120:  # decoding before the long one comes
+            time.sleep(0.005)
+        e.submit([second])
+        _wait([first])
+        assert second.finished.wait(60) and second.finish_reason == "cancelled", caught
+        assert caught and first.tokens == ref[0]
+        m = e.metrics()
+        assert m["finished_cancelled"] == 1 and m["mixed_prefill_tokens"] > 0, m
+        assert m["kv_blocks_used"] == 0 and m["kv_blocks_cached"] > 0, m
+        again = Sequence(long, opts)
+        e.submit([again])
+        _wait([again])
+        assert again.tokens == ref[1]
+        assert again.usage()["prompt_tokens_details"]["cached_tokens"] >= 8
     finally:
         e.stop()
 

@@ -119,11 +119,14 @@ def test_a_block_pool_is_not_copied():
                                             np.int32(8), np.ones(6, bool)))))
 
 
-@pytest.mark.parametrize("kind", ["plain", "model"])
-def test_take_and_put_rows_move_exactly_those_rows(kind):
+@pytest.mark.parametrize("kind,kept", [("plain", False), ("model", False), ("model", True)])
+def test_take_and_put_rows_move_exactly_those_rows(kind, kept):
     """Every per-row array of a state (the caches, a draft model's cache and last token, the
     counters) of random contents: `take_rows` gives those rows, `put_rows` writes changed rows
-    back and leaves the others; `spread_outputs` puts a chunk's outputs where its rows are."""
+    back and leaves the others; `spread_outputs` puts a chunk's outputs where its rows are.
+    ``kept``: through programs compiled once per shapes (a server's), which a state that went
+    through another program reuses."""
+    programs = {} if kept else None
     model = tiny_model(seed=2)
     spec = None if kind == "plain" else speculations(model)["model"]
     dec = Decoder(model, spec)
@@ -136,9 +139,15 @@ def test_take_and_put_rows_move_exactly_those_rows(kind):
     rows = rng.permutation(B)[:3].astype(np.int32)
     others = np.setdiff1d(np.arange(B), rows)
     before = jax.tree.map(np.asarray, state)
-    sub = take_rows(state, jnp.asarray(rows))
+    sub = take_rows(state, jnp.asarray(rows), programs)
     changed = jax.tree.map(lambda x: (~x if x.dtype == bool else x + 1) if np.ndim(x) else x, sub)
-    after = put_rows(jax.tree.map(jnp.copy, state), jnp.asarray(rows), changed)
+    after = put_rows(jax.tree.map(jnp.copy, state), jnp.asarray(rows), changed, programs)
+    if kept:
+        assert len(programs) == 2
+        again = take_rows(jax.jit(lambda s: s)(after), jnp.asarray(rows), programs)
+        assert len(programs) == 2
+        for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(changed)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     n = 0
     for old, got, new, mid in zip(jax.tree.leaves(before), jax.tree.leaves(after),
                                   jax.tree.leaves(changed), jax.tree.leaves(sub)):

@@ -22,6 +22,7 @@ Conventions (relied on by :mod:`jaxspec.verify`):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import flax.struct
@@ -368,20 +369,35 @@ def _folded_keys(lo, first, then, refold):
     return jax.vmap(one)(lo, first, then, refold)
 
 
-def start_keys(seeds, firsts, refolds=None) -> np.ndarray:
+def _host_device():
+    """The CPU device where this jax has one beside the accelerator (None: the default device)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # e.g. JAX_PLATFORMS=cuda
+        return None
+
+
+def start_keys(seeds, firsts, refolds=None, size: int | None = None) -> np.ndarray:
     """``[n, 2]`` uint32 keys on the host, one per sequence a server starts: row i's is
     ``row_keys(seeds[i], 1, first=firsts[i])[0]``, folded once more with ``refolds[i]`` where
     that is not None. One compiled call for all of them (eager key arithmetic costs about a
-    millisecond per key on a GPU, while the device waits for the rows to start)."""
+    millisecond per key on a GPU, while the device waits for the rows to start), on the CPU
+    where there is one (it does not queue behind the accelerator's work), over ``size`` rows
+    (at least n; one compiled shape for any number of sequences)."""
     n = len(seeds)
     refolds = [None] * n if refolds is None else list(refolds)
     if not n:
         return np.zeros((0, 2), np.uint32)
+    size = max(n, int(size or n))
+    pad = [0] * (size - n)
     plain = [-(2 ** 31) <= int(s) < 2 ** 32 for s in seeds]  # (key_from_seed: PRNGKey(lo))
-    out = np.array(_folded_keys(
-        np.asarray([int(s) & 0xFFFFFFFF for s in seeds], np.uint32),
-        np.asarray(firsts, np.uint32), np.asarray([r or 0 for r in refolds], np.uint32),
-        np.asarray([r is not None for r in refolds])), np.uint32)
+    args = (np.asarray([int(s) & 0xFFFFFFFF for s in seeds] + pad, np.uint32),
+            np.asarray(list(firsts) + pad, np.uint32),
+            np.asarray([r or 0 for r in refolds] + pad, np.uint32),
+            np.asarray([r is not None for r in refolds] + [False] * len(pad)))
+    device = _host_device()
+    with contextlib.nullcontext() if device is None else jax.default_device(device):
+        out = np.array(_folded_keys(*args), np.uint32)[:n]
     for i in (i for i in range(n) if not plain[i]):  # seeds past 32 bits: the slow path
         key = row_keys(seeds[i], 1, first=int(firsts[i]))[0]
         if refolds[i] is not None:

@@ -634,6 +634,7 @@ class ServingEngine:
         while not self.paged and n <= min(self.warmup_prefill, self.max_len - 1):
             self.state = self.decoder.prefill_row(self.state, 0, [0] * n)
             n *= 2
+        sampling.start_keys([0], [0], size=self.B)  # the keys of starting rows, compiled once
         B = self.B  # the row updates, compiled once (rows past the batch are no-ops)
         nowhere = jnp.full((B,), B, jnp.int32)
         zeros = jnp.zeros((B,), jnp.int32)
@@ -949,7 +950,7 @@ class ServingEngine:
             self.m["prefill_tokens"] += len(ids) - 1
         if rows:
             pad = self.B - len(rows)  # one shape for any number of admissions
-            keys = sampling.start_keys(seeds, firsts)
+            keys = sampling.start_keys(seeds, firsts, size=self.B)
             self.state = set_rows(self.state, np.asarray(rows + [self.B] * pad, jnp.int32),
                                   np.asarray(last + [0] * pad, jnp.int32),
                                   np.asarray(budget + [0] * pad, jnp.int32),
@@ -1281,7 +1282,7 @@ class ServingEngine:
             self._shared_dirty = True
         if rows:
             pad = self.B - len(rows)
-            keys = sampling.start_keys(seeds, firsts, refolds)
+            keys = sampling.start_keys(seeds, firsts, refolds, size=self.B)
             self.state = set_rows(self.state, np.asarray(rows + [self.B] * pad, jnp.int32),
                                   np.asarray(last + [0] * pad, jnp.int32),
                                   np.asarray(budgets + [0] * pad, jnp.int32),

@@ -321,7 +321,7 @@ class Decoder:
         if speculation is not None:
             self.costs.rates  # the device benchmark now, not inside a timed decode
         self._compiled: dict = {}
-        self._weights_key = None  # ((params, draft params), their `_avals`)
+        self._weights_key = None  # ((params, draft params), their tree, their `_avals`)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -400,10 +400,12 @@ class Decoder:
         before every chunk, and describing ~300 weight arrays cost ~1.4 ms of it on an H100
         host, while the device waited)."""
         weights = (self.params, self.dparams)
+        tree = jax.tree_util.tree_structure(weights)  # (a tree changed in place, e.g. fused)
         memo = self._weights_key
-        if memo is None or memo[0][0] is not weights[0] or memo[0][1] is not weights[1]:
-            memo = self._weights_key = (weights, _avals(weights))
-        return memo[1], _avals((sp, state))
+        if (memo is None or memo[0][0] is not weights[0] or memo[0][1] is not weights[1]
+                or memo[1] != tree):
+            memo = self._weights_key = (weights, tree, _avals(weights))
+        return memo[2], _avals((sp, state))
 
     def chunk_program(self, rd: Round, sp, state: DecodeState, *, compile: bool = True):
         """The compiled serving chunk of ``rd`` for these shapes (compiled now unless it was

@@ -20,12 +20,16 @@ decode / verify (``decode_route``):
   4. ``"reference"``: elsewhere (CPU): ``reference.decode_attention_reference``.
 
 paged decode / verify (``paged_decode_route``; K/V in a block pool read through block tables):
-  1. ``"hopper-gathered"``: on a Hopper GPU, for dense bf16/f16 attention with at least
-     ``PAGED_HOPPER_MIN_ROWS`` query rows (T x G) per KV head (a prompt chunk's prefill): the
-     sequences' blocks of the layer gathered into a dense cache (``reference.gather_pages``)
-     and the Hopper kernel over it. With that many rows per key the attention is bound by
-     matrix throughput, where the Hopper kernel's wgmma pipeline beats the Triton one's, and
-     the copy costs a few percent of the products;
+  1. ``"hopper-gathered"``: on a Hopper GPU, without ``block_sizes``, for dense bf16/f16
+     attention (no sink / window, no block scores or retrieved blocks) with a head dim the Hopper
+     kernel supports, pages of a multiple of 8 slots, at least ``PAGED_HOPPER_MIN_ROWS`` query
+     rows (T x G) per KV head (a prompt chunk's prefill) and tables of at most
+     ``PAGED_HOPPER_MAX_SLOTS_PER_TOKEN`` x T slots: the sequences' blocks of the layer gathered
+     into a dense cache (``reference.gather_pages``) and the Hopper kernel over it
+     (``_gathered_hopper``). With that many rows per key the attention is bound by matrix
+     throughput, where the Hopper kernel's wgmma pipeline beats the Triton one's; the copy is
+     of the whole table whatever the lengths, which the second bound keeps small against the
+     chunk's own work;
   2. ``"triton"``: ``interpret=True`` (the Pallas interpreter, any backend) or a GPU with the
      Triton backend (``triton_paged``);
   3. ``"reference"``: elsewhere (CPU, TPU): ``reference.paged_decode_attention_reference``
@@ -69,8 +73,12 @@ from .triton_prefix import GPU_DEFAULTS as PREFIX_GPU_DEFAULTS
 # kernel's wgmma pipeline beats Triton's (benchmarks/hopper_attention_h100.md).
 HOPPER_MIN_ROWS_VERIFY = 128
 # ... and serves a paged cache from this many (its blocks gathered into a dense copy first: with
-# fewer rows per key that copy would cost more than the faster products save)
+# fewer rows per key that copy would cost more than the faster products save), where the table
+# holds at most this many slots per query token (the copy is of the whole table: on an H100 a
+# 2048-token chunk over a 32k-slot table lost ~10% with no context and won 1.55x at 30k;
+# benchmarks/server_mixed_qwen15_h100.md)
 PAGED_HOPPER_MIN_ROWS = 2048
+PAGED_HOPPER_MAX_SLOTS_PER_TOKEN = 16
 # ... and serves a shared prefix from this many query rows (B/P x T x G) per group and KV
 # head; with fewer, its 128-row tiles would be mostly padding.
 HOPPER_MIN_ROWS_PREFIX = 256
@@ -115,7 +123,8 @@ def dispatch_platform() -> str:
 # --- routes ----------------------------------------------------------------------------
 
 class Route(NamedTuple):
-    """A routing decision: ``kernel`` is "tpu", "hopper", "triton" or "reference";
+    """A routing decision: ``kernel`` is "tpu", "hopper", "hopper-gathered" (paged: the Hopper
+    kernel over a dense copy of the blocks), "triton" or "reference";
     ``block_sizes`` what that kernel is called with (None: its defaults); ``on_gpu``: the
     platform is a GPU and the kernel is compiled, not interpreted."""
     kernel: str
@@ -161,8 +170,9 @@ def decode_route(q, k_cache, *, block_sizes=None, sink=None, window=None,
 
 
 def paged_decode_route(q, k_pages, *, block_sizes=None, sink=None, window=None,
-                       interpret=None) -> Route:
-    """Which kernel ``paged_decode_attention`` runs for these arguments (see the module doc)."""
+                       interpret=None, table_slots=None) -> Route:
+    """Which kernel ``paged_decode_attention`` runs for these arguments (see the module doc);
+    ``table_slots``: MB x BS of the block tables (None: no bound)."""
     on_gpu = dispatch_platform() in GPU_PLATFORMS
     B, T, H, D = q.shape
     K, BS = k_pages.shape[-3], k_pages.shape[-2]
@@ -170,6 +180,7 @@ def paged_decode_route(q, k_pages, *, block_sizes=None, sink=None, window=None,
             and BS % 8 == 0
             and hopper.supports(q.dtype, D) and k_pages.dtype == q.dtype
             and T * (H // K) >= PAGED_HOPPER_MIN_ROWS
+            and (table_slots is None or table_slots <= PAGED_HOPPER_MAX_SLOTS_PER_TOKEN * T)
             and hopper.default_block_sizes(D) is not None and hopper.available()):
         return Route("hopper-gathered", hopper.default_block_sizes(D), True)
     if not (bool(interpret) or (on_gpu and pltriton is not None)):
@@ -211,6 +222,18 @@ def _verify_hopper(q, k_cache, v_cache, lengths, tree_mask, layer, *, sm_scale, 
     return hopper.verify_attention(q, k_cache, v_cache, lengths, tree_mask, layer=layer,
                                    sm_scale=sm_scale, num_new=num_new, block_sizes=block_sizes,
                                    interpret=interpret)
+
+
+def _gathered_hopper(q, k_pages, v_pages, block_table, lengths, tree_mask, layer, *, sm_scale,
+                     num_new, block_sizes, interpret):
+    """The ``"hopper-gathered"`` route: each sequence's blocks of the layer in table order as a
+    dense ``[B, K, MB * BS, D]`` cache, and the Hopper kernel over it (``interpret``: in the
+    Pallas interpreter, for tests on any backend)."""
+    lay = layer if k_pages.ndim == 5 else None
+    return _verify_hopper(q, gather_pages(k_pages, block_table, lay),
+                          gather_pages(v_pages, block_table, lay), lengths, tree_mask, None,
+                          sm_scale=sm_scale, num_new=num_new, block_sizes=block_sizes,
+                          interpret=interpret)
 
 
 def _between(lengths, sink, window):
@@ -344,11 +367,13 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask=
         ``lengths[b] + T_new <= MB * BS``; later entries may hold anything (e.g. NB for
         "no block"): they are never read into a result.
       lengths, tree_mask, num_new, layer, sink, window, sm_scale: as ``decode_attention``.
-      interpret: None: the Triton kernel on a GPU, the reference elsewhere (CPU, TPU);
-        True: the Triton kernel in Pallas interpret mode (any backend); False: as None.
-      block_sizes: ``DecodeAttentionBlockSizes`` for the Triton kernel (None: defaults);
-        ``block_k`` and ``block_k_new`` must each divide BS or be a multiple of it (by
-        default they are chosen so).
+      interpret: None: a kernel on a GPU (the Triton one, or for a prompt chunk on a Hopper
+        GPU the Hopper one over a gathered copy: the module doc's ``"hopper-gathered"``), the
+        reference elsewhere (CPU, TPU); True: the Triton kernel in Pallas interpret mode (any
+        backend); False: as None.
+      block_sizes: ``DecodeAttentionBlockSizes`` for the Triton kernel (None: defaults; a given
+        value keeps the Triton kernel); ``block_k`` and ``block_k_new`` must each divide BS or
+        be a multiple of it (by default they are chosen so).
 
     Returns:
       ``(out [B, T, H, D] in q.dtype, lse [B, T, H] float32)`` exactly as
@@ -361,13 +386,12 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, tree_mask=
                                     num_new)
     sm_scale = resolve_sm_scale(sm_scale, q.shape[-1])
     route = paged_decode_route(q, k_pages, block_sizes=block_sizes, sink=sink, window=window,
-                               interpret=interpret)
+                               interpret=interpret,
+                               table_slots=block_table.shape[1] * k_pages.shape[-2])
     if route.kernel == "hopper-gathered" and retrieved is None and score_block is None:
-        lay = layer if k_pages.ndim == 5 else None
-        return _verify_hopper(q, gather_pages(k_pages, block_table, lay),
-                              gather_pages(v_pages, block_table, lay), lengths, tree_mask, None,
-                              sm_scale=sm_scale, num_new=T_new, block_sizes=route.block_sizes,
-                              interpret=False)
+        return _gathered_hopper(q, k_pages, v_pages, block_table, lengths, tree_mask, layer,
+                                sm_scale=sm_scale, num_new=T_new, block_sizes=route.block_sizes,
+                                interpret=False)
     if route.kernel == "hopper-gathered":  # (block scores / retrieved blocks: the Triton kernel)
         route = Route("triton", DECODE_GPU_DEFAULTS, True)
     if retrieved is not None or score_block is not None:

@@ -11,8 +11,10 @@ or a checkpoint), timed synced (median of ``--reps`` after a warm-up call):
 * ``paged_triton``: the row's blocks in a shuffled pool, read through its block table by the
   Triton paged kernel;
 * ``paged_gathered``: the same pool; the row's blocks gathered into a dense copy per layer and
-  the Hopper kernel over it (``pallas_kernels.dispatch``'s ``"hopper-gathered"`` route, taken
-  from ``PAGED_HOPPER_MIN_ROWS`` query rows per KV head).
+  the Hopper kernel over it (``pallas_kernels.dispatch``'s ``"hopper-gathered"`` route, which
+  by default serves from ``PAGED_HOPPER_MIN_ROWS`` query rows per KV head and tables of at most
+  ``PAGED_HOPPER_MAX_SLOTS_PER_TOKEN`` slots per query token; each variant is forced here,
+  so on a GPU without the Hopper kernel this column is the Triton kernel again).
 
 Before the timings, the gathered route's output is checked against the Triton paged kernel's
 on random bf16 data (max abs difference of out and of the log-sum-exp).
@@ -106,10 +108,11 @@ def main(argv=None):
                 box["dense"] = dense_fn(params, box["dense"], None, toks, st)
                 return box["dense"].k
             row = {"C": C, "offset": off, "dense": timeit(run_dense)}
-            for variant, rows in (("paged_triton", 1 << 30), ("paged_gathered", None)):
-                keep = dsp.PAGED_HOPPER_MIN_ROWS
-                if rows is not None:
-                    dsp.PAGED_HOPPER_MIN_ROWS = rows
+            for variant, rows in (("paged_triton", 1 << 30), ("paged_gathered", 0)):
+                keep = dsp.PAGED_HOPPER_MIN_ROWS, dsp.PAGED_HOPPER_MAX_SLOTS_PER_TOKEN
+                # each variant forced (the default route depends on the chunk and table sizes)
+                dsp.PAGED_HOPPER_MIN_ROWS = rows
+                dsp.PAGED_HOPPER_MAX_SLOTS_PER_TOKEN = 1 << 30
                 jax.clear_caches()  # (the route is chosen when the chunk is traced)
                 cache = PagedKVCache.create(cfg, 1, MB, BS, MB)
                 box["paged"] = cache.replace(block_table=jnp.asarray(
@@ -123,7 +126,7 @@ def main(argv=None):
                 try:
                     row[variant] = timeit(run_paged)
                 finally:
-                    dsp.PAGED_HOPPER_MIN_ROWS = keep
+                    dsp.PAGED_HOPPER_MIN_ROWS, dsp.PAGED_HOPPER_MAX_SLOTS_PER_TOKEN = keep
                 del box["paged"], cache
             jax.clear_caches()
             flops = C * 2 * n_params + C * 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (

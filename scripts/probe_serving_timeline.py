@@ -104,7 +104,10 @@ def main(argv=None):
             total[n][1] += d
         chunks = sorted((a, a + d) for n, _, a, d in ev if n == "_chunk_on_device")
         gaps = [b[0] - a[1] for a, b in zip(chunks, chunks[1:])]
-        ttft = np.asarray([s.t_first - t0 for s in seqs])
+        failed = [s.error for s in seqs if s.error is not None]
+        if failed:
+            print(f"{len(failed)} sequences failed, e.g.: {failed[0]}", flush=True)
+        ttft = np.asarray([s.t_first - t0 for s in seqs if s.t_first is not None])
         res = {"mixed_prefill": int(setup), "wall_s": wall,
                "ttft_p50_s": float(np.percentile(ttft, 50)),
                "ttft_p99_s": float(np.percentile(ttft, 99)),
@@ -117,8 +120,9 @@ def main(argv=None):
                                              "prefill_tokens", "preemptions",
                                              "compact_chunks")},
                "events": [(n, th, round(a, 5), round(d, 5)) for n, th, a, d in ev],
-               "sequences": [(len(s.prompt_ids), s.t_submit - t0, s.t_first - t0,
-                              s.t_done - t0) for s in seqs]}
+               "sequences": [(len(s.prompt_ids), s.t_submit - t0,
+                              None if s.t_first is None else s.t_first - t0,
+                              None if s.t_done is None else s.t_done - t0) for s in seqs]}
         print(json.dumps({k: v for k, v in res.items() if k not in ("events", "sequences")}),
               flush=True)
         results[setup] = res

@@ -302,6 +302,28 @@ def test_cpu_route_is_the_reference():
   assert_close(*out, *want, tol=1e-5)
 
 
+GATHERED_CASES = [
+    Case(2, 40, 4, 2, 64, 16, 12, (100, 0), dtype="bfloat16", layers=2, spare=6),
+    Case(3, 24, 2, 2, 128, 8, 20, (0, 75, 130), dtype="bfloat16", mask="tree_b", T_new=30),
+]
+
+
+@pytest.mark.parametrize("c", GATHERED_CASES, ids=str)
+def test_gathered_hopper_route_in_the_interpreter(c):
+  """The ``"hopper-gathered"`` route (the blocks gathered in table order, the Hopper kernel over
+  them) in the Pallas interpreter against float64 attention through the table: NaN blocks no
+  sequence owns, NaN / huge values past each sequence's slots, stacked layers, a tree mask."""
+  from pallas_kernels import dispatch, hopper
+  inputs = make_inputs(c, seed=_seed(c))
+  q, k, v, table, lengths, tm, layer = inputs
+  out = dispatch._gathered_hopper(
+      q, k, v, table, lengths, tm, None if layer is None else jnp.int32(layer),
+      sm_scale=1.0 / np.sqrt(c.D), num_new=c.T_new or c.T,
+      block_sizes=hopper.default_block_sizes(c.D), interpret=True)
+  want = numpy_paged_attention(*inputs[:6], layer=layer, num_new=c.T_new or None)
+  assert_close(*out, *want, tol=2e-2)
+
+
 def test_gpu_route_of_prompt_chunks(monkeypatch):
   """On a Hopper GPU a paged call with many query rows per KV head (a prompt chunk) gathers the
   blocks and runs the Hopper kernel; decode / verify shapes, sparse views and explicit Triton
@@ -320,6 +342,12 @@ def test_gpu_route_of_prompt_chunks(monkeypatch):
       assert paged_decode_route(q, k, **kw).kernel == want, (T, G, kw)
     q = jnp.zeros((1, rows, 8, 128), jnp.float32)  # float32: no Hopper kernel
     assert paged_decode_route(q, k.astype(jnp.float32)).kernel == "triton"
+    # the copy is of the whole table: not for tables of many slots per query token
+    T = rows // 4
+    q = jnp.zeros((1, T, 8, 128), jnp.bfloat16)
+    most = dispatch.PAGED_HOPPER_MAX_SLOTS_PER_TOKEN * T
+    assert paged_decode_route(q, k, table_slots=most).kernel == "hopper-gathered"
+    assert paged_decode_route(q, k, table_slots=most + 16).kernel == "triton"
 
 
 def test_plan_page_tiles():

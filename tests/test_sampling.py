@@ -245,6 +245,10 @@ def test_start_keys_equal_row_keys_for_every_seed_range():
     refolds = [None if i % 3 else int(rng.integers(1, 500)) for i in range(len(seeds))]
     got = sampling.start_keys(seeds, firsts, refolds)
     assert got.dtype == np.uint32 and got.shape == (len(seeds), 2)
+    # padded to a fixed size (one compiled shape for any number of starting rows): the same keys
+    np.testing.assert_array_equal(sampling.start_keys(seeds, firsts, refolds, size=64), got)
+    np.testing.assert_array_equal(sampling.start_keys(seeds[:3], firsts[:3], refolds[:3],
+                                                      size=64), got[:3])
     for i, (s, f, r) in enumerate(zip(seeds, firsts, refolds)):
         want = sampling.row_keys(s, 1, first=f)[0]
         if r is not None:

@@ -290,14 +290,16 @@ def test_a_request_cancelled_while_its_prompt_fills(model, spec):
     rng = np.random.default_rng(random.randrange(1 << 30))
     short = rng.integers(5, 60, size=9).tolist()
     long = rng.integers(5, 60, size=70).tolist()
-    new = 24
-    ref = jaxspec.generate(model, [short, long], max_new_tokens=new).tokens
+    new, first_new = 24, 100  # the first one decodes all the while the long prompt fills
+    ref = jaxspec.generate(model, [short, long], max_new_tokens=first_new).tokens
+    ref = [ref[0], ref[1][:new]]  # (no EOS: a shorter budget is a prefix)
     speculation = None if spec is None else jaxspec.Speculation(
         draft="self", gamma=3, sink=2, window=6, adaptive=False)
     e = ServingEngine(model, max_batch=2, max_len=120, rounds_per_chunk=2, prefill_chunk=16,
                       page_size=8, speculation=speculation, mixed_prefill=8)
     opts = SamplingOptions(max_tokens=new, temperature=0)
-    first, second = Sequence(short, opts), Sequence(long, opts)
+    first = Sequence(short, SamplingOptions(max_tokens=first_new, temperature=0))
+    second = Sequence(long, opts)
     caught = []
 
     def cancel_mid_fill(_active):  # (the engine thread, before each decode chunk)

@@ -516,9 +516,10 @@ def kv_delta(before: dict | None, after: dict | None, peak: int | None) -> dict 
 
 
 class _BlockPeak:
-    """The most blocks in use in a paged engine's pool (``peak``) and the most sequences in its
-    slots (``running``) while a point runs, sampled every ``period`` seconds by a thread in the
-    server's process (neither has a high-water mark)."""
+    """The most blocks in use in a paged engine's pool (``peak``, sampled every ``period``
+    seconds by a thread in the server's process: the pool has no high-water mark) and the most
+    sequences in its slots (``running``: the engine's ``running_peak``, reset when the point
+    starts, and the samples)."""
 
     def __init__(self, engine, period: float = 0.02):
         import threading
@@ -545,6 +546,8 @@ class _BlockPeak:
     def __enter__(self):
         if self._thread is not None:
             self._sample()
+            if hasattr(self.engine, "running_peak"):  # (its own high-water mark, from now)
+                self.engine.running_peak = self.running
             self._thread.start()
         return self
 
@@ -553,6 +556,8 @@ class _BlockPeak:
             self._stop.set()
             self._thread.join()
             self._sample()
+            # sequences that came and went between two samples
+            self.running = max(self.running, getattr(self.engine, "running_peak", 0))
 
 
 # ============================================================================= the server side

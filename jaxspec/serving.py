@@ -377,6 +377,8 @@ class ServingEngine:
         self._pending = None  # the chunk running on the device thread (see `state`)
         self._rows = None  # (rows, their state) after compact chunks (see `_compact`)
         self._moves: dict = {}  # the compiled row moves of compact chunks, by shapes
+        # the most sequences in slots at once since a caller last set it (benchmarks sample it)
+        self.running_peak = 0
         self._device: concurrent.futures.ThreadPoolExecutor | None = None
         self.state = self._fresh_state()
         if compact_rows is None:
@@ -948,6 +950,7 @@ class ServingEngine:
             self.m["prompt_tokens"] += len(ids)
             self.m["sequences_admitted"] += 1
             self.m["prefill_tokens"] += len(ids) - 1
+        self._note_running()
         if rows:
             pad = self.B - len(rows)  # one shape for any number of admissions
             keys = sampling.start_keys(seeds, firsts, size=self.B)
@@ -993,9 +996,13 @@ class ServingEngine:
             s.slot = b
             self._stop_rows.discard(b)
             self.m["sequences_admitted"] += 1
+        self._note_running()
         if back:
             with self._cv:
                 self.waiting.extendleft(reversed(back))
+
+    def _note_running(self):
+        self.running_peak = max(self.running_peak, sum(s is not None for s in self.slots))
 
     def _map_blocks(self, b: int, s: Sequence) -> bool:
         """Blocks for what ``s`` must hold before decoding (its prompt, or after a preemption

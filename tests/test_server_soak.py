@@ -183,6 +183,10 @@ def make_plan(rng, engine, *, fault_rate: float, words: tuple[int, int],
         mode, after = "abandon", int(rng.integers(20, 400))
     else:
         mode, after = "full", 0
+    if mode != "full":  # long enough to be running when the client leaves (else nothing to
+        # cancel: a speculative chunk can end a short request within the first event)
+        body["max_tokens"] = max(body["max_tokens"], int(rng.integers(MAX_TOKENS // 2,
+                                                                      MAX_TOKENS + 1)))
     path = "/v1/chat/completions" if chat else "/v1/completions"
     return Plan(path, body, mode, after, marked, prompts)
 

@@ -318,6 +318,35 @@ def call(fn, *args, **static):
     return compiled(*args)
 
 
+def by_shapes(programs: dict | None, fn, args: tuple, static: dict | None = None, *,
+              skip: int = 0):
+    """``fn`` (a `jax.jit` function) for ``args`` and its static keyword arguments ``static``:
+    itself (through jit) when ``programs`` is None, else compiled once into ``programs`` (a dict
+    the caller keeps; `executable`: kept on disk too) keyed by the shapes and dtypes of
+    ``args[skip:]`` alone (the first ``skip`` are the same arrays on every call, e.g. one
+    model's weights). One device. Arrays that came out of other programs carry equivalent
+    shardings of other kinds, which jit's own cache tells apart: on an H100 a 2048-token paged
+    prefill chunk compiled again mid-serving for 5.9 s, a compact chunk's row moves for ~0.2 s."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    static = static or {}
+    if programs is None:
+        return functools.partial(fn, **static)
+    leaves, tree = jax.tree_util.tree_flatten(args[skip:])
+    key = (getattr(fn, "__name__", fn), tuple(sorted(static.items())), tree,
+           tuple((np.shape(x), np.result_type(x).name) for x in leaves))
+    program = programs.get(key)
+    if program is None:
+        program = programs[key] = executable(
+            fn, tuple(jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a
+                      for a in args), static)
+    return program
+
+
 def _on_default_device(args) -> bool:
     import jax
 

@@ -37,10 +37,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from jaxspec import sampling
+from jaxspec import compile_cache, sampling
 from jaxspec.attention import AttentionPlan
 from jaxspec.cache import KVCache, positions_of
 from jaxspec.config import ModelConfig
@@ -480,9 +479,10 @@ def take_rows(state: DecodeState, rows, programs: dict | None = None) -> DecodeS
     ``state`` is kept). A block pool is not copied: both states hold it, and a chunk that runs
     on the rows' state (donating it) leaves ``state`` a stale pool until `put_rows`.
     ``programs``: a dict the caller keeps the compiled moves in, keyed by shapes and dtypes
-    alone (one device; see `_shaped_program`)."""
+    alone (one device; `jaxspec.compile_cache.by_shapes`)."""
     bare, pool = _apart(state)
-    return _with_pool(_shaped_program(programs, _take_rows, (bare, rows))(bare, rows), pool)
+    return _with_pool(compile_cache.by_shapes(programs, _take_rows, (bare, rows))(bare, rows),
+                      pool)
 
 
 def put_rows(state: DecodeState, rows, sub: DecodeState, programs: dict | None = None
@@ -493,23 +493,7 @@ def put_rows(state: DecodeState, rows, sub: DecodeState, programs: dict | None =
     bare, _ = _apart(state)
     sub, pool = _apart(sub)
     args = (bare, rows, sub)
-    return _with_pool(_shaped_program(programs, _put_rows, args)(*args), pool)
-
-
-def _shaped_program(programs: dict | None, fn, args):
-    """``fn`` (jitted) for ``args``: itself, or compiled once per shapes and dtypes into
-    ``programs``. A state that came out of other programs (a decode chunk, a compact one)
-    carries equivalent shardings of other kinds, which jit's own cache tells apart: on an H100
-    each row move then compiled again mid-serving (~0.2 s while every stream waited)."""
-    if programs is None:
-        return fn
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    key = ("rows", fn.__name__, tree,
-           tuple((np.shape(x), np.result_type(x).name) for x in leaves))
-    program = programs.get(key)
-    if program is None:
-        program = programs[key] = fn.lower(*args).compile()
-    return program
+    return _with_pool(compile_cache.by_shapes(programs, _put_rows, args)(*args), pool)
 
 
 @jax.jit

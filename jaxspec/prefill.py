@@ -150,25 +150,10 @@ def prefill_paged_row(config: ModelConfig, params, cache, row: int, tokens: list
         size = bucket(min(C, n - off), C)[0]  # a short rest: a power-of-two chunk, not C
         args = (params, cache, np.int32(row), buf[:, off:off + size], np.int32(start + off),
                 np.int32(start + min(n, off + C)))
-        cache = _paged_chunk_program(programs, args, config, impl)(*args)
+        # (the weights, args[0]: one model per dict)
+        cache = compile_cache.by_shapes(programs, _prefill_paged_chunk, args,
+                                        {"config": config, "impl": impl}, skip=1)(*args)
     return cache
-
-
-def _paged_chunk_program(programs, args, config: ModelConfig, impl: str):
-    """`_prefill_paged_chunk` for ``args``: through jit, or compiled once per shape into
-    ``programs`` (see `prefill_paged_row`)."""
-    if programs is None:
-        return functools.partial(_prefill_paged_chunk, config=config, impl=impl)
-    leaves, tree = jax.tree_util.tree_flatten(args[1:])  # (the weights: one model per dict)
-    key = ("paged_prefill", config, impl, tree,
-           tuple((np.shape(x), np.result_type(x).name) for x in leaves))
-    program = programs.get(key)
-    if program is None:  # (kept on disk too, for the next process: `compile_cache.executable`)
-        program = programs[key] = compile_cache.executable(
-            _prefill_paged_chunk, tuple(jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic))
-                                        else a for a in args),
-            {"config": config, "impl": impl})
-    return program
 
 
 @functools.partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))

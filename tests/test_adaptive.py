@@ -9,6 +9,7 @@ import pytest
 
 import jaxspec
 from jaxspec import Speculation
+from jaxspec.costs import CostModel
 from jaxspec.session import Decoder
 from jaxspec.attention import AttentionPlan, attend
 
@@ -62,16 +63,20 @@ def reference(target, prompts):
     return jaxspec.generate(target, prompts, max_new_tokens=36).tokens
 
 
-def _policy(kinds, rounds=2):
-    """A `Decoder.next_round` that returns the kinds in ``kinds`` ("spec" / "plain") in turn,
-    then the last one, each for ``rounds`` rounds."""
+def _force_rounds(monkeypatch, kinds, rounds=2):
+    """Decoding runs the kinds in ``kinds`` ("spec" / "plain") in turn, then the last one, each
+    for ``rounds`` rounds. The decoder's own first speculative stretch (which measures the
+    acceptance when the cost model says speculation might pay: timing-dependent) is turned off
+    too, or a forced plain start could be overridden."""
     calls = []
 
     def next_round(self, spec_rd, view, rounds_left):
         kind = kinds[min(len(calls), len(kinds) - 1)]
         calls.append(kind)
         return (spec_rd if kind == "spec" else spec_rd.plain()), rounds
-    return next_round
+    monkeypatch.setattr(Decoder, "next_round", next_round)
+    monkeypatch.setattr(CostModel, "worth_exploring", lambda self, *a: False)
+    return calls
 
 
 # a tree over a ring-buffer draft: both halves covered by tree_self and ring; slow
@@ -86,8 +91,7 @@ def test_adaptive_mix_is_lossless(target, prompts, reference, monkeypatch, kind)
             "tree_self": Speculation(draft="self", sink=2, window=6, tree=tree, adaptive=True),
             "tree_ring": Speculation(draft=draft, sink=2, window=12, tree=tree, adaptive=True),
             }[kind]
-    monkeypatch.setattr(Decoder, "next_round", _policy(["spec", "plain", "spec", "plain",
-                                                        "plain", "spec"]))
+    _force_rounds(monkeypatch, ["spec", "plain", "spec", "plain", "plain", "spec"])
     res = jaxspec.generate(target, prompts, max_new_tokens=36, speculation=spec)
     assert res.tokens == reference
     plain = res.stats["plain_steps"]
@@ -98,7 +102,7 @@ def test_adaptive_mix_is_lossless(target, prompts, reference, monkeypatch, kind)
 def test_adaptive_mix_keeps_the_draft_in_step(target, prompts, reference, monkeypatch, window):
     """The draft == the target (a full cache, or a ring larger than any sequence): its cache
     must follow the plain steps too, or its drafts would stop being all accepted."""
-    monkeypatch.setattr(Decoder, "next_round", _policy(["plain", "spec", "plain", "spec"]))
+    _force_rounds(monkeypatch, ["plain", "spec", "plain", "spec"])
     spec = Speculation(draft=target, gamma=3, sink=2, window=window, adaptive=True)
     res = jaxspec.generate(target, prompts, max_new_tokens=36, speculation=spec)
     assert res.tokens == reference
@@ -109,7 +113,7 @@ def test_adaptive_mix_keeps_the_draft_in_step(target, prompts, reference, monkey
 def test_adaptive_mix_with_stop_token(target, prompts, reference, monkeypatch):
     stop = reference[2][5]
     want = jaxspec.generate(target, prompts, max_new_tokens=36, stop_tokens=[stop]).tokens
-    monkeypatch.setattr(Decoder, "next_round", _policy(["spec", "plain"], rounds=3))
+    _force_rounds(monkeypatch, ["spec", "plain"], rounds=3)
     spec = Speculation(draft="self", gamma=4, sink=2, window=6, adaptive=True)
     res = jaxspec.generate(target, prompts, max_new_tokens=36, stop_tokens=[stop],
                            speculation=spec)
@@ -129,7 +133,7 @@ def test_adaptive_sampling_has_target_distribution(monkeypatch, order, kind):
     n = 6000
     g = 2
     kinds = ["spec", "plain"] if order == "round_then_plain" else ["plain", "spec"]
-    monkeypatch.setattr(Decoder, "next_round", _policy(kinds, rounds=1))
+    _force_rounds(monkeypatch, kinds, rounds=1)
     spec = Speculation(draft=draft if kind == "model" else "self", gamma=g, sink=1, window=4,
                        adaptive=True)
     res = jaxspec.generate(target, [prompt] * n, max_new_tokens=3, temperature=1.0, seed=11,
@@ -157,7 +161,6 @@ def test_auto_prefills_the_draft_only_when_it_speculates(target, prompts, refere
     """With a draft model, `gamma="auto"` prefills the draft only if it chose to speculate (a
     plain run never pays for the draft's prefill); both ways the output is the autoregressive
     one, and with the target as its own full-cache draft every draft is accepted."""
-    from jaxspec.costs import CostModel
     spec = Speculation(draft=target, gamma="auto", sink=2, window=window, adaptive=False)
     calls = []
     real = Decoder.draft_state
@@ -183,7 +186,6 @@ def test_auto_prefills_the_draft_only_when_it_speculates(target, prompts, refere
 def test_unknown_acceptance_is_measured_once(target, prompts, reference, monkeypatch):
     """Where the prior says plain but a good draft would pay, the first call speculates for a
     short stretch to measure the acceptance (lossless), and the cost model keeps what it saw."""
-    from jaxspec.costs import CostModel
     from jaxspec.engine import decoder_for
     spec = Speculation(draft="self", gamma=3, sink=2, window=6)
     dec = decoder_for(target, spec)

@@ -13,10 +13,12 @@ rate; every variant sees the same prompts and arrival times.
 
 ``--servers`` compares server setups, each with every variant: ``dense`` (one K/V row of
 ``max_len`` slots per slot, the default) and
-``paged[N][-blocksM][-budgetT][-mixedC|-nomixed][-noshare]`` (paged K/V in pages of N slots,
-default 16, with automatic prefix caching; M blocks in the pool, T prefill tokens between decode
-chunks, C prompt tokens prefilled inside each decode round or ``-nomixed`` none; default: the
-server's; ``-noshare``: without the shared-context attention). Speedups are then relative to the
+``paged[N][-blocksM][-budgetT][-mixedC|-nomixed][-fillfirstS|-nofillfirst][-noshare]`` (paged
+K/V in pages of N slots, default 16, with automatic prefix caching; M blocks in the pool, T
+prefill tokens between decode chunks, C prompt tokens prefilled inside each decode round or
+``-nomixed`` none, S seconds that filled prompts may wait for a burst's others while nothing
+decodes or ``-nofillfirst`` none; default: the server's; ``-noshare``: without the
+shared-context attention). Speedups are then relative to the
 first setup
 with speculation off. ``--workload`` (comma-separated, run in turn on each server): ``independent``
 (the prompts above) or ``shared-doc``: every request is the same ``--doc``-token document followed
@@ -297,7 +299,7 @@ def parse_servers(text: str) -> list[dict]:
     row per slot) or ``paged[N]`` (paged K/V, pages of N slots, default 16) with optional
     ``-blocksM`` (blocks in the pool), ``-budgetT`` (prefill tokens between decode chunks),
     ``-mixedC`` / ``-nomixed`` (``mixed_prefill=C`` / 0: prompt tokens prefilled inside each
-    decode round) and ``-noshare`` (no shared-context attention: ``share_min_tokens=None``);
+    decode round), ``-fillfirstS`` / ``-nofillfirst`` (``fill_first=S`` / 0) and ``-noshare`` (no shared-context attention: ``share_min_tokens=None``);
     any setup takes
     ``-slotsN`` (N slots instead of ``--max-batch``: a paged pool of the dense cache's size with
     more slots)."""
@@ -310,7 +312,7 @@ def parse_servers(text: str) -> list[dict]:
         seen.add(name)
         head, *opts = name.split("-")
         setup = {"name": name, "page_size": None, "kv_blocks": None, "prefill_budget": None,
-                 "mixed_prefill": None, "share": True, "max_batch": None}
+                 "mixed_prefill": None, "share": True, "max_batch": None, "fill_first": None}
         slots = [o for o in opts if o.startswith("slots") and o[5:].isdigit()]
         if slots:
             setup["max_batch"] = int(slots[-1][5:])
@@ -330,21 +332,25 @@ def parse_servers(text: str) -> list[dict]:
                 if o == "nomixed":
                     setup["mixed_prefill"] = 0
                     continue
+                if o == "nofillfirst":
+                    setup["fill_first"] = 0
+                    continue
                 for key, word in (("kv_blocks", "blocks"), ("prefill_budget", "budget"),
-                                  ("mixed_prefill", "mixed")):
+                                  ("mixed_prefill", "mixed"), ("fill_first", "fillfirst")):
                     if o.startswith(word) and o[len(word):].isdigit():
                         setup[key] = int(o[len(word):])
                         break
                 else:
                     raise ValueError(f"--servers: {name!r}: unknown option {o!r} (blocksM, "
-                                     f"budgetT, mixedC, nomixed, noshare, slotsN)")
+                                     f"budgetT, mixedC, nomixed, fillfirstS, nofillfirst, "
+                                     f"noshare, slotsN)")
             if min(v for v in (setup["page_size"], setup["kv_blocks"], setup["prefill_budget"])
                    if v is not None) < 1 \
                     or any(o.startswith("mixed") and int(o[5:]) < 1 for o in opts):
                 raise ValueError(f"--servers: {name!r}: sizes must be >= 1")
         else:
             raise ValueError(f"--servers: {name!r} is not 'dense' or 'paged[N][-blocksM]"
-                             f"[-budgetT][-mixedC|-nomixed][-noshare]'")
+                             f"[-budgetT][-mixedC|-nomixed][-fillfirstS|-nofillfirst][-noshare]'")
         out.append(setup)
     if not out:
         raise ValueError("--servers: give at least one server setup")
@@ -831,7 +837,8 @@ def bench_server(args, model=None, draft=None) -> dict:
                         paged = {"page_size": setup["page_size"],
                                  "kv_blocks": setup["kv_blocks"],
                                  "prefill_budget": setup["prefill_budget"],
-                                 "mixed_prefill": setup.get("mixed_prefill")}
+                                 "mixed_prefill": setup.get("mixed_prefill"),
+                                 "fill_first": setup.get("fill_first")}
                         if not setup.get("share", True):
                             paged["share_min_tokens"] = None
                     engine = ServingEngine(model, max_batch=setup.get("max_batch") or B,
@@ -847,6 +854,7 @@ def bench_server(args, model=None, draft=None) -> dict:
                                     blocks_per_sequence=engine.max_blocks,
                                     prefill_budget=engine.prefill_budget,
                                     mixed_prefill=engine.mixed_prefill,
+                                    fill_first=engine.fill_first,
                                     share_min_tokens=engine.share_min_tokens)
                     engine.start(variants=[(True, False)])  # greedy requests only
                     server = BackgroundServer(engine, SERVED_NAME, limits=limits)
@@ -1207,8 +1215,9 @@ def add_arguments(sub) -> None:
                         f"{SETUP_PAGE_SIZE} slots, prefix caching), 'pagedN' (pages of N), "
                         "options '-blocksM' (pool size) '-budgetT' (prefill tokens between "
                         "decode chunks) '-mixedC' / '-nomixed' (prompt tokens prefilled inside "
-                        "each decode round, or none) '-noshare' (requests that share leading "
-                        "blocks do not "
+                        "each decode round, or none) '-fillfirstS' / '-nofillfirst' (seconds "
+                        "that filled prompts may wait for a burst's others while nothing "
+                        "decodes, or none) '-noshare' (requests that share leading blocks do not "
                         "read them together); e.g. dense,paged,paged32-budget8192 (default: dense "
                         "only, reported as before); speedups are vs the first setup's off")
     s.add_argument("--workload", default="independent",

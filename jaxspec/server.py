@@ -48,8 +48,8 @@ from typing import Any
 
 from jaxspec.args import (int_or_none_arg, merge_model_path, mesh_from_args, parse_gamma,
                           parse_tree, positive_int, retrieve_arg, window_arg)
-from jaxspec.serving import (SHARE_MIN_TOKENS, EngineStopped, PromptTooLong, QueueFull,
-                             SamplingOptions, Sequence, ServingEngine)
+from jaxspec.serving import (FILL_FIRST_SECONDS, SHARE_MIN_TOKENS, EngineStopped,
+                             PromptTooLong, QueueFull, SamplingOptions, Sequence, ServingEngine)
 from jaxspec.speculation import Speculation
 
 log = logging.getLogger("jaxspec.server")
@@ -348,6 +348,9 @@ def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
            "pieces (mixed_prefill).", [({}, m.get("mixed_chunks", 0))])
     metric("mixed_prefill_tokens_total", "counter", "Prompt tokens prefilled inside decode "
            "rounds (mixed_prefill).", [({}, m.get("mixed_prefill_tokens", 0))])
+    metric("held_sequences_total", "counter", "Sequences whose prompt was in but which waited "
+           "for others' prompts to fill before decoding (fill_first).",
+           [({}, m.get("held_sequences", 0))])
     metric("target_steps_total", "counter", "Per-sequence target steps (rounds a sequence "
            "took part in).", [({}, m.get("target_row_steps", 0))])
     metric("draft_tokens_proposed_total", "counter", "Draft tokens proposed.",
@@ -1171,6 +1174,13 @@ def add_arguments(p: argparse.ArgumentParser):
                         "latency, slower prefill); 0: off, whole prefill steps between decode "
                         "chunks (default: --prefill-chunk with --page-size, unless "
                         "--prefill-budget is given)")
+    p.add_argument("--fill-first", type=float, default=None,
+                   help="paged: while no request decodes, a request whose prompt is in waits "
+                        "(at most this many seconds) for the others being prefilled, and they "
+                        "start together: a burst of prompts fills at the full prefill rate and "
+                        "no stream is slowed by another's prefill, at the cost of the early "
+                        "prompts' time to first token (default: %s with --page-size); 0: off"
+                        % FILL_FIRST_SECONDS)
     p.add_argument("--share-min-tokens", type=int_or_none_arg, default=SHARE_MIN_TOKENS,
                    help="paged: running requests that begin with the same cached blocks (one "
                         "document, a long system prompt) attend to them once, together, when "
@@ -1278,6 +1288,7 @@ def build_engine(a) -> tuple[ServingEngine, str]:
                            kv_blocks=getattr(a, "kv_blocks", None),
                            prefill_budget=getattr(a, "prefill_budget", None),
                            mixed_prefill=getattr(a, "mixed_prefill", None),
+                           fill_first=getattr(a, "fill_first", None),
                            share_min_tokens=getattr(a, "share_min_tokens", SHARE_MIN_TOKENS),
                            compact_rows={"auto": None, "on": True, "off": False}[
                                getattr(a, "compact_rows", "auto")],

@@ -92,6 +92,12 @@ MIXED_ROUNDS = 8
 # times a plain round again: the cost model's chunk sizes and the piece cost both need it
 MIXED_CALIBRATE_EVERY = 16
 MIX_NONE, MIX_PIECES, MIX_CALIBRATE = 0, 1, 2  # `ServingEngine._mixing`
+# Paged (``fill_first``): while no sequence decodes, one whose prompt is in waits for the others
+# still filling, at most this long; then they start together. A burst of long prompts fills at
+# the full prefill rate and no stream sees another's prefill; the price is the early prompts'
+# time to first token (H100, Qwen2.5-1.5B shape, 64 prompts of 1k-32k at once: 568k tokens fill
+# in ~6 s, `benchmarks/server_mixed_qwen15_h100.md`).
+FILL_FIRST_SECONDS = 10.0
 
 
 def default_prefill_chunk(paged: bool) -> int:
@@ -173,6 +179,7 @@ class Sequence:
         self.filled = 0  # of which are in the cache
         self.preemptions = 0
         self.counted = False  # its prompt is in the metrics (paged admission may be retried)
+        self.held = False  # its prompt is in, and it waits for others' (fill_first)
         self.t_first: float | None = None
         self.t_done: float | None = None
         self.finished = threading.Event()
@@ -262,6 +269,13 @@ class ServingEngine:
         Qwen2.5-1.5B shape: `benchmarks/server_mixed_qwen15_h100.md`). Default:
         ``prefill_chunk`` (at most ``max_len``) for a block pool (unless ``prefill_budget`` is
         given); 0: off. Not on a mesh.
+    fill_first: paged: while no sequence decodes, a sequence whose prompt is in waits (at most
+        this many seconds since the first one did) for the others being prefilled, and they
+        start decoding together: a burst of prompts fills at the full prefill rate, with no
+        stream slowed by another's prefill (with mixed pieces, a round that carries a piece takes
+        several times a plain round; without them, whole prefill steps stall the streams). The
+        early prompts' first tokens wait for it. Default `FILL_FIRST_SECONDS` for a block pool;
+        0: a sequence starts as soon as its prompt is in.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -273,7 +287,7 @@ class ServingEngine:
                  prefill_budget: int | None = None,
                  share_min_tokens: int | None = SHARE_MIN_TOKENS, ignore_eos: bool = False,
                  compact_rows: bool | None = None, batch_invariant: bool = False,
-                 mixed_prefill: int | None = None):
+                 mixed_prefill: int | None = None, fill_first: float | None = None):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         compile_cache.enable()  # as generate: compiled chunks outlive the process
@@ -363,6 +377,15 @@ class ServingEngine:
         # (a mesh splits the slots over its data axis: a prompt piece is one row's)
         self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
         self._mixed_run = 0  # mixed chunks dispatched since the last plain one
+        if fill_first is None:
+            fill_first = FILL_FIRST_SECONDS if self.paged else 0.0
+        if not float(fill_first) >= 0:
+            raise ValueError(f"fill_first must be >= 0 seconds, got {fill_first!r}")
+        if float(fill_first) and not self.paged:
+            raise ValueError("fill_first needs a block pool (page_size): dense slots prefill a "
+                             "whole prompt at admission")
+        self.fill_first = float(fill_first)
+        self._held_since = None  # when a sequence whose prompt is in first waited (fill_first)
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
         # (batch-invariant attention reads every row's keys through its own table: no sharing)
@@ -417,7 +440,7 @@ class ServingEngine:
             "finished_length", "finished_cancelled", "finished_error", "preemptions",
             "prefix_hit_tokens", "prefix_query_tokens", "shared_context_rows",
             "shared_context_tokens", "shared_context_copies", "shared_context_row_chunks",
-            "compact_chunks", "mixed_chunks", "mixed_prefill_tokens")})
+            "compact_chunks", "mixed_chunks", "mixed_prefill_tokens", "held_sequences")})
         self.started_at = time.time()
         self.warm = False  # set once the programs are compiled (`warmup`)
 
@@ -1263,10 +1286,17 @@ class ServingEngine:
         return Pieces(tokens=tokens, rows=rows, starts=starts, ends=ends)
 
     def _start_filled(self):
-        """Sequences whose prompt is in start decoding (their rows set on the device)."""
+        """Sequences whose prompt is in start decoding (their rows set on the device), unless
+        they wait for others still filling (`fill_first`)."""
         starts = [s for s in self.slots if s is not None and s.filled >= len(s.fill)
                   and self.done[s.slot] and not s.finished_flag and s.fill is not None
                   and s.slot not in self._started]
+        if starts and self._hold(starts):
+            return
+        self._held_since = None
+        self.m["held_sequences"] += sum(s.held for s in starts)
+        for s in starts:
+            s.held = False
         rows, last, budgets, seeds, firsts, refolds = [], [], [], [], [], []
         for s in starts:
             b = s.slot
@@ -1299,6 +1329,22 @@ class ServingEngine:
             for b in rows:
                 if self.slots[b].budget - len(self.slots[b].tokens) <= 0:
                     self._finish(self.slots[b], "length")
+
+    def _hold(self, starts) -> bool:
+        """Whether ``starts`` (sequences whose prompt is in) wait for the sequences still filling
+        (`fill_first`): while nothing decodes, for at most ``fill_first`` seconds."""
+        if not self.fill_first or not self._filling():
+            return False
+        if any(self.slots[b] is not None and not self.done[b] for b in range(self.B)):
+            return False  # streams run: waiting would not keep a prefill from them
+        now = time.perf_counter()
+        if self._held_since is None:
+            self._held_since = now
+        if now - self._held_since >= self.fill_first:
+            return False
+        for s in starts:
+            s.held = True
+        return True
 
     def _grow(self, active, rounds: int, rd) -> int:
         """Blocks for what the next chunk may write (and the chunks in flight): each running row

@@ -312,9 +312,11 @@ def test_server_setups_and_kv_numbers():
         "dense, paged, paged8-blocks300-budget64, paged-noshare")
     assert dense == {"name": "dense", "page_size": None, "kv_blocks": None,
                      "prefill_budget": None, "mixed_prefill": None, "share": True,
-                     "max_batch": None}
+                     "max_batch": None, "fill_first": None}
     m512, m0 = bench_server.parse_servers("paged-mixed512, paged-nomixed")
     assert (m512["mixed_prefill"], m0["mixed_prefill"]) == (512, 0)
+    f5, f0 = bench_server.parse_servers("paged-fillfirst5, paged-nofillfirst")
+    assert (f5["fill_first"], f0["fill_first"], m0["fill_first"]) == (5, 0, None)
     with pytest.raises(ValueError, match="--servers"):
         bench_server.parse_servers("paged-mixed0")
     d16, p48 = bench_server.parse_servers("dense-slots16, paged-blocks64-slots48")

@@ -42,8 +42,11 @@ def test_paged_engine_equals_generate(model, spec, mixed):
     if spec == "ring":  # a draft model with a ring-buffer cache, prefilled once a prompt is in
         speculation = jaxspec.Speculation(draft=tiny_model(seed=7, scale=3.0), gamma=3, window=16,
                                           adaptive=False)
+    # (with mixed pieces, prompts admitted together start as they are in, so that the later
+    # ones fill inside the first ones' rounds; without, they fill first: `fill_first`)
     kw = dict(max_batch=3, max_len=96, rounds_per_chunk=2, prefill_chunk=16, page_size=8,
-              speculation=speculation, prefill_budget=16, mixed_prefill=mixed)
+              speculation=speculation, prefill_budget=16, mixed_prefill=mixed,
+              fill_first=0.0 if mixed else None)
     one = ServingEngine(model, **kw).max_blocks  # the blocks one sequence of max_len needs
     # a pool short of three full sequences: admissions wait for blocks and running ones are
     # preempted, then resumed from their prompt and tokens
@@ -105,6 +108,50 @@ def test_paged_engine_rejects_bad_sizes(model):
                          prefill_chunk=16).mixed_prefill == 16  # the default: one prefill chunk
     assert ServingEngine(model, max_batch=2, max_len=64, page_size=8,
                          prefill_chunk=128).mixed_prefill == 64  # ... at most max_len
+
+
+@pytest.mark.parametrize("fill_first", [0.0, 600.0])
+def test_a_burst_fills_before_any_stream_starts(model, fill_first):
+    """Prompts submitted together into an idle paged engine: with ``fill_first`` the short one,
+    whose prompt is in after the first prefill step, waits for the long one's (16 tokens per
+    step) and no decode chunk runs while a prompt still fills; without it the short one decodes
+    while the long one fills (the check can fail). Both ways the tokens are `generate`'s."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    prompts = [rng.integers(5, 60, size=9).tolist(), rng.integers(5, 60, size=70).tolist()]
+    new = 12
+    ref = jaxspec.generate(model, prompts, max_new_tokens=new).tokens
+    e = ServingEngine(model, max_batch=2, max_len=120, rounds_per_chunk=2, prefill_chunk=16,
+                      page_size=8, prefill_budget=16, fill_first=fill_first)
+    assert e.mixed_prefill == 0  # (a fixed budget: whole prefill steps between chunks)
+    filling_at_chunks = []
+    e.step_fault_hook = lambda active: filling_at_chunks.append(
+        sum(s.filled < len(s.fill) for s in e.slots if s is not None))
+    e.start(variants=[(True, False)])
+    try:
+        e.pause_admission()
+        seqs = [Sequence(p, SamplingOptions(max_tokens=new, temperature=0)) for p in prompts]
+        e.submit(seqs)
+        e.resume_admission()
+        _wait(seqs)
+        assert [s.tokens for s in seqs] == ref
+        m = e.metrics()
+        if fill_first:
+            assert filling_at_chunks and not any(filling_at_chunks), filling_at_chunks
+            assert m["held_sequences"] == 1, m
+        else:
+            assert filling_at_chunks[0] == 1, filling_at_chunks
+            assert m["held_sequences"] == 0, m
+    finally:
+        e.stop()
+
+
+def test_fill_first_is_checked(model):
+    with pytest.raises(ValueError, match="fill_first"):
+        ServingEngine(model, max_batch=2, max_len=64, page_size=8, fill_first=-1)
+    with pytest.raises(ValueError, match="block pool"):
+        ServingEngine(model, max_batch=2, max_len=64, fill_first=5)
+    assert ServingEngine(model, max_batch=2, max_len=64).fill_first == 0  # dense: none
+    assert ServingEngine(model, max_batch=2, max_len=64, page_size=8).fill_first > 0
 
 
 def test_prefill_budget_follows_the_measured_rate(model):

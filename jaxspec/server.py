@@ -359,6 +359,17 @@ def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
            [({}, m.get("draft_accepted", 0))])
     metric("acceptance_rate", "gauge", "Accepted / proposed draft tokens (since start).",
            [({}, m["acceptance_rate"])])
+    P = len(m.get("position_acceptance", ()))
+    metric("draft_position_proposed_total", "counter", "Speculative rounds (of one sequence, "
+           "completed) that proposed a draft at this position (1: the first draft; a tree's "
+           "depth).", [({"position": str(i)}, m[f"position_proposed_{i}"])
+                       for i in range(1, P + 1)])
+    metric("draft_position_accepted_total", "counter", "Those rounds that accepted the draft at "
+           "this position.", [({"position": str(i)}, m[f"position_accepted_{i}"])
+                              for i in range(1, P + 1)])
+    metric("draft_position_acceptance_rate", "gauge", "Accepted / proposed at each draft "
+           "position (since start).",
+           [({"position": str(i)}, r) for i, r in enumerate(m.get("position_acceptance", ()), 1)])
     metric("tokens_per_target_step", "gauge", "Generated tokens per per-sequence target step.",
            [({}, m["tokens_per_target_step"])])
     metric("queue_full_rejections_total", "counter", "Requests refused with 503.",

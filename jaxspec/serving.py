@@ -441,6 +441,12 @@ class ServingEngine:
             "prefix_hit_tokens", "prefix_query_tokens", "shared_context_rows",
             "shared_context_tokens", "shared_context_copies", "shared_context_row_chunks",
             "compact_chunks", "mixed_chunks", "mixed_prefill_tokens", "held_sequences")})
+        # acceptance per draft position i (a chain's i-th draft, a tree's depth i), over the
+        # speculative rounds a sequence completed: rounds that proposed a draft there, rounds
+        # that accepted it (`_count_positions`)
+        self.positions = dec.max_depth
+        self.m.update({f"{k}_{i}": 0 for i in range(1, self.positions + 1)
+                       for k in ("position_proposed", "position_accepted")})
         self.started_at = time.time()
         self.warm = False  # set once the programs are compiled (`warmup`)
 
@@ -1515,6 +1521,7 @@ class ServingEngine:
                 s.rounds += int(stats.spec_rounds[b])
                 s.accepted += int(stats.accepted[b])
                 s.proposed += int(stats.proposed[b])
+                self._count_positions(flags[b, :k], rd.gamma)
             else:
                 s.rounds += k
             try:
@@ -1523,6 +1530,21 @@ class ServingEngine:
             except Exception as e:  # noqa: BLE001 - fail this request only
                 log.exception("delivering tokens of sequence %d failed", s.id)
                 self._fail(s, f"{type(e).__name__}: {e}")
+
+    def _count_positions(self, flags, depth: int):
+        """Per draft position, a row's speculative rounds in a chunk and the ones that accepted
+        it, from its committed tokens' ``flags`` (from a draft or not): each round commits its
+        accepted drafts, then one token of the target's that ends it. A last round cut short by
+        the row's budget or a stop token (drafts with no target token after them) is left out:
+        what it would have accepted after the cut is unknown."""
+        ends = np.flatnonzero(~np.asarray(flags, bool))
+        if not len(ends):
+            return
+        runs = np.diff(ends, prepend=-1) - 1  # accepted drafts of each complete round
+        at_least = np.cumsum(np.bincount(runs, minlength=depth + 1)[::-1])[::-1]
+        for i in range(1, min(depth, self.positions) + 1):
+            self.m[f"position_proposed_{i}"] += len(runs)
+            self.m[f"position_accepted_{i}"] += int(at_least[i])
 
     # ------------------------------------------------------------------ output
     def _decode(self, ids):
@@ -1654,6 +1676,10 @@ class ServingEngine:
                                        if m.get("target_row_steps") else 0.0),
             "batch_occupancy": (m.get("busy_slot_rounds", 0) / m["slot_rounds"]
                                 if m.get("slot_rounds") else 0.0),
+            # accepted / proposed at each draft position (1: the first draft)
+            "position_acceptance": [
+                m[f"position_accepted_{i}"] / m[f"position_proposed_{i}"]
+                if m[f"position_proposed_{i}"] else 0.0 for i in range(1, self.positions + 1)],
             **({} if not self.paged else {
                 "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_used": self.blocks.used,
                 "kv_blocks_free": self.blocks.free, "kv_blocks_cached": self.blocks.cached,

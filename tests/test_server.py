@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 
 import jaxspec  # noqa: E402
 from jaxspec.server import create_app  # noqa: E402
-from jaxspec.serving import SamplingOptions, ServingEngine  # noqa: E402
+from jaxspec.serving import SamplingOptions, Sequence, ServingEngine  # noqa: E402
 
 from tiny import tiny_model  # noqa: E402
 
@@ -294,6 +294,20 @@ def test_64_concurrent_streaming_clients(model, server):
         len(model.tokenizer(p)["input_ids"]) for p in prompts)
     assert after["jaxspec_slots_busy"] == 0 and after["jaxspec_queue_depth"] == 0
     assert d("jaxspec_draft_tokens_accepted_total") <= d("jaxspec_draft_tokens_proposed_total")
+    # acceptance per draft position (from the streamed tokens) against the device's counters:
+    # every complete round proposes each of the 3 positions; a sequence's last round may be cut
+    # by its budget or EOS and is left out there (its drafts still count on the device)
+    pos = lambda k, i: d(f'jaxspec_draft_position_{k}_total{{position="{i}"}}')  # noqa: E731
+    rounds = d("jaxspec_draft_tokens_proposed_total") / 3
+    proposed = [pos("proposed", i) for i in (1, 2, 3)]
+    accepted = [pos("accepted", i) for i in (1, 2, 3)]
+    assert proposed[0] == proposed[1] == proposed[2] and rounds - N <= proposed[0] <= rounds
+    assert proposed[0] >= accepted[0] >= accepted[1] >= accepted[2] >= 0, (proposed, accepted)
+    drafts = d("jaxspec_draft_tokens_accepted_total")
+    assert drafts - 3 * N <= sum(accepted) <= drafts
+    assert after['jaxspec_draft_position_acceptance_rate{position="1"}'] == pytest.approx(
+        after['jaxspec_draft_position_accepted_total{position="1"}'] /
+        after['jaxspec_draft_position_proposed_total{position="1"}'])
     assert 0 < after["jaxspec_batch_occupancy"] <= 1
     assert after["jaxspec_tokens_per_target_step"] >= 1
 
@@ -449,6 +463,34 @@ def test_exception_fails_only_that_request(server, client):
 
 
 # ----------------------------------------------------------------------------- engine units
+def test_acceptance_per_draft_position(model):
+    """With the target as its own full-cache draft every draft is accepted: 1.0 at each
+    position; with a one-layer draft of other weights the acceptance falls with the position (a
+    later draft is accepted only after the earlier ones), and the first position's rate is the
+    device's count of first drafts accepted."""
+    prompts = [[5, 9, 2, 7, 3], [4, 4, 8, 1, 6, 2, 9, 11]]
+    rates = {}
+    for name, draft in (("same", model), ("other", tiny_model(seed=3, layers=1, scale=3.0))):
+        spec = jaxspec.Speculation(draft=draft, gamma=3, window=None, adaptive=False)
+        e = ServingEngine(model, max_batch=2, max_len=64, speculation=spec, rounds_per_chunk=4,
+                          prefill_chunk=16, ignore_eos=True).start(variants=[(True, False)])
+        try:
+            seqs = [Sequence(p, SamplingOptions(max_tokens=24, temperature=0))
+                    for p in prompts]
+            e.submit(seqs)
+            for s in seqs:
+                assert s.finished.wait(300) and s.error is None, s.error
+            m = e.metrics()
+        finally:
+            e.stop()
+        assert [m[f"position_proposed_{i}"] for i in (1, 2, 3)] == \
+            [m["position_proposed_1"]] * 3 and m["position_proposed_1"] > 0, m
+        rates[name] = m["position_acceptance"]
+    assert rates["same"] == [1.0, 1.0, 1.0]
+    assert rates["other"][0] >= rates["other"][1] >= rates["other"][2]
+    assert rates["other"][2] < 1.0, rates
+
+
 def test_plain_engine_greedy_and_bucketed_prefill(model):
     # no speculation, shared rng; prompts of many lengths reuse a few prefill shapes
     engine = ServingEngine(model, max_batch=3, max_len=MAX_LEN, rounds_per_chunk=3,

@@ -270,8 +270,9 @@ class ServingEngine:
         ``prefill_chunk`` (at most ``max_len``) for a block pool (unless ``prefill_budget`` is
         given); 0: off. Not on a mesh.
     fill_first: paged: while no sequence decodes, a sequence whose prompt is in waits (at most
-        this many seconds since the first one did) for the others being prefilled, and they
-        start decoding together: a burst of prompts fills at the full prefill rate, with no
+        this many seconds since the first one did, and only while the prompt tokens left take
+        no longer than the time left at the measured prefill rate; never one resumed after a
+        preemption) for the others being prefilled, and they start decoding together: a burst of prompts fills at the full prefill rate, with no
         stream slowed by another's prefill (with mixed pieces, a round that carries a piece takes
         several times a plain round; without them, whole prefill steps stall the streams). The
         early prompts' first tokens wait for it. Default `FILL_FIRST_SECONDS` for a block pool;
@@ -935,6 +936,7 @@ class ServingEngine:
         prefix cache starts over: the pool's contents are gone)."""
         self._shared = self._shared_want = self._shared_ctx = None
         self._shared_dirty = True
+        self._held_since = None
         if not self.paged:
             return self.decoder.empty_state(self.B, self.S, self.out_len)
         self.blocks = BlockManager(self.n_blocks, self.page_size)
@@ -1338,15 +1340,24 @@ class ServingEngine:
 
     def _hold(self, starts) -> bool:
         """Whether ``starts`` (sequences whose prompt is in) wait for the sequences still filling
-        (`fill_first`): while nothing decodes, for at most ``fill_first`` seconds."""
-        if not self.fill_first or not self._filling():
+        (`fill_first`): while nothing decodes, for at most ``fill_first`` seconds since the first
+        waited, and only while the prompt tokens left to fill take no longer than the time left
+        at the measured prefill rate (a burst that cannot be in by then starts now, not at the
+        deadline). A sequence that was decoding before a preemption never waits: its stream has
+        begun."""
+        filling = self._filling()
+        if not self.fill_first or not filling or any(s.tokens for s in starts):
             return False
         if any(self.slots[b] is not None and not self.done[b] for b in range(self.B)):
             return False  # streams run: waiting would not keep a prefill from them
         now = time.perf_counter()
         if self._held_since is None:
             self._held_since = now
-        if now - self._held_since >= self.fill_first:
+        left = self.fill_first - (now - self._held_since)
+        if left <= 0:
+            return False
+        if self._prefill_rate is not None and \
+                sum(len(s.fill) - s.filled for s in filling) / self._prefill_rate > left:
             return False
         for s in starts:
             s.held = True

@@ -322,10 +322,8 @@ def test_adaptive_stretches_keep_the_selection_across_plain_steps(target, long_p
                                                                    reference, monkeypatch):
     """Speculative stretches and plain ones in turn: a plain stretch runs plain decoding's
     program on the state without its selection and puts the selection back."""
-    from jaxspec.session import Decoder
-    from test_adaptive import _policy
-    monkeypatch.setattr(Decoder, "next_round", _policy(["spec", "plain", "spec", "plain",
-                                                        "plain", "spec"], rounds=3))
+    from test_adaptive import _force_rounds
+    _force_rounds(monkeypatch, ["spec", "plain", "spec", "plain", "plain", "spec"], rounds=3)
     spec = Speculation(gamma=3, sink=0, window=16, retrieve=256, adaptive=True)
     res = jaxspec.generate(target, long_prompts, max_new_tokens=48, speculation=spec)
     assert res.tokens == reference

@@ -145,6 +145,44 @@ def test_a_burst_fills_before_any_stream_starts(model, fill_first):
         e.stop()
 
 
+@pytest.mark.parametrize("rate", ["measured", "unknown"])
+def test_a_burst_that_cannot_fill_in_time_is_not_held(model, monkeypatch, rate):
+    """Prefill made slow (0.1 s per call, so at most 160 tokens/s): the long prompt's 62 tokens
+    left cannot fill within ``fill_first`` = 0.25 s. With the prefill rate measured, the short
+    one is not held at all; with no rate known, it is held until the deadline and then starts
+    while the long one still fills. Both ways the tokens are `generate`'s."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    prompts = [rng.integers(5, 60, size=9).tolist(), rng.integers(5, 60, size=70).tolist()]
+    new = 8
+    ref = jaxspec.generate(model, prompts, max_new_tokens=new).tokens
+    if rate == "unknown":
+        monkeypatch.setattr(ServingEngine, "_prefill_rate", property(
+            lambda self: None, lambda self, v: None), raising=False)
+    e = ServingEngine(model, max_batch=2, max_len=120, rounds_per_chunk=2, prefill_chunk=16,
+                      page_size=8, prefill_budget=16, fill_first=0.25)
+    real = e.decoder.prefill_paged_row
+
+    def slow(*a, **kw):
+        time.sleep(0.1)
+        return real(*a, **kw)
+    monkeypatch.setattr(e.decoder, "prefill_paged_row", slow)
+    filling_at_chunks = []
+    e.step_fault_hook = lambda active: filling_at_chunks.append(
+        sum(s.filled < len(s.fill) for s in e.slots if s is not None))
+    e.start(variants=[(True, False)])
+    try:
+        e.pause_admission()
+        seqs = [Sequence(p, SamplingOptions(max_tokens=new, temperature=0)) for p in prompts]
+        e.submit(seqs)
+        e.resume_admission()
+        _wait(seqs)
+        assert [s.tokens for s in seqs] == ref
+        assert filling_at_chunks[0] == 1, filling_at_chunks  # the long one still filled
+        assert e.metrics()["held_sequences"] == (1 if rate == "unknown" else 0)
+    finally:
+        e.stop()
+
+
 def test_fill_first_is_checked(model):
     with pytest.raises(ValueError, match="fill_first"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, fill_first=-1)

@@ -95,8 +95,9 @@ MIX_NONE, MIX_PIECES, MIX_CALIBRATE = 0, 1, 2  # `ServingEngine._mixing`
 # Paged (``fill_first``): while no sequence decodes, one whose prompt is in waits for the others
 # still filling, at most this long; then they start together. A burst of long prompts fills at
 # the full prefill rate and no stream sees another's prefill; the price is the early prompts'
-# time to first token (H100, Qwen2.5-1.5B shape, 64 prompts of 1k-32k at once: 568k tokens fill
-# in ~6 s, `benchmarks/server_mixed_qwen15_h100.md`).
+# time to first token (H100, Qwen2.5-1.5B shape: ~10 us per token of a standalone prefill chunk,
+# so 64 prompts of 1k-32k sent at once, 568k tokens, take ~6 s to fill;
+# `benchmarks/server_mixed_qwen15_h100.md`).
 FILL_FIRST_SECONDS = 10.0
 
 
@@ -272,10 +273,11 @@ class ServingEngine:
     fill_first: paged: while no sequence decodes, a sequence whose prompt is in waits (at most
         this many seconds since the first one did, and only while the prompt tokens left take
         no longer than the time left at the measured prefill rate; never one resumed after a
-        preemption) for the others being prefilled, and they start decoding together: a burst of prompts fills at the full prefill rate, with no
-        stream slowed by another's prefill (with mixed pieces, a round that carries a piece takes
-        several times a plain round; without them, whole prefill steps stall the streams). The
-        early prompts' first tokens wait for it. Default `FILL_FIRST_SECONDS` for a block pool;
+        preemption) for the others being prefilled, and they start decoding together: a burst
+        of prompts fills at the full prefill rate, with no stream slowed by another's prefill
+        (with mixed pieces, a round that carries a piece takes several times a plain round;
+        without them, whole prefill steps stall the streams). The early prompts' first tokens
+        wait for it. Default `FILL_FIRST_SECONDS` for a block pool;
         0: a sequence starts as soon as its prompt is in.
     """
 

@@ -455,12 +455,18 @@ def server_delta(before: dict, after: dict) -> dict:
     proposed, accepted = d("draft_tokens_proposed_total"), d("draft_tokens_accepted_total")
     gen, steps, secs = (d("generation_tokens_total"), d("target_steps_total"),
                         d("decode_seconds_total"))
+    position = []  # acceptance at each draft position over the point (1: the first draft)
+    for i in range(1, 1 + sum(k.startswith("jaxspec_draft_position_proposed_total{")
+                              for k in after)):
+        n = d(f'draft_position_proposed_total{{position="{i}"}}')
+        position.append(d(f'draft_position_accepted_total{{position="{i}"}}') / n if n else None)
     return {"generation_tokens": int(gen), "target_steps": int(steps),
             "decode_rounds": int(d("decode_rounds_total")),
             "decode_chunks": int(d("decode_chunks_total")), "decode_seconds": secs,
             "draft_proposed": int(proposed), "draft_accepted": int(accepted),
             "acceptance_rate": accepted / proposed if proposed else None,
             "tokens_per_target_step": gen / steps if steps else None,
+            "position_acceptance": position,
             "decode_tok_s": gen / secs if secs > 0 else None}
 
 
@@ -1009,6 +1015,8 @@ def _point_line(p: dict) -> str:
             f"{_ms(p['itl_s'], ('p50',))} ms, e2e p50 {_f(p['e2e_s']['p50'], '.3f')} s, accept "
             f"{_f(s['acceptance_rate'])}, tok/step {_f(s['tokens_per_target_step'])}, "
             f"= generate {p['rows_equal_generate']}/{p['rows_checked']}")
+    if any(r is not None for r in s.get("position_acceptance") or ()):
+        line += ", accept by position " + "/".join(_f(r) for r in s["position_acceptance"])
     if p.get("cached_tokens") is not None:
         line += f", cached tokens {p['cached_tokens']}"
     kv = p.get("kv")

@@ -149,9 +149,17 @@ def test_statistics_by_hand():
                      "jaxspec_target_steps_total": 30.0,
                      "jaxspec_draft_tokens_proposed_total": 60.0,
                      "jaxspec_draft_tokens_accepted_total": 45.0,
-                     "jaxspec_decode_seconds_total": 2.5})
+                     "jaxspec_decode_seconds_total": 2.5,
+                     'jaxspec_draft_position_proposed_total{position="1"}': 20.0,
+                     'jaxspec_draft_position_proposed_total{position="2"}': 20.0,
+                     'jaxspec_draft_position_accepted_total{position="1"}': 18.0,
+                     'jaxspec_draft_position_accepted_total{position="2"}': 15.0})
     d = bench_server.server_delta(m0, m1)
     assert d["acceptance_rate"] == 0.75 and d["tokens_per_target_step"] == 3.0
+    assert d["position_acceptance"] == [0.9, 0.75]
+    m2 = dict(m1, **{'jaxspec_draft_position_proposed_total{position="1"}': 30.0,
+                     'jaxspec_draft_position_accepted_total{position="1"}': 23.0})
+    assert bench_server.server_delta(m1, m2)["position_acceptance"] == [0.5, None]
     assert d["decode_tok_s"] == 60.0 and bench_server.served_gamma(m1) == 3
 
 

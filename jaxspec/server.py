@@ -48,8 +48,9 @@ from typing import Any
 
 from jaxspec.args import (int_or_none_arg, merge_model_path, mesh_from_args, parse_gamma,
                           parse_tree, positive_int, retrieve_arg, window_arg)
-from jaxspec.serving import (FILL_FIRST_SECONDS, SHARE_MIN_TOKENS, EngineStopped,
-                             PromptTooLong, QueueFull, SamplingOptions, Sequence, ServingEngine)
+from jaxspec.serving import (FILL_FIRST_SECONDS, GROWTH_RESERVE_TOKENS, SHARE_MIN_TOKENS,
+                             EngineStopped, PromptTooLong, QueueFull, SamplingOptions, Sequence,
+                             ServingEngine)
 from jaxspec.speculation import Speculation
 
 log = logging.getLogger("jaxspec.server")
@@ -1192,6 +1193,11 @@ def add_arguments(p: argparse.ArgumentParser):
                         "no stream is slowed by another's prefill, at the cost of the early "
                         "prompts' time to first token (default: %s with --page-size); 0: off"
                         % FILL_FIRST_SECONDS)
+    p.add_argument("--growth-reserve", type=int, default=GROWTH_RESERVE_TOKENS,
+                   help="paged: a request is admitted only if the pool keeps room for it and "
+                        "every running request to grow by this many more tokens of their "
+                        "max_tokens (and two decode chunks), so that requests are not preempted "
+                        "later (default: %(default)s; 0: the two chunks only)")
     p.add_argument("--share-min-tokens", type=int_or_none_arg, default=SHARE_MIN_TOKENS,
                    help="paged: running requests that begin with the same cached blocks (one "
                         "document, a long system prompt) attend to them once, together, when "
@@ -1300,6 +1306,7 @@ def build_engine(a) -> tuple[ServingEngine, str]:
                            prefill_budget=getattr(a, "prefill_budget", None),
                            mixed_prefill=getattr(a, "mixed_prefill", None),
                            fill_first=getattr(a, "fill_first", None),
+                           growth_reserve=getattr(a, "growth_reserve", GROWTH_RESERVE_TOKENS),
                            share_min_tokens=getattr(a, "share_min_tokens", SHARE_MIN_TOKENS),
                            compact_rows={"auto": None, "on": True, "off": False}[
                                getattr(a, "compact_rows", "auto")],

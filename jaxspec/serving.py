@@ -99,6 +99,12 @@ MIX_NONE, MIX_PIECES, MIX_CALIBRATE = 0, 1, 2  # `ServingEngine._mixing`
 # so 64 prompts of 1k-32k sent at once, 568k tokens, take ~6 s to fill;
 # `benchmarks/server_mixed_qwen15_h100.md`).
 FILL_FIRST_SECONDS = 10.0
+# Paged (``growth_reserve``): admission keeps free the blocks that each sequence in a slot (and
+# the one admitted) needs for this many more tokens of its budget (at least the chunks in flight
+# and the next). A preempted sequence's cache is computed again (a 32k prompt: ~0.3 s of an H100,
+# while the streams wait or slow down), so in a burst it is cheaper for the last requests to wait
+# for blocks than to be admitted and preempt one another.
+GROWTH_RESERVE_TOKENS = 512
 
 
 def default_prefill_chunk(paged: bool) -> int:
@@ -277,8 +283,13 @@ class ServingEngine:
         of prompts fills at the full prefill rate, with no stream slowed by another's prefill
         (with mixed pieces, a round that carries a piece takes several times a plain round;
         without them, whole prefill steps stall the streams). The early prompts' first tokens
-        wait for it. Default `FILL_FIRST_SECONDS` for a block pool;
-        0: a sequence starts as soon as its prompt is in.
+        wait for it. Default `FILL_FIRST_SECONDS` for a block pool; 0: a sequence starts as
+        soon as its prompt is in.
+    growth_reserve: paged: a sequence is admitted only if the pool keeps, beyond its prompt's
+        blocks, the blocks that it and every sequence in a slot need for this many more tokens
+        of their budgets (at most what each budget allows) and the next two chunks, so that
+        sequences whose budgets fit are not preempted later (a preempted sequence's cache is
+        computed again); 0: the next two chunks' only.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -290,7 +301,8 @@ class ServingEngine:
                  prefill_budget: int | None = None,
                  share_min_tokens: int | None = SHARE_MIN_TOKENS, ignore_eos: bool = False,
                  compact_rows: bool | None = None, batch_invariant: bool = False,
-                 mixed_prefill: int | None = None, fill_first: float | None = None):
+                 mixed_prefill: int | None = None, fill_first: float | None = None,
+                 growth_reserve: int = GROWTH_RESERVE_TOKENS):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         compile_cache.enable()  # as generate: compiled chunks outlive the process
@@ -388,6 +400,9 @@ class ServingEngine:
             raise ValueError("fill_first needs a block pool (page_size): dense slots prefill a "
                              "whole prompt at admission")
         self.fill_first = float(fill_first)
+        if int(growth_reserve) < 0:
+            raise ValueError(f"growth_reserve must be >= 0 tokens, got {growth_reserve!r}")
+        self.growth_reserve = int(growth_reserve)
         self._held_since = None  # when a sequence whose prompt is in first waited (fill_first)
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
@@ -1054,10 +1069,11 @@ class ServingEngine:
         need = -(-(len(s.fill) + 1) // self.page_size)
         bm.acquire(hit)
         n_new = max(need - len(hit), 0)
-        # the sequences already in slots keep room to grow for the chunks in flight and the next
-        # one: admitting into that room would only preempt someone (and, readmitted at once,
-        # preempt again, for ever)
-        if bm.free - n_new < self._growth_reserve():
+        # the sequences already in slots, and this one, keep room to grow (`growth_reserve`, at
+        # least for the chunks in flight and the next one): admitting into that room would only
+        # preempt someone (and, readmitted at once, preempt again, for ever)
+        own = self._growth_blocks(s, len(s.fill), need)
+        if bm.free - n_new < self._growth_reserve() + own:
             bm.release(hit)
             return False
         new = bm.allocate(n_new)
@@ -1099,11 +1115,21 @@ class ServingEngine:
             self.m["prefill_tokens"] -= gained
         self._tables({s.slot: s.blocks})
 
+    def _growth_blocks(self, s: Sequence, length: int, have: int) -> int:
+        """Blocks beyond its ``have`` that ``s``, with ``length`` tokens in its cache, may need to
+        grow: for min(its budget left, `growth_reserve`) tokens and two chunks of ``out_len``
+        past them (`_grow` maps the chunk in flight and the next one ahead of a row's length,
+        also near the end of its budget: with the budget left reserved, what it maps stays
+        within the reserve however the sequence advances)."""
+        ahead = min(max(s.budget - len(s.tokens), 0), self.growth_reserve) + 2 * self.out_len
+        want = -(-(length + ahead + self.extra + 1) // self.page_size)
+        return max(min(want, self.max_blocks) - have, 0)
+
     def _growth_reserve(self) -> int:
-        """Blocks the sequences in slots may need for two chunks of ``out_len`` tokens each."""
-        per = -(-2 * self.out_len // self.page_size) + 1
-        return sum(min(per, self.max_blocks - len(x.blocks)) for x in self.slots
-                   if x is not None and x.blocks)
+        """Blocks the sequences in slots may need to grow (`_growth_blocks`)."""
+        return sum(self._growth_blocks(x, int(self.lengths[b]) if b in self._started
+                                       else len(x.fill), len(x.blocks))
+                   for b, x in enumerate(self.slots) if x is not None and x.blocks)
 
     def _tables(self, rows: dict):
         """Writes the block tables of ``rows`` ({row: blocks}) to the device state."""

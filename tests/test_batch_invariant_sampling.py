@@ -251,7 +251,7 @@ def test_serving_engine_samples_as_generate_alone(model, texts):
               prefill_budget=16, speculation=speculation, warmup_prefill=0,
               batch_invariant=True)
     one = ServingEngine(model, **kw).max_blocks
-    engine = ServingEngine(model, kv_blocks=one + 3, **kw).start()
+    engine = ServingEngine(model, kv_blocks=one + 3, growth_reserve=0, **kw).start()
     try:
         seqs = [Sequence(q, SamplingOptions(max_tokens=new, seed=s, **SAMPLE))
                 for q, s in zip(prompts, seeds)]

@@ -49,8 +49,9 @@ def test_paged_engine_equals_generate(model, spec, mixed):
               fill_first=0.0 if mixed else None)
     one = ServingEngine(model, **kw).max_blocks  # the blocks one sequence of max_len needs
     # a pool short of three full sequences: admissions wait for blocks and running ones are
-    # preempted, then resumed from their prompt and tokens
-    e = ServingEngine(model, kv_blocks=one + 3, **kw).start()
+    # preempted, then resumed from their prompt and tokens (admission reserving room for the
+    # next two chunks only: with the budgets' growth reserved, nothing would be preempted)
+    e = ServingEngine(model, kv_blocks=one + 3, growth_reserve=0, **kw).start()
     try:
         opts = SamplingOptions(max_tokens=new, temperature=0)
         seqs = [Sequence(p, opts) for p in prompts]
@@ -91,6 +92,34 @@ def test_paged_engine_equals_generate(model, spec, mixed):
         e.stop()
 
 
+def test_admission_reserves_the_budgets_growth(model):
+    """The workload of the test above (a pool short of three full sequences), with admission
+    keeping room for each admitted sequence's whole budget (the default `growth_reserve`,
+    more than these budgets): later requests wait for blocks instead, nothing is preempted, and
+    the tokens are `generate`'s."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    prompts = [rng.integers(5, 60, size=int(n)).tolist() for n in (30, 38, 9, 20)]
+    new = 40
+    ref = jaxspec.generate(model, prompts, max_new_tokens=new).tokens
+    kw = dict(max_batch=3, max_len=96, rounds_per_chunk=2, prefill_chunk=16, page_size=8,
+              prefill_budget=16)
+    one = ServingEngine(model, **kw).max_blocks
+    e = ServingEngine(model, kv_blocks=one + 3, **kw)
+    assert e.growth_reserve >= new
+    e.start(variants=[(True, False)])
+    try:
+        seqs = [Sequence(p, SamplingOptions(max_tokens=new, temperature=0)) for p in prompts]
+        e.submit(seqs)
+        _wait(seqs)
+        assert [s.tokens for s in seqs] == ref
+        m = e.metrics()
+        assert m["preemptions"] == 0, m
+        assert e.running_peak < len(prompts), e.running_peak  # (some waited for blocks)
+        assert m["kv_blocks_used"] == 0, m
+    finally:
+        e.stop()
+
+
 def test_paged_engine_rejects_bad_sizes(model):
     with pytest.raises(ValueError, match="page_size"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=0)
@@ -98,6 +127,8 @@ def test_paged_engine_rejects_bad_sizes(model):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, kv_blocks=2)
     with pytest.raises(ValueError, match="mixed_prefill"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, mixed_prefill=-1)
+    with pytest.raises(ValueError, match="growth_reserve"):
+        ServingEngine(model, max_batch=2, max_len=64, page_size=8, growth_reserve=-1)
     with pytest.raises(ValueError, match="more than max_len"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, mixed_prefill=128)
     with pytest.raises(ValueError, match="block pool"):

@@ -46,8 +46,9 @@ import uuid
 from importlib import resources
 from typing import Any
 
-from jaxspec.args import (int_or_none_arg, merge_model_path, mesh_from_args, parse_gamma,
-                          parse_tree, positive_int, retrieve_arg, window_arg)
+from jaxspec.args import (int_or_none_arg, merge_model_path, mesh_from_args, nonneg_float,
+                          nonneg_int, parse_gamma, parse_tree, positive_int, retrieve_arg,
+                          window_arg)
 from jaxspec.serving import (FILL_FIRST_SECONDS, GROWTH_RESERVE_TOKENS, SHARE_MIN_TOKENS,
                              EngineStopped, PromptTooLong, QueueFull, SamplingOptions, Sequence,
                              ServingEngine)
@@ -1186,14 +1187,14 @@ def add_arguments(p: argparse.ArgumentParser):
                         "latency, slower prefill); 0: off, whole prefill steps between decode "
                         "chunks (default: --prefill-chunk with --page-size, unless "
                         "--prefill-budget is given)")
-    p.add_argument("--fill-first", type=float, default=None,
+    p.add_argument("--fill-first", type=nonneg_float, default=None,
                    help="paged: while no request decodes, a request whose prompt is in waits "
                         "(at most this many seconds) for the others being prefilled, and they "
                         "start together: a burst of prompts fills at the full prefill rate and "
                         "no stream is slowed by another's prefill, at the cost of the early "
                         "prompts' time to first token (default: %s with --page-size); 0: off"
                         % FILL_FIRST_SECONDS)
-    p.add_argument("--growth-reserve", type=int, default=GROWTH_RESERVE_TOKENS,
+    p.add_argument("--growth-reserve", type=nonneg_int, default=GROWTH_RESERVE_TOKENS,
                    help="paged: a request is admitted only if the pool keeps room for it and "
                         "every running request to grow by this many more tokens of their "
                         "max_tokens (and two decode chunks), so that requests are not preempted "

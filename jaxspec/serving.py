@@ -1042,7 +1042,8 @@ class ServingEngine:
             self.row_committed[b] = 0
             self.slots[b] = s
             s.slot = b
-            self._stop_rows.discard(b)
+            # (a stop the slot's last sequence left stays: its row may still run on the device,
+            # now through this sequence's block table, until `_start_filled` sets the row)
             self.m["sequences_admitted"] += 1
         self._note_running()
         if back:
@@ -1117,11 +1118,13 @@ class ServingEngine:
 
     def _growth_blocks(self, s: Sequence, length: int, have: int) -> int:
         """Blocks beyond its ``have`` that ``s``, with ``length`` tokens in its cache, may need to
-        grow: for min(its budget left, `growth_reserve`) tokens and two chunks of ``out_len``
-        past them (`_grow` maps the chunk in flight and the next one ahead of a row's length,
-        also near the end of its budget: with the budget left reserved, what it maps stays
-        within the reserve however the sequence advances)."""
-        ahead = min(max(s.budget - len(s.tokens), 0), self.growth_reserve) + 2 * self.out_len
+        grow: for min(its budget left, `growth_reserve`) tokens and, past them, what `_grow`
+        maps ahead of a row's length for the chunk in flight and the next one (two chunks of
+        rounds, each a token tree's nodes; also near the end of its budget: with the budget
+        left reserved, what it maps stays within the reserve however the sequence advances)."""
+        nodes = self.tree.num_nodes if self.tree is not None else self.tokens_per_round
+        ahead = min(max(s.budget - len(s.tokens), 0), self.growth_reserve) + \
+            2 * self.rounds * max(nodes, self.tokens_per_round)
         want = -(-(length + ahead + self.extra + 1) // self.page_size)
         return max(min(want, self.max_blocks) - have, 0)
 
@@ -1352,6 +1355,7 @@ class ServingEngine:
             self.done[b] = budgets[-1] <= 0
             self.lengths[b] = len(s.fill)
             self._started.add(b)
+            self._stop_rows.discard(b)  # the row is set below: a stop left for it is the last's
             self._shared_dirty = True
         if rows:
             pad = self.B - len(rows)

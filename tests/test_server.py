@@ -466,8 +466,9 @@ def test_exception_fails_only_that_request(server, client):
 def test_acceptance_per_draft_position(model):
     """With the target as its own full-cache draft every draft is accepted: 1.0 at each
     position; with a one-layer draft of other weights the acceptance falls with the position (a
-    later draft is accepted only after the earlier ones), and the first position's rate is the
-    device's count of first drafts accepted."""
+    later draft is accepted only after the earlier ones, and some third drafts are rejected),
+    and the accepted drafts summed over the positions are the device's count but for each
+    sequence's last round, which its budget may cut."""
     prompts = [[5, 9, 2, 7, 3], [4, 4, 8, 1, 6, 2, 9, 11]]
     rates = {}
     for name, draft in (("same", model), ("other", tiny_model(seed=3, layers=1, scale=3.0))):
@@ -485,6 +486,10 @@ def test_acceptance_per_draft_position(model):
             e.stop()
         assert [m[f"position_proposed_{i}"] for i in (1, 2, 3)] == \
             [m["position_proposed_1"]] * 3 and m["position_proposed_1"] > 0, m
+        counted = sum(m[f"position_accepted_{i}"] for i in (1, 2, 3))
+        assert m["draft_accepted"] - 3 * len(prompts) <= counted <= m["draft_accepted"], m
+        rounds = m["draft_proposed"] // 3
+        assert rounds - len(prompts) <= m["position_proposed_1"] <= rounds, m
         rates[name] = m["position_acceptance"]
     assert rates["same"] == [1.0, 1.0, 1.0]
     assert rates["other"][0] >= rates["other"][1] >= rates["other"][2]

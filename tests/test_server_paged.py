@@ -114,10 +114,96 @@ def test_admission_reserves_the_budgets_growth(model):
         assert [s.tokens for s in seqs] == ref
         m = e.metrics()
         assert m["preemptions"] == 0, m
-        assert e.running_peak < len(prompts), e.running_peak  # (some waited for blocks)
+        assert e.running_peak < e.B, e.running_peak  # (some waited for blocks, slots free)
         assert m["kv_blocks_used"] == 0, m
     finally:
         e.stop()
+
+
+def test_a_slot_taken_over_does_not_write_into_the_new_tables(model):
+    """A request ended on the host by a stop string while its row still decodes on the device
+    hands its slot to a waiting request whose prompt is all cached, while another prompt fills
+    in pieces inside a third request's rounds (so the new one starts only after the next chunk
+    is dispatched): the ended row must stay stopped until the new one starts, or that chunk
+    decodes it at its old length through the new block table, writing K/V into the cached blocks
+    the prompt shares (the new request and a later one with the same prompt then differ from
+    `generate`)."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    tok = model.tokenizer
+    cached = rng.integers(5, 60, size=41).tolist()  # its cache: five full blocks of 8
+    other = rng.integers(5, 60, size=6).tolist()
+    filler = rng.integers(5, 60, size=100).tolist()
+    new = 16
+    ref = jaxspec.generate(model, [cached], max_new_tokens=new).tokens[0]
+    for _ in range(50):  # a prompt whose greedy text has a word first at token 3-6: the stop
+        short = rng.integers(5, 60, size=4).tolist()
+        out = jaxspec.generate(model, [short], max_new_tokens=8).tokens[0]
+        words = [tok.decode([t]) for t in out]
+        at = [i for i in range(3, 7) if words[i].strip() and
+              words[i] not in tok.decode(out[:i]) and words[i] not in tok.decode(out[i + 1:])]
+        if at:
+            stop = words[at[0]]
+            break
+    else:
+        pytest.skip("no prompt with a usable stop word")
+    e = ServingEngine(model, max_batch=3, max_len=120, rounds_per_chunk=8, prefill_chunk=16,
+                      page_size=8, prefill_budget=16, mixed_prefill=4, fill_first=0.0,
+                      growth_reserve=0, compact_rows=False)
+    e.start(variants=[(True, False)])
+    try:
+        first = Sequence(cached, SamplingOptions(max_tokens=1, temperature=0))
+        e.submit([first])
+        _wait([first])  # its blocks are cached now
+        ids = e.blocks.lookup(cached[:-1], e.blocks.keys(cached[:-1]))
+        assert len(ids) == 5
+
+        def kv():  # (read while the engine idles)
+            c = e.state.cache
+            return np.asarray(c.k[:, ids]), np.asarray(c.v[:, ids])
+        before = kv()
+        keeps = Sequence(other, SamplingOptions(max_tokens=100, temperature=0))
+        gone = Sequence(short, SamplingOptions(max_tokens=100, temperature=0, stop=(stop,)))
+        fills = Sequence(filler, SamplingOptions(max_tokens=4, temperature=0))
+        taker = Sequence(cached, SamplingOptions(max_tokens=new, temperature=0))
+        e.pause_admission()
+        e.submit([keeps, gone, fills, taker])  # the taker waits for the slot the stop frees
+        e.resume_admission()
+        _wait([gone, taker, fills])
+        assert gone.finish_reason == "stop" and taker.cached_tokens == 40
+        e.cancel(keeps)
+        _wait([keeps])
+        for a, b in zip(before, kv()):  # nothing wrote into the cached blocks
+            np.testing.assert_array_equal(a, b)
+        assert fills.tokens == jaxspec.generate(model, [filler], max_new_tokens=4).tokens[0]
+        assert taker.tokens == ref
+        again = Sequence(cached, SamplingOptions(max_tokens=new, temperature=0))
+        e.submit([again])
+        _wait([again])
+        assert again.tokens == ref
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("reserve", [0, 16, 512])
+def test_the_growth_reserve_covers_what_chunks_map(model, reserve):
+    """What admission keeps for a sequence (`_growth_blocks`) covers what the engine maps for it
+    later (`_grow`: the chunk in flight and the next, each round a token tree's nodes, past its
+    length), at any point of its budget: a token tree writes more slots per round than the
+    tokens it commits."""
+    spec = jaxspec.Speculation(draft="self", tree=(2, 2, 1), sink=2, window=6, adaptive=False)
+    e = ServingEngine(model, max_batch=2, max_len=96, rounds_per_chunk=4, page_size=8,
+                      speculation=spec, growth_reserve=reserve)
+    nodes = e.tree.num_nodes
+    assert nodes > e.tree.max_depth + 1
+    s = Sequence(list(range(5, 25)), SamplingOptions(max_tokens=30))
+    s.budget = 30
+    have = -(-(19 + 1) // 8)  # its prompt's blocks
+    reserved = have + e._growth_blocks(s, 19, have)
+    for made in range(0, 31, 3):  # the sequence advances within its budget
+        s.tokens = [7] * made
+        length = 19 + made
+        want = min(-(-(length + 2 * e.rounds * nodes + e.extra + 1) // 8), e.max_blocks)
+        assert want <= reserved or made > reserve, (made, want, reserved)
 
 
 def test_paged_engine_rejects_bad_sizes(model):

@@ -138,9 +138,12 @@ def test_a_slot_taken_over_does_not_write_into_the_new_tables(model):
     for _ in range(50):  # a prompt whose greedy text has a word first at token 3-6: the stop
         short = rng.integers(5, 60, size=4).tolist()
         out = jaxspec.generate(model, [short], max_new_tokens=8).tokens[0]
-        words = [tok.decode([t]) for t in out]
+        words = [tok.decode([t], skip_special_tokens=True) for t in out]  # (as the engine)
+
+        def text(ids):
+            return tok.decode(ids, skip_special_tokens=True)
         at = [i for i in range(3, 7) if words[i].strip() and
-              words[i] not in tok.decode(out[:i]) and words[i] not in tok.decode(out[i + 1:])]
+              words[i] not in text(out[:i]) and words[i] not in text(out[i + 1:])]
         if at:
             stop = words[at[0]]
             break
@@ -227,19 +230,24 @@ def test_paged_engine_rejects_bad_sizes(model):
                          prefill_chunk=128).mixed_prefill == 64  # ... at most max_len
 
 
-@pytest.mark.parametrize("fill_first", [0.0, 600.0])
-def test_a_burst_fills_before_any_stream_starts(model, fill_first):
-    """Prompts submitted together into an idle paged engine: with ``fill_first`` the short one,
-    whose prompt is in after the first prefill step, waits for the long one's (16 tokens per
-    step) and no decode chunk runs while a prompt still fills; without it the short one decodes
-    while the long one fills (the check can fail). Both ways the tokens are `generate`'s."""
+def _burst(model, new, fill_first, slow_prefill=None):
+    """A short and a long prompt submitted together to an idle paged engine (16 prompt tokens
+    per prefill step, no pieces); ``slow_prefill``: seconds each prefill call sleeps first.
+    Checks the tokens against `generate` and returns (how many prompts still filled at each
+    decode chunk, the engine's metrics)."""
     rng = np.random.default_rng(random.randrange(1 << 30))
     prompts = [rng.integers(5, 60, size=9).tolist(), rng.integers(5, 60, size=70).tolist()]
-    new = 12
     ref = jaxspec.generate(model, prompts, max_new_tokens=new).tokens
     e = ServingEngine(model, max_batch=2, max_len=120, rounds_per_chunk=2, prefill_chunk=16,
                       page_size=8, prefill_budget=16, fill_first=fill_first)
     assert e.mixed_prefill == 0  # (a fixed budget: whole prefill steps between chunks)
+    if slow_prefill:
+        real = e.decoder.prefill_paged_row
+
+        def slow(*a, **kw):
+            time.sleep(slow_prefill)
+            return real(*a, **kw)
+        e.decoder.prefill_paged_row = slow
     filling_at_chunks = []
     e.step_fault_hook = lambda active: filling_at_chunks.append(
         sum(s.filled < len(s.fill) for s in e.slots if s is not None))
@@ -251,15 +259,24 @@ def test_a_burst_fills_before_any_stream_starts(model, fill_first):
         e.resume_admission()
         _wait(seqs)
         assert [s.tokens for s in seqs] == ref
-        m = e.metrics()
-        if fill_first:
-            assert filling_at_chunks and not any(filling_at_chunks), filling_at_chunks
-            assert m["held_sequences"] == 1, m
-        else:
-            assert filling_at_chunks[0] == 1, filling_at_chunks
-            assert m["held_sequences"] == 0, m
+        return filling_at_chunks, e.metrics()
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize("fill_first", [0.0, 600.0])
+def test_a_burst_fills_before_any_stream_starts(model, fill_first):
+    """Prompts submitted together into an idle paged engine: with ``fill_first`` the short one,
+    whose prompt is in after the first prefill step, waits for the long one's (16 tokens per
+    step) and no decode chunk runs while a prompt still fills; without it the short one decodes
+    while the long one fills (the check can fail). Both ways the tokens are `generate`'s."""
+    filling_at_chunks, m = _burst(model, 12, fill_first)
+    if fill_first:
+        assert filling_at_chunks and not any(filling_at_chunks), filling_at_chunks
+        assert m["held_sequences"] == 1, m
+    else:
+        assert filling_at_chunks[0] == 1, filling_at_chunks
+        assert m["held_sequences"] == 0, m
 
 
 @pytest.mark.parametrize("rate", ["measured", "unknown"])
@@ -268,36 +285,12 @@ def test_a_burst_that_cannot_fill_in_time_is_not_held(model, monkeypatch, rate):
     left cannot fill within ``fill_first`` = 0.25 s. With the prefill rate measured, the short
     one is not held at all; with no rate known, it is held until the deadline and then starts
     while the long one still fills. Both ways the tokens are `generate`'s."""
-    rng = np.random.default_rng(random.randrange(1 << 30))
-    prompts = [rng.integers(5, 60, size=9).tolist(), rng.integers(5, 60, size=70).tolist()]
-    new = 8
-    ref = jaxspec.generate(model, prompts, max_new_tokens=new).tokens
     if rate == "unknown":
         monkeypatch.setattr(ServingEngine, "_prefill_rate", property(
             lambda self: None, lambda self, v: None), raising=False)
-    e = ServingEngine(model, max_batch=2, max_len=120, rounds_per_chunk=2, prefill_chunk=16,
-                      page_size=8, prefill_budget=16, fill_first=0.25)
-    real = e.decoder.prefill_paged_row
-
-    def slow(*a, **kw):
-        time.sleep(0.1)
-        return real(*a, **kw)
-    monkeypatch.setattr(e.decoder, "prefill_paged_row", slow)
-    filling_at_chunks = []
-    e.step_fault_hook = lambda active: filling_at_chunks.append(
-        sum(s.filled < len(s.fill) for s in e.slots if s is not None))
-    e.start(variants=[(True, False)])
-    try:
-        e.pause_admission()
-        seqs = [Sequence(p, SamplingOptions(max_tokens=new, temperature=0)) for p in prompts]
-        e.submit(seqs)
-        e.resume_admission()
-        _wait(seqs)
-        assert [s.tokens for s in seqs] == ref
-        assert filling_at_chunks[0] == 1, filling_at_chunks  # the long one still filled
-        assert e.metrics()["held_sequences"] == (1 if rate == "unknown" else 0)
-    finally:
-        e.stop()
+    filling_at_chunks, m = _burst(model, 8, 0.25, slow_prefill=0.1)
+    assert filling_at_chunks[0] == 1, filling_at_chunks  # the long one still filled
+    assert m["held_sequences"] == (1 if rate == "unknown" else 0)
 
 
 def test_fill_first_is_checked(model):

@@ -1397,15 +1397,19 @@ class ServingEngine:
 
     def _grow(self, active, rounds: int, rd) -> int:
         """Blocks for what the next chunk may write (and the chunks in flight): each running row
-        is mapped up to ``lengths + (rounds in flight + rounds) x tokens per round + extra``
-        slots; when the pool is short the most recently admitted sequence is preempted. Returns
-        the rounds to run (0: the running rows changed)."""
-        tpr = (rd.tree.num_nodes if rd.speculative else 1)
-        ahead = sum(f[4] for f in self._inflight) + rounds
+        is mapped up to ``lengths + what the chunks in flight may advance + rounds x slots per
+        round + extra`` slots (each chunk at its own kind: a speculative chunk in flight may
+        advance a round's nodes per round, a plain one that follows it one); when the pool is
+        short the most recently admitted sequence is preempted. Returns the rounds to run (0:
+        the running rows changed)."""
+        def per_round(r):  # slots a round of ``r`` may write ahead of a row's length
+            return r.tree.num_nodes if r.speculative else 1
+        tpr = per_round(rd)
+        flight = sum(f[4] * per_round(f[2]) for f in self._inflight)
         want = {}
         for b in active:
             s = self.slots[b]
-            slots = int(self.lengths[b]) + ahead * tpr + self.extra + 1
+            slots = int(self.lengths[b]) + flight + rounds * tpr + self.extra + 1
             need = min(-(-slots // self.page_size), self.max_blocks) - len(s.blocks)
             if need > 0:
                 want[b] = need
@@ -1429,7 +1433,7 @@ class ServingEngine:
         for b in active:  # no row may write past its mapped slots
             room = len(self.slots[b].blocks) * self.page_size - int(self.lengths[b]) \
                 - self.extra - 1
-            rounds = min(rounds, room // tpr - (ahead - rounds))
+            rounds = min(rounds, (room - flight) // tpr)
         return max(rounds, 0)
 
     def _preempt(self, s: Sequence):
@@ -1548,8 +1552,10 @@ class ServingEngine:
         if rd.speculative:
             self.m["draft_proposed"] += int(np.asarray(stats.proposed).sum())
             self.m["draft_accepted"] += int(np.asarray(stats.accepted).sum())
-            self.row_rounds += np.asarray(stats.spec_rounds)
-            self.row_committed += np.asarray(stats.committed)
+            # (only the rows whose sequence ran them: a slot taken over since had its counts
+            # set for its new sequence)
+            self.row_rounds[mine] += np.asarray(stats.spec_rounds)[mine]
+            self.row_committed[mine] += np.asarray(stats.committed)[mine]
             if rd.is_chain:
                 self.decoder.costs.observe_acceptance(float(np.sum(stats.accepted)),
                                                       float(np.sum(stats.spec_rounds)), rd.gamma)

@@ -209,6 +209,29 @@ def test_the_growth_reserve_covers_what_chunks_map(model, reserve):
         assert want <= reserved or made > reserve, (made, want, reserved)
 
 
+def test_growth_maps_what_the_chunk_in_flight_may_write(model):
+    """A plain chunk dispatched while a speculative one is in flight (adaptive chunks switch
+    kinds): the row's table must cover what the speculative chunk may advance (its rounds x
+    gamma + 1) and then the plain rounds, or the K/V of the positions past the mapped blocks is
+    dropped and later read from blocks that are not the row's."""
+    spec = jaxspec.Speculation(draft="self", gamma=3, sink=2, window=6, adaptive=False)
+    e = ServingEngine(model, max_batch=2, max_len=400, rounds_per_chunk=16, page_size=16,
+                      speculation=spec)
+    spec_rd = e._round(True)
+    assert spec_rd.speculative and spec_rd.tree.num_nodes == 4
+    s = Sequence(list(range(5, 105)), SamplingOptions(max_tokens=200))
+    s.budget, L, flight = 200, 180, 10
+    s.blocks, s.slot = e.blocks.allocate(-(-(L + 1) // 16)), 0
+    e.slots[0], e.lengths[0] = s, L
+    e._inflight.append((None, None, spec_rd, None, flight, False))  # (chunk, owners, rd, ...)
+    try:
+        rounds = e._grow([0], 16, spec_rd.plain())
+    finally:
+        e._inflight.clear()
+    assert rounds >= 1
+    assert len(s.blocks) * 16 >= L + flight * 4 + rounds + e.extra + 1, (len(s.blocks), rounds)
+
+
 def test_paged_engine_rejects_bad_sizes(model):
     with pytest.raises(ValueError, match="page_size"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=0)

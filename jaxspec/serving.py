@@ -1124,7 +1124,7 @@ class ServingEngine:
         left reserved, what it maps stays within the reserve however the sequence advances)."""
         nodes = self.tree.num_nodes if self.tree is not None else self.tokens_per_round
         ahead = min(max(s.budget - len(s.tokens), 0), self.growth_reserve) + \
-            2 * self.rounds * max(nodes, self.tokens_per_round)
+            2 * self.rounds * nodes
         want = -(-(length + ahead + self.extra + 1) // self.page_size)
         return max(min(want, self.max_blocks) - have, 0)
 

@@ -480,7 +480,7 @@ def served_gamma(metrics: dict):
 KV_GAUGES = ("kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached",
              "prefix_cache_hit_rate")
 KV_COUNTERS = ("preemptions", "prefix_hit_tokens", "prefix_query_tokens",
-               "shared_context_copies", "shared_context_row_chunks")
+               "shared_context_copies", "shared_context_row_chunks", "held_sequences")
 
 
 def kv_metrics(prom: dict, engine_metrics: dict | None = None) -> dict | None:
@@ -524,6 +524,7 @@ def kv_delta(before: dict | None, after: dict | None, peak: int | None) -> dict 
             "prefix_cache_hit_rate": after.get("prefix_cache_hit_rate"),
             "shared_context_copies": d("shared_context_copies"),
             "shared_context_row_chunks": d("shared_context_row_chunks"),
+            "held_sequences": d("held_sequences"),
             "source": after.get("source")}
 
 
@@ -1024,6 +1025,8 @@ def _point_line(p: dict) -> str:
         line += (f", KV blocks peak {_f(kv['kv_blocks_peak'], 'd')}/{kv['kv_blocks_total']}, "
                  f"prefix hit rate {_f(kv['prefix_hit_rate'])}, preemptions "
                  f"{_f(kv['preemptions'], 'd')}")
+        if kv.get("held_sequences"):
+            line += f", held {kv['held_sequences']}"
     return line
 
 
@@ -1156,12 +1159,13 @@ def markdown(out: dict) -> str:
                   "source): prefix hit tokens / looked-up prompt tokens, its hit rate since "
                   "start after the point, the most blocks in use while the point ran (sampled "
                   "every 20 ms) / blocks in the pool, blocks cached after, preemptions, "
-                  "shared context: sequences that read it once together, summed over decode "
-                  "chunks (its copies out of the pool).", "",
+                  "held: sequences whose prompt was in that waited for others' to fill "
+                  "(fill-first), shared context: sequences that read it once together, summed "
+                  "over decode chunks (its copies out of the pool).", "",
                   f"{col}| variant | rate req/s | cached tokens | prefix hit / looked up | "
                   "hit rate (since start) | KV blocks peak / total | cached after | "
-                  "preemptions | shared context | source |",
-                  f"{sep}|---|---|---|---|---|---|---|---|---|---|"]
+                  "preemptions | held | shared context | source |",
+                  f"{sep}|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in kv_points:
             kv = p.get("kv") or {}
             ct = (f"{p['cached_tokens']} ({p['cached_tokens_reported']}/{p['completed']})"
@@ -1173,11 +1177,11 @@ def markdown(out: dict) -> str:
                     f"{cells(p)}| {p['rate']} | {ct} | {hit} | "
                     f"{_f(kv['prefix_cache_hit_rate'])} | {_f(kv['kv_blocks_peak'], 'd')} / "
                     f"{kv['kv_blocks_total']} | {kv['kv_blocks_cached_after']} | "
-                    f"{_f(kv['preemptions'], 'd')} | "
+                    f"{_f(kv['preemptions'], 'd')} | {_f(kv.get('held_sequences'), 'd')} | "
                     f"{_f(kv.get('shared_context_row_chunks'), 'd')} "
                     f"({_f(kv.get('shared_context_copies'), 'd')}) | {kv['source']} |")
             else:
-                lines.append(f"{cells(p)}| {p['rate']} | {ct} | - (dense) | | | | | | |")
+                lines.append(f"{cells(p)}| {p['rate']} | {ct} | - (dense) | | | | | | | |")
     if out["speedups"]:
         first = out["setups"][0]["name"] if out.get("setups") else "dense"
         base = f"`{first}` with `off`" if multi else "`off`"

@@ -93,7 +93,7 @@ MIXED_ROUNDS = 8
 MIXED_CALIBRATE_EVERY = 16
 MIX_NONE, MIX_PIECES, MIX_CALIBRATE = 0, 1, 2  # `ServingEngine._mixing`
 # Paged (``fill_first``): while no sequence decodes, one whose prompt is in waits for the others
-# still filling, at most this long; then they start together. A burst of long prompts fills at
+# still filling or queued for a free slot, at most this long; then they start together. A burst of long prompts fills at
 # the full prefill rate and no stream sees another's prefill; the price is the early prompts'
 # time to first token (H100, Qwen2.5-1.5B shape: ~10 us per token of a standalone prefill chunk,
 # so 64 prompts of 1k-32k sent at once, 568k tokens, take ~6 s to fill;
@@ -279,7 +279,8 @@ class ServingEngine:
     fill_first: paged: while no sequence decodes, a sequence whose prompt is in waits (at most
         this many seconds since the first one did, and only while the prompt tokens left take
         no longer than the time left at the measured prefill rate; never one resumed after a
-        preemption) for the others being prefilled, and they start decoding together: a burst
+        preemption) for the others being prefilled or queued for the free slots (a burst's
+        requests arrive over a while), and they start decoding together: a burst
         of prompts fills at the full prefill rate, with no stream slowed by another's prefill
         (with mixed pieces, a round that carries a piece takes several times a plain round;
         without them, whole prefill steps stall the streams). The early prompts' first tokens
@@ -404,6 +405,7 @@ class ServingEngine:
             raise ValueError(f"growth_reserve must be >= 0 tokens, got {growth_reserve!r}")
         self.growth_reserve = int(growth_reserve)
         self._held_since = None  # when a sequence whose prompt is in first waited (fill_first)
+        self._admit_short = False  # the last admission left a sequence waiting for blocks
         if share_min_tokens is not None and int(share_min_tokens) < 0:
             raise ValueError(f"share_min_tokens must be >= 0 or None, got {share_min_tokens!r}")
         # (batch-invariant attention reads every row's keys through its own table: no sharing)
@@ -1046,6 +1048,7 @@ class ServingEngine:
             # now through this sequence's block table, until `_start_filled` sets the row)
             self.m["sequences_admitted"] += 1
         self._note_running()
+        self._admit_short = bool(back)
         if back:
             with self._cv:
                 self.waiting.extendleft(reversed(back))
@@ -1372,13 +1375,15 @@ class ServingEngine:
 
     def _hold(self, starts) -> bool:
         """Whether ``starts`` (sequences whose prompt is in) wait for the sequences still filling
-        (`fill_first`): while nothing decodes, for at most ``fill_first`` seconds since the first
-        waited, and only while the prompt tokens left to fill take no longer than the time left
-        at the measured prefill rate (a burst that cannot be in by then starts now, not at the
-        deadline). A sequence that was decoding before a preemption never waits: its stream has
-        begun."""
-        filling = self._filling()
-        if not self.fill_first or not filling or any(s.tokens for s in starts):
+        and those queued that the next pass admits (`fill_first`, `_coming`): while nothing
+        decodes, for at most ``fill_first`` seconds since the first waited, and only while the
+        prompt tokens left to fill take no longer than the time left at the measured prefill
+        rate (a burst that cannot be in by then starts now, not at the deadline). A sequence
+        that was decoding before a preemption never waits: its stream has begun."""
+        if not self.fill_first or any(s.tokens for s in starts):
+            return False
+        filling, coming = self._filling(), self._coming()
+        if not filling and not coming:
             return False
         if any(self.slots[b] is not None and not self.done[b] for b in range(self.B)):
             return False  # streams run: waiting would not keep a prefill from them
@@ -1388,12 +1393,29 @@ class ServingEngine:
         left = self.fill_first - (now - self._held_since)
         if left <= 0:
             return False
-        if self._prefill_rate is not None and \
-                sum(len(s.fill) - s.filled for s in filling) / self._prefill_rate > left:
+        todo = sum(len(s.fill) - s.filled for s in filling) + \
+            sum(len(s.prompt_ids) + len(s.tokens) for s in coming)
+        if self._prefill_rate is not None and todo / self._prefill_rate > left:
+            log.info("fill-first: %d prompt tokens left at %.0f tokens/s take longer than the "
+                     "%.1f s left: %d sequences start now", todo, self._prefill_rate, left,
+                     len(starts))
             return False
         for s in starts:
             s.held = True
         return True
+
+    def _coming(self) -> list:
+        """The waiting sequences that the next pass admits into the free slots (a burst's
+        requests arrive over a while: the first ones may be admitted, even prefilled, before the
+        rest are queued), none while admission is paused or the last one left a sequence
+        waiting for blocks (until blocks free up, nothing after it is admitted)."""
+        free = sum(s is None for s in self.slots)
+        if not free or self._admit_short:
+            return []
+        with self._cv:
+            if self._paused:
+                return []
+            return [s for s in self.waiting if not s.cancelled][:free]
 
     def _grow(self, active, rounds: int, rd) -> int:
         """Blocks for what the next chunk may write (and the chunks in flight): each running row

@@ -349,5 +349,9 @@ def test_server_setups_and_kv_numbers():
     k1 = dict(k0, preemptions=3, prefix_hit_tokens=64, prefix_query_tokens=100, kv_blocks_used=0)
     d = bench_server.kv_delta(k0, k1, 31)
     assert (d["preemptions"], d["prefix_hit_tokens"], d["prefix_query_tokens"]) == (1, 48, 80)
+    assert d["held_sequences"] is None  # (neither source had the counter)
+    held = bench_server.kv_metrics(bench_server.parse_metrics(
+        "jaxspec_kv_blocks_total 40\njaxspec_held_sequences_total 5\n"), None)
+    assert bench_server.kv_delta(held, dict(held, held_sequences=12), 3)["held_sequences"] == 7
     assert d["prefix_hit_rate"] == 0.6 and d["kv_blocks_peak"] == 31
     assert bench_server.kv_delta(None, None, None) is None

@@ -253,11 +253,13 @@ def test_paged_engine_rejects_bad_sizes(model):
                          prefill_chunk=128).mixed_prefill == 64  # ... at most max_len
 
 
-def _burst(model, new, fill_first, slow_prefill=None):
+def _burst(model, new, fill_first, slow_prefill=None, late=False):
     """A short and a long prompt submitted together to an idle paged engine (16 prompt tokens
-    per prefill step, no pieces); ``slow_prefill``: seconds each prefill call sleeps first.
-    Checks the tokens against `generate` and returns (how many prompts still filled at each
-    decode chunk, the engine's metrics)."""
+    per prefill step, no pieces); ``slow_prefill``: seconds each prefill call sleeps first;
+    ``late``: the long one is submitted only once the short one is admitted (a burst whose
+    requests arrive over a while: it is queued, not yet in a slot, when the short one's prompt
+    is in). Checks the tokens against `generate` and returns (how many prompts were still filling
+    or queued at each decode chunk, the engine's metrics)."""
     rng = np.random.default_rng(random.randrange(1 << 30))
     prompts = [rng.integers(5, 60, size=9).tolist(), rng.integers(5, 60, size=70).tolist()]
     ref = jaxspec.generate(model, prompts, max_new_tokens=new).tokens
@@ -272,13 +274,15 @@ def _burst(model, new, fill_first, slow_prefill=None):
             return real(*a, **kw)
         e.decoder.prefill_paged_row = slow
     filling_at_chunks = []
-    e.step_fault_hook = lambda active: filling_at_chunks.append(
-        sum(s.filled < len(s.fill) for s in e.slots if s is not None))
+    e.step_fault_hook = lambda active: filling_at_chunks.append(  # (queued ones too)
+        sum(s.filled < len(s.fill) for s in e.slots if s is not None) + len(e.waiting))
     e.start(variants=[(True, False)])
     try:
         e.pause_admission()
         seqs = [Sequence(p, SamplingOptions(max_tokens=new, temperature=0)) for p in prompts]
-        e.submit(seqs)
+        if late:
+            e.fault_hook = lambda s: e.submit(seqs[1:]) if s is seqs[0] else None
+        e.submit(seqs[:1] if late else seqs)
         e.resume_admission()
         _wait(seqs)
         assert [s.tokens for s in seqs] == ref
@@ -287,13 +291,16 @@ def _burst(model, new, fill_first, slow_prefill=None):
         e.stop()
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["together", "late"])
 @pytest.mark.parametrize("fill_first", [0.0, 600.0])
-def test_a_burst_fills_before_any_stream_starts(model, fill_first):
-    """Prompts submitted together into an idle paged engine: with ``fill_first`` the short one,
-    whose prompt is in after the first prefill step, waits for the long one's (16 tokens per
-    step) and no decode chunk runs while a prompt still fills; without it the short one decodes
-    while the long one fills (the check can fail). Both ways the tokens are `generate`'s."""
-    filling_at_chunks, m = _burst(model, 12, fill_first)
+def test_a_burst_fills_before_any_stream_starts(model, fill_first, late):
+    """Prompts submitted together into an idle paged engine (``late``: the long one queued only
+    after the short one's admission, as a burst's requests reach a server): with ``fill_first``
+    the short one, whose prompt is in after the first prefill step, waits for the long one's
+    (16 tokens per step) and no decode chunk runs while a prompt still fills; without it the
+    short one decodes while the long one fills (the check can fail). Both ways the tokens are
+    `generate`'s."""
+    filling_at_chunks, m = _burst(model, 12, fill_first, late=late)
     if fill_first:
         assert filling_at_chunks and not any(filling_at_chunks), filling_at_chunks
         assert m["held_sequences"] == 1, m

@@ -115,6 +115,13 @@ def default_prefill_chunk(paged: bool) -> int:
     return DEFAULT_PREFILL_CHUNK
 
 
+class _ChunkFailed(Exception):
+    """A decode chunk that failed on the device thread, raised where the engine thread next
+    takes the slots' state (its cause: the chunk's error). Admission and prefill, which catch
+    their own errors per request, let it through: it belongs to the sequences that were in the
+    chunk, not to the one being admitted."""
+
+
 class QueueFull(RuntimeError):
     """The waiting queue has no room for the request; retry after ``retry_after`` seconds."""
 
@@ -488,7 +495,10 @@ class ServingEngine:
         the rows a compact chunk ran (`_rows`; the slots' state holds stale copies of them)."""
         if self._pending is not None:
             fut, self._pending = self._pending, None
-            state, _, _, _, self._shared_ctx, rows = fut.result()
+            try:
+                state, _, _, _, self._shared_ctx, rows = fut.result()
+            except Exception as e:  # noqa: BLE001 - raised again, as the chunk's
+                raise _ChunkFailed(e) from e
             if rows is None:
                 self._state = state
             else:
@@ -940,13 +950,16 @@ class ServingEngine:
                 self._apply_shared()
                 self.state  # noqa: B018 - the last chunk's state taken: its outputs let go
         except Exception as e:  # noqa: BLE001 - fail the active requests, keep serving
-            log.exception("decode chunk failed")
+            if isinstance(e, _ChunkFailed):
+                e = e.__cause__
+            log.exception("decode chunk failed", exc_info=e)
             self._inflight.clear()
             for s in [s for s in self.slots if s is not None]:
                 self._fail(s, f"decoding failed: {type(e).__name__}: {e}")
             self._stop_rows.clear()
             self._started.clear()
             self._mixed_run = 0
+            self.state = None  # (the old pool goes before a new one is made)
             self.state = self._fresh_state()
         return True
 
@@ -971,12 +984,15 @@ class ServingEngine:
         """Prefills the admitted sequences into their slots and starts their rows (one update of
         the device state for all of them); a sequence whose admission fails fails alone."""
         rows, last, budget, seeds, firsts = [], [], [], [], []
-        for b, s in admits:
+        for i, (b, s) in enumerate(admits):
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(s)
                 ids = s.prompt_ids
                 self.state = self.decoder.prefill_row(self.state, b, ids[:-1])
+            except _ChunkFailed:  # the chunk before failed: this one and the rest wait
+                self._requeue([t for _, t in admits[i:]])
+                raise
             except Exception as e:  # noqa: BLE001 - fail this request only
                 log.exception("admitting sequence %d failed", s.id)
                 self._fail(s, f"prefill failed: {type(e).__name__}: {e}")
@@ -1020,7 +1036,7 @@ class ServingEngine:
         new) and queues their prefill; a sequence for which blocks are short waits (first in
         line) until blocks free up."""
         back = []
-        for b, s in admits:
+        for i, (b, s) in enumerate(admits):
             if back:  # keep the order: nothing is admitted past a sequence that waits
                 back.append(s)
                 continue
@@ -1028,6 +1044,9 @@ class ServingEngine:
                 if self.fault_hook is not None:
                     self.fault_hook(s)
                 ok = self._map_blocks(b, s)
+            except _ChunkFailed:  # the chunk before failed: this one and the rest wait
+                self._requeue([t for _, t in admits[i:]])
+                raise
             except Exception as e:  # noqa: BLE001 - fail this request only
                 log.exception("admitting sequence %d failed", s.id)
                 self._fail(s, f"prefill failed: {type(e).__name__}: {e}")
@@ -1049,9 +1068,13 @@ class ServingEngine:
             self.m["sequences_admitted"] += 1
         self._note_running()
         self._admit_short = bool(back)
-        if back:
+        self._requeue(back)
+
+    def _requeue(self, seqs):
+        """Puts ``seqs`` back at the head of the queue, in their order."""
+        if seqs:
             with self._cv:
-                self.waiting.extendleft(reversed(back))
+                self.waiting.extendleft(reversed(seqs))
 
     def _note_running(self):
         self.running_peak = max(self.running_peak, sum(s is not None for s in self.slots))
@@ -1086,6 +1109,12 @@ class ServingEngine:
             return False
         s.blocks = hit + new
         s.filled = len(hit) * self.page_size
+        try:  # (first: a failed chunk surfaces here, before anything is counted)
+            self._tables({b: s.blocks})
+        except BaseException:
+            bm.release(s.blocks)
+            s.blocks = []
+            raise
         if first:
             s.counted = True
             s.cached_tokens = s.filled
@@ -1094,7 +1123,6 @@ class ServingEngine:
             self.m["prefix_hit_tokens"] += s.filled
             self.m["prompt_tokens"] += len(s.prompt_ids)
             self.m["prefill_tokens"] += len(s.fill) - s.filled
-        self._tables({b: s.blocks})
         return True
 
     def _late_hits(self, s: Sequence):
@@ -1254,6 +1282,8 @@ class ServingEngine:
             try:
                 self.state = self.decoder.prefill_paged_row(
                     self.state, b, s.fill[s.filled:s.filled + n], s.filled)
+            except _ChunkFailed:
+                raise
             except Exception as e:  # noqa: BLE001 - fail this request only
                 log.exception("prefill of sequence %d failed", s.id)
                 self._fail(s, f"prefill failed: {type(e).__name__}: {e}")
@@ -1478,9 +1508,8 @@ class ServingEngine:
         s.filled = 0
         s.preemptions += 1
         self.m["preemptions"] += 1
+        self._requeue([s])  # (first: a failure writing the table below must not lose it)
         self._tables({b: []})
-        with self._cv:
-            self.waiting.appendleft(s)
 
     def _step(self, mix: int = 0):
         """Dispatches the next chunk, then handles the previous chunk's tokens while it runs (the

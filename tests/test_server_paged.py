@@ -566,3 +566,43 @@ def test_a_paged_server_prefills_larger_chunks_on_an_accelerator(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert serving.default_prefill_chunk(True) == serving.SERVE_PREFILL_CHUNK > DEFAULT_PREFILL_CHUNK
     assert serving.default_prefill_chunk(False) == DEFAULT_PREFILL_CHUNK
+
+
+@pytest.mark.parametrize("page_size", [None, 8], ids=["dense", "paged"])
+def test_a_failed_chunk_fails_its_sequences_not_the_next_admitted(model, page_size):
+    """A decode chunk that fails on the device thread surfaces where the engine next takes the
+    slots' state: here, admitting a request queued while the chunk ran. The failure goes to the
+    sequence that was in the chunk; the request being admitted waits, is admitted on the fresh
+    state, and completes with `generate`'s tokens (before, it failed with the chunk's error)."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    prompts = [rng.integers(5, 60, size=int(n)).tolist() for n in rng.integers(6, 30, size=2)]
+    ref = jaxspec.generate(model, prompts[1:], max_new_tokens=10).tokens
+    e = ServingEngine(model, max_batch=2, max_len=96, rounds_per_chunk=2, page_size=page_size)
+    opts = [SamplingOptions(max_tokens=n, temperature=0) for n in (40, 10)]
+    first, late = (Sequence(p, o) for p, o in zip(prompts, opts))
+    armed, chunks = [], []
+    real = e.decoder.call_chunk
+
+    def faulty(*a, **kw):  # (on the device thread)
+        if armed:
+            armed.clear()
+            time.sleep(0.2)  # the engine thread reaches the next admission meanwhile
+            raise RuntimeError("injected device fault")
+        return real(*a, **kw)
+    e.decoder.call_chunk = faulty
+
+    def before_chunk(active):  # (on the engine thread, before it dispatches a chunk)
+        chunks.append(len(active))
+        if len(chunks) == 3:
+            e.submit([late])  # queued while the failing chunk runs
+            armed.append(True)
+    e.step_fault_hook = before_chunk
+    e.start(variants=[(True, False)])
+    try:
+        e.submit([first])
+        assert first.finished.wait(600) and late.finished.wait(600)
+    finally:
+        e.stop()
+    assert first.error is not None and "injected device fault" in first.error, first.error
+    assert late.error is None, late.error
+    assert late.tokens == ref[0]

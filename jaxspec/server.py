@@ -1189,7 +1189,8 @@ def add_arguments(p: argparse.ArgumentParser):
                         "--prefill-budget is given)")
     p.add_argument("--fill-first", type=nonneg_float, default=None,
                    help="paged: while no request decodes, a request whose prompt is in waits "
-                        "(at most this many seconds) for the others being prefilled, and they "
+                        "(at most this many seconds) for the others being prefilled or queued "
+                        "for a free slot, and they "
                         "start together: a burst of prompts fills at the full prefill rate and "
                         "no stream is slowed by another's prefill, at the cost of the early "
                         "prompts' time to first token (default: %s with --page-size); 0: off"

@@ -46,6 +46,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -851,15 +852,22 @@ class ServingEngine:
         """Runs a chunk on ``state`` (the slots', or with ``rows`` the state of those rows alone,
         whose outputs are spread over the slots; with ``pieces`` a mixed chunk)."""
         try:
-            max_rounds = jnp.int32(rounds)
-            jax.block_until_ready(state)  # what was dispatched before (prefills, row updates)
-        finally:
-            started.set()
-        t = time.perf_counter()
-        state, outs = self.decoder.call_chunk(program, sp, state, max_rounds, pieces)
-        if rows is not None:
-            outs = spread_outputs(outs, jnp.asarray(rows), batch=self.B)
-        jax.block_until_ready(outs)
+            try:
+                max_rounds = jnp.int32(rounds)
+                jax.block_until_ready(state)  # what was dispatched before (prefills, row updates)
+            finally:
+                started.set()
+            t = time.perf_counter()
+            state, outs = self.decoder.call_chunk(program, sp, state, max_rounds, pieces)
+            if rows is not None:
+                outs = spread_outputs(outs, jnp.asarray(rows), batch=self.B)
+            jax.block_until_ready(outs)
+        except BaseException as e:
+            # the error's traceback keeps the frames it passed: not the pool with them (an engine
+            # that recovers makes a fresh pool, and a second one may not fit in the device)
+            state = None
+            traceback.clear_frames(e.__traceback__)
+            raise
         shared = getattr(state.cache, "shared", None)
         if shared is not None:
             state = state.replace(cache=state.cache.replace(shared=None))
@@ -950,17 +958,21 @@ class ServingEngine:
                 self._apply_shared()
                 self.state  # noqa: B018 - the last chunk's state taken: its outputs let go
         except Exception as e:  # noqa: BLE001 - fail the active requests, keep serving
-            if isinstance(e, _ChunkFailed):
-                e = e.__cause__
-            log.exception("decode chunk failed", exc_info=e)
-            self._inflight.clear()
-            for s in [s for s in self.slots if s is not None]:
-                self._fail(s, f"decoding failed: {type(e).__name__}: {e}")
-            self._stop_rows.clear()
-            self._started.clear()
-            self._mixed_run = 0
-            self.state = None  # (the old pool goes before a new one is made)
-            self.state = self._fresh_state()
+            cause = e.__cause__ if isinstance(e, _ChunkFailed) else e
+            log.error("decode chunk failed", exc_info=cause)
+            failed = f"decoding failed: {type(cause).__name__}: {cause}"
+            del cause
+        else:
+            return True
+        # (out of the except block: the error and its frames let go of the old pool first)
+        self._inflight.clear()
+        for s in [s for s in self.slots if s is not None]:
+            self._fail(s, failed)
+        self._stop_rows.clear()
+        self._started.clear()
+        self._mixed_run = 0
+        self.state = None  # (the old pool goes before a new one is made)
+        self.state = self._fresh_state()
         return True
 
     def _fresh_state(self):
@@ -1282,8 +1294,6 @@ class ServingEngine:
             try:
                 self.state = self.decoder.prefill_paged_row(
                     self.state, b, s.fill[s.filled:s.filled + n], s.filled)
-            except _ChunkFailed:
-                raise
             except Exception as e:  # noqa: BLE001 - fail this request only
                 log.exception("prefill of sequence %d failed", s.id)
                 self._fail(s, f"prefill failed: {type(e).__name__}: {e}")

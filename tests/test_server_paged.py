@@ -584,9 +584,8 @@ def test_a_failed_chunk_fails_its_sequences_not_the_next_admitted(model, page_si
     real = e.decoder.call_chunk
 
     def faulty(*a, **kw):  # (on the device thread)
-        if armed:
+        if armed:  # (the engine thread's next admission waits for this chunk's result)
             armed.clear()
-            time.sleep(0.2)  # the engine thread reaches the next admission meanwhile
             raise RuntimeError("injected device fault")
         return real(*a, **kw)
     e.decoder.call_chunk = faulty
@@ -606,3 +605,43 @@ def test_a_failed_chunk_fails_its_sequences_not_the_next_admitted(model, page_si
     assert first.error is not None and "injected device fault" in first.error, first.error
     assert late.error is None, late.error
     assert late.tokens == ref[0]
+
+
+@pytest.mark.parametrize("page_size", [None, 8], ids=["dense", "paged"])
+def test_a_failed_chunk_lets_go_of_the_old_pool_first(model, page_size):
+    """After a chunk fails (here before its program took the state), the engine recovers on a
+    fresh state; while it makes that one, no array of the old pool is alive (on a device whose
+    pool is sized to its memory, two would not fit). The check can fail: the failure's
+    traceback passes through frames that hold the state."""
+    import jax
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    e = ServingEngine(model, max_batch=2, max_len=96, rounds_per_chunk=2, page_size=page_size)
+    seq = Sequence(rng.integers(5, 60, size=12).tolist(),
+                   SamplingOptions(max_tokens=40, temperature=0))
+    armed, chunks, shape, alive = [], [], [], []
+    real_call, real_fresh = e.decoder.call_chunk, e._fresh_state
+
+    def faulty(*a, **kw):  # (its frame holds the state)
+        if armed:
+            armed.clear()
+            raise RuntimeError("injected device fault")
+        return real_call(*a, **kw)
+
+    def before_chunk(active):
+        chunks.append(1)
+        if len(chunks) == 3:
+            shape.append(e._state.cache.k.shape)
+            armed.append(True)
+
+    def fresh():
+        alive.append(sum(a.shape == shape[0] for a in jax.live_arrays()))
+        return real_fresh()
+    e.decoder.call_chunk, e.step_fault_hook, e._fresh_state = faulty, before_chunk, fresh
+    e.start(variants=[(True, False)])
+    try:
+        e.submit([seq])
+        assert seq.finished.wait(600)
+    finally:
+        e.stop()
+    assert seq.error is not None and "injected device fault" in seq.error, seq.error
+    assert alive == [0], alive

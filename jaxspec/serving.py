@@ -193,7 +193,8 @@ class Sequence:
         self.fill_keys: list[bytes] = []  # the prefix keys of its full blocks (`BlockManager.keys`)
         self.filled = 0  # of which are in the cache
         self.preemptions = 0
-        self.counted = False  # its prompt is in the metrics (paged admission may be retried)
+        self.counted = False  # its prompt is in the metrics (admission may be retried)
+        self.retried = False  # it started over after a failed chunk (it does so once)
         self.held = False  # its prompt is in, and it waits for others' (fill_first)
         self.t_first: float | None = None
         self.t_done: float | None = None
@@ -957,7 +958,7 @@ class ServingEngine:
                 self._share([])  # nothing runs: no shared context is held
                 self._apply_shared()
                 self.state  # noqa: B018 - the last chunk's state taken: its outputs let go
-        except Exception as e:  # noqa: BLE001 - fail the active requests, keep serving
+        except Exception as e:  # noqa: BLE001 - fail the streaming requests, keep serving
             cause = e.__cause__ if isinstance(e, _ChunkFailed) else e
             log.error("decode chunk failed", exc_info=cause)
             failed = f"decoding failed: {type(cause).__name__}: {cause}"
@@ -966,8 +967,16 @@ class ServingEngine:
             return True
         # (out of the except block: the error and its frames let go of the old pool first)
         self._inflight.clear()
+        again = []
         for s in [s for s in self.slots if s is not None]:
-            self._fail(s, failed)
+            if s.tokens or s.retried:
+                self._fail(s, failed)
+            else:  # nothing streamed yet: it starts over on the fresh state (once)
+                self._release(s)
+                s.retried, s.held = True, False
+                s.fill, s.fill_keys, s.filled = [], [], 0
+                again.append(s)
+        self._requeue(sorted(again, key=lambda s: s.t_submit))
         self._stop_rows.clear()
         self._started.clear()
         self._mixed_run = 0
@@ -1025,9 +1034,11 @@ class ServingEngine:
             self.slots[b] = s
             s.slot = b
             self._stop_rows.discard(b)  # that stop was the row's last sequence's
-            self.m["prompt_tokens"] += len(ids)
             self.m["sequences_admitted"] += 1
-            self.m["prefill_tokens"] += len(ids) - 1
+            if not s.counted:  # (admitted again after a failed chunk: counted once)
+                s.counted = True
+                self.m["prompt_tokens"] += len(ids)
+                self.m["prefill_tokens"] += len(ids) - 1
         self._note_running()
         if rows:
             pad = self.B - len(rows)  # one shape for any number of admissions

@@ -645,3 +645,40 @@ def test_a_failed_chunk_lets_go_of_the_old_pool_first(model, page_size):
         e.stop()
     assert seq.error is not None and "injected device fault" in seq.error, seq.error
     assert alive == [0], alive
+
+
+def test_a_failed_chunk_starts_over_the_sequences_that_streamed_nothing(model):
+    """A chunk fails while one sequence streams and another's prompt still fills (whole prefill
+    steps of 16 tokens between chunks): the streaming one fails; the filling one, which has
+    shown nothing, starts over on the fresh state and completes with `generate`'s tokens. A
+    second failure fails it (it starts over once). Before, both failed."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    prompts = [rng.integers(5, 60, size=9).tolist(), rng.integers(5, 60, size=70).tolist()]
+    ref = jaxspec.generate(model, prompts[1:], max_new_tokens=8).tokens
+    for faults in (1, 2):
+        e = ServingEngine(model, max_batch=2, max_len=120, rounds_per_chunk=2,
+                          prefill_chunk=16, page_size=8, prefill_budget=16, fill_first=0)
+        seqs = [Sequence(p, SamplingOptions(max_tokens=n, temperature=0))
+                for p, n in zip(prompts, (40, 8))]
+        seen = []
+
+        def before_chunk(active, seqs=seqs, seen=seen, faults=faults):
+            seen.append((bool(seqs[0].tokens), seqs[1].filled < len(seqs[1].fill)))
+            if len(seen) == 3 or faults == 2 and seqs[1].retried and seqs[1] in active:
+                raise FloatingPointError("injected decode fault")
+        e.step_fault_hook = before_chunk
+        e.start(variants=[(True, False)])
+        try:
+            e.pause_admission()
+            e.submit(seqs)
+            e.resume_admission()
+            assert all(s.finished.wait(600) for s in seqs)
+        finally:
+            e.stop()
+        assert seen[2] == (True, True), seen  # the fault: one streams, one fills
+        assert "injected decode fault" in (seqs[0].error or ""), seqs[0].error
+        assert seqs[1].retried
+        if faults == 1:
+            assert seqs[1].error is None and seqs[1].tokens == ref[0], seqs[1].error
+        else:
+            assert "injected decode fault" in (seqs[1].error or ""), seqs[1].error

@@ -123,6 +123,16 @@ class _ChunkFailed(Exception):
     chunk, not to the one being admitted."""
 
 
+def _clear_frames(e: BaseException):
+    """Clears the locals of the finished frames in ``e``'s traceback and in those of the
+    exceptions it was raised from (JAX keeps its own frames in the cause)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+
+
 class QueueFull(RuntimeError):
     """The waiting queue has no room for the request; retry after ``retry_after`` seconds."""
 
@@ -867,7 +877,7 @@ class ServingEngine:
             # the error's traceback keeps the frames it passed: not the pool with them (an engine
             # that recovers makes a fresh pool, and a second one may not fit in the device)
             state = None
-            traceback.clear_frames(e.__traceback__)
+            _clear_frames(e)
             raise
         shared = getattr(state.cache, "shared", None)
         if shared is not None:
@@ -969,12 +979,13 @@ class ServingEngine:
         self._inflight.clear()
         again = []
         for s in [s for s in self.slots if s is not None]:
-            if s.tokens or s.retried:
+            if s.tokens or s.retried or s.slot in self._started:
                 self._fail(s, failed)
-            else:  # nothing streamed yet: it starts over on the fresh state (once)
+            else:  # its prompt still filled (no row of it decoded): it starts over, once
                 self._release(s)
                 s.retried, s.held = True, False
                 s.fill, s.fill_keys, s.filled = [], [], 0
+                s.cached_tokens = 0
                 again.append(s)
         self._requeue(sorted(again, key=lambda s: s.t_submit))
         self._stop_rows.clear()
@@ -1138,9 +1149,10 @@ class ServingEngine:
             bm.release(s.blocks)
             s.blocks = []
             raise
+        if s.preemptions == 0:
+            s.cached_tokens = s.filled
         if first:
             s.counted = True
-            s.cached_tokens = s.filled
             bm.count_lookup(len(s.fill), s.filled)
             self.m["prefix_query_tokens"] += len(s.fill)
             self.m["prefix_hit_tokens"] += s.filled
@@ -1165,6 +1177,7 @@ class ServingEngine:
         s.filled = len(hit) * self.page_size
         if s.preemptions == 0:
             s.cached_tokens += gained
+        if s.preemptions == 0 and not s.retried:
             bm.count_lookup(0, gained)
             self.m["prefix_hit_tokens"] += gained
             self.m["prefill_tokens"] -= gained

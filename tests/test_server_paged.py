@@ -651,7 +651,7 @@ def test_a_failed_chunk_starts_over_the_sequences_that_streamed_nothing(model):
     """A chunk fails while one sequence streams and another's prompt still fills (whole prefill
     steps of 16 tokens between chunks): the streaming one fails; the filling one, which has
     shown nothing, starts over on the fresh state and completes with `generate`'s tokens. A
-    second failure fails it (it starts over once). Before, both failed."""
+    second failure, once it decodes, fails it. Before, both failed."""
     rng = np.random.default_rng(random.randrange(1 << 30))
     prompts = [rng.integers(5, 60, size=9).tolist(), rng.integers(5, 60, size=70).tolist()]
     ref = jaxspec.generate(model, prompts[1:], max_new_tokens=8).tokens
@@ -682,3 +682,44 @@ def test_a_failed_chunk_starts_over_the_sequences_that_streamed_nothing(model):
             assert seqs[1].error is None and seqs[1].tokens == ref[0], seqs[1].error
         else:
             assert "injected decode fault" in (seqs[1].error or ""), seqs[1].error
+
+
+def test_a_sequence_that_starts_over_reports_the_fresh_pools_cached_tokens(model):
+    """Two prompts share a 48-token prefix; the second finds the first's blocks once they are
+    cached (late hits, 48 tokens) and fills its own 40 tokens in steps of 16. A chunk fails
+    while the first decodes (it fails) and the second still fills: the second starts over on a
+    fresh pool, where nothing is cached. The reused tokens it reports are the fresh pool's, 0
+    (the old pool's 48, before), the prefix metrics count its lookup once, and its tokens are
+    `generate`'s."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    shared = rng.integers(5, 60, size=48).tolist()
+    prompts = [rng.integers(5, 60, size=9).tolist(), shared + rng.integers(5, 60, size=4).tolist(),
+               shared + rng.integers(5, 60, size=40).tolist()]
+    ref = jaxspec.generate(model, prompts[2:], max_new_tokens=6).tokens
+    e = ServingEngine(model, max_batch=3, max_len=120, rounds_per_chunk=2, prefill_chunk=16,
+                      page_size=8, prefill_budget=16, fill_first=0)
+    a, b, c = seqs = [Sequence(p, SamplingOptions(max_tokens=n, temperature=0))
+                      for p, n in zip(prompts, (40, 6, 6))]
+    fired = []
+
+    def before_chunk(active):
+        if not fired and c.cached_tokens > 0 and c.slot is not None and \
+                c.slot not in e._started:
+            fired.append((c.cached_tokens, b.slot in e._started))
+            raise FloatingPointError("injected decode fault")
+    e.step_fault_hook = before_chunk
+    e.start(variants=[(True, False)])
+    try:
+        e.pause_admission()
+        e.submit(seqs)
+        e.resume_admission()
+        assert all(s.finished.wait(600) for s in seqs)
+        m = e.metrics()
+    finally:
+        e.stop()
+    assert fired == [(48, True)], fired  # the first decoding, the second filling after its hits
+    assert "injected decode fault" in (b.error or ""), b.error
+    assert c.retried and c.error is None and c.tokens == ref[0], c.error
+    assert c.cached_tokens == 0, c.cached_tokens
+    assert m["prefix_hit_tokens"] == 48, m
+    assert m["prefix_query_tokens"] == sum(len(p) - 1 for p in prompts), m

@@ -320,8 +320,8 @@ class Faults:
         self.mark = engine.tokenizer.convert_tokens_to_ids(MARK)
         self.admission_hits = 0
         self.step_faults = 0
-        # sequences holding a slot when a chunk failed, that had streamed or started over once
-        # already (the others start over on the fresh state)
+        # sequences holding a slot when a chunk failed that decoded, streamed or started over
+        # once already (the others, whose prompts still filled, start over on the fresh state)
         self.step_victims = 0
         self.chunks = 0
 
@@ -334,8 +334,9 @@ class Faults:
         self.chunks += 1
         if self.step_faults < self.max_step and self.rng.random() < self.p_step:
             self.step_faults += 1
-            self.step_victims += sum(s is not None and bool(s.tokens or s.retried)
-                                     for s in self.engine.slots)
+            self.step_victims += sum(
+                s is not None and bool(s.tokens or s.retried or s.slot in self.engine._started)
+                for s in self.engine.slots)
             raise FloatingPointError(STEP_FAULT)
 
     def __enter__(self):

@@ -23,6 +23,21 @@ def _wait(seqs, timeout=600):
         assert s.error is None, s.error
 
 
+def _serve_together(e, seqs, before_chunk) -> dict:
+    """Starts ``e`` with ``before_chunk`` as its step hook, submits ``seqs`` together, waits for
+    all of them to end (failed or not) and stops it; returns its metrics."""
+    e.step_fault_hook = before_chunk
+    e.start(variants=[(True, False)])
+    try:
+        e.pause_admission()
+        e.submit(seqs)
+        e.resume_admission()
+        assert all(s.finished.wait(600) for s in seqs)
+        return e.metrics()
+    finally:
+        e.stop()
+
+
 @pytest.fixture(scope="module")
 def model():
     return served_model(eos=False)
@@ -666,15 +681,7 @@ def test_a_failed_chunk_starts_over_the_sequences_that_streamed_nothing(model):
             seen.append((bool(seqs[0].tokens), seqs[1].filled < len(seqs[1].fill)))
             if len(seen) == 3 or faults == 2 and seqs[1].retried and seqs[1] in active:
                 raise FloatingPointError("injected decode fault")
-        e.step_fault_hook = before_chunk
-        e.start(variants=[(True, False)])
-        try:
-            e.pause_admission()
-            e.submit(seqs)
-            e.resume_admission()
-            assert all(s.finished.wait(600) for s in seqs)
-        finally:
-            e.stop()
+        _serve_together(e, seqs, before_chunk)
         assert seen[2] == (True, True), seen  # the fault: one streams, one fills
         assert "injected decode fault" in (seqs[0].error or ""), seqs[0].error
         assert seqs[1].retried
@@ -707,16 +714,7 @@ def test_a_sequence_that_starts_over_reports_the_fresh_pools_cached_tokens(model
                 c.slot not in e._started:
             fired.append((c.cached_tokens, b.slot in e._started))
             raise FloatingPointError("injected decode fault")
-    e.step_fault_hook = before_chunk
-    e.start(variants=[(True, False)])
-    try:
-        e.pause_admission()
-        e.submit(seqs)
-        e.resume_admission()
-        assert all(s.finished.wait(600) for s in seqs)
-        m = e.metrics()
-    finally:
-        e.stop()
+    m = _serve_together(e, seqs, before_chunk)
     assert fired == [(48, True)], fired  # the first decoding, the second filling after its hits
     assert "injected decode fault" in (b.error or ""), b.error
     assert c.retried and c.error is None and c.tokens == ref[0], c.error

@@ -73,6 +73,10 @@ class BlockManager:
             found.append(b)
         return found
 
+    def holds(self, key: bytes) -> bool:
+        """Whether a block is cached under the prefix key ``key`` (one of `keys`)."""
+        return key in self._block_of
+
     # ------------------------------------------------------------------ references
     def acquire(self, blocks: Sequence[int]) -> None:
         for b in blocks:

@@ -297,8 +297,8 @@ class ServingEngine:
         given); 0: off. Not on a mesh.
     fill_first: paged: while no sequence decodes, a sequence whose prompt is in waits (at most
         this many seconds since the first one did, and only while the prompt tokens left take
-        no longer than the time left at the measured prefill rate; never one resumed after a
-        preemption) for the others being prefilled or queued for the free slots (a burst's
+        no longer than the time left at the measured prefill rate, a prefix they share or the
+        prefix cache holds counted once; never one resumed after a preemption) for the others being prefilled or queued for the free slots (a burst's
         requests arrive over a while), and they start decoding together: a burst
         of prompts fills at the full prefill rate, with no stream slowed by another's prefill
         (with mixed pieces, a round that carries a piece takes several times a plain round;
@@ -1119,13 +1119,7 @@ class ServingEngine:
         allocated; False (nothing taken) when the pool is short."""
         bm = self.blocks
         first = s.preemptions == 0 and not s.counted
-        # the cache holds all but the last token (it is fed to the next step)
-        fill = (s.prompt_ids + s.tokens)[:-1]
-        if len(fill) != len(s.fill) or not s.fill_keys and len(fill) >= self.page_size:
-            # hashed once (a sequence waiting for blocks tries again every pass of the loop;
-            # its tokens only grow, so the same length is the same tokens)
-            s.fill_keys = bm.keys(fill)
-        s.fill = fill
+        self._fill_of(s)
         hit = bm.lookup(s.fill, s.fill_keys)
         need = -(-(len(s.fill) + 1) // self.page_size)
         bm.acquire(hit)
@@ -1159,6 +1153,16 @@ class ServingEngine:
             self.m["prompt_tokens"] += len(s.prompt_ids)
             self.m["prefill_tokens"] += len(s.fill) - s.filled
         return True
+
+    def _fill_of(self, s: Sequence) -> None:
+        """``s.fill`` (the tokens its row's cache must hold before decoding: all but the last,
+        which is fed to the next step) and ``s.fill_keys`` for its current tokens, hashed once
+        (a sequence waiting for blocks tries again every pass of the loop; its tokens only grow,
+        so the same length is the same tokens)."""
+        fill = (s.prompt_ids + s.tokens)[:-1]
+        if len(fill) != len(s.fill) or not s.fill_keys and len(fill) >= self.page_size:
+            s.fill_keys = self.blocks.keys(fill)
+        s.fill = fill
 
     def _late_hits(self, s: Sequence):
         """Blocks of ``s``'s prefix cached since its admission (by a sequence prefilled before
@@ -1457,8 +1461,7 @@ class ServingEngine:
         left = self.fill_first - (now - self._held_since)
         if left <= 0:
             return False
-        todo = sum(len(s.fill) - s.filled for s in filling) + \
-            sum(len(s.prompt_ids) + len(s.tokens) for s in coming)
+        todo = self._fill_work(filling, coming)
         if self._prefill_rate is not None and todo / self._prefill_rate > left:
             log.info("fill-first: %d prompt tokens left at %.0f tokens/s take longer than the "
                      "%.1f s left: %d sequences start now", todo, self._prefill_rate, left,
@@ -1467,6 +1470,26 @@ class ServingEngine:
         for s in starts:
             s.held = True
         return True
+
+    def _fill_work(self, filling, coming) -> int:
+        """Prompt tokens left to prefill for the sequences ``filling`` (in slots, oldest first)
+        and ``coming`` (queued): a full block that the prefix cache holds, or that one of them
+        before it fills, is not counted again (a document or system prompt that a burst of
+        requests shares is prefilled once; the others take its blocks when their turn comes)."""
+        bm, P = self.blocks, self.page_size
+        seen: set[bytes] = set()
+        todo = 0
+        for s in list(filling) + list(coming):
+            filled = s.filled if s.blocks else 0
+            if not s.blocks:  # queued: its keys now, kept for its admission
+                self._fill_of(s)
+            keys = s.fill_keys
+            for k in keys[filled // P:]:
+                if k not in seen and not bm.holds(k):
+                    seen.add(k)
+                    todo += P
+            todo += max(len(s.fill) - max(len(keys) * P, filled), 0)  # its last, partial block
+        return todo
 
     def _coming(self) -> list:
         """The waiting sequences that the next pass admits into the free slots (a burst's

@@ -338,6 +338,48 @@ def test_a_burst_that_cannot_fill_in_time_is_not_held(model, monkeypatch, rate):
     assert m["held_sequences"] == (1 if rate == "unknown" else 0)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["together", "late"])
+def test_a_burst_that_shares_a_document_counts_it_once_when_it_holds(model, late):
+    """Four prompts, one 128-token document and a 40-token question each, into an idle paged
+    engine whose prefill is slow (0.1 s per 16-token call, ~150 tokens/s) with ``fill_first`` 2 s
+    (``late``: the other three queued only once the first is admitted). When the first prompt is
+    in, the document is cached: the three others have a question each left (~0.8 s at the
+    measured rate), not three documents and questions (~3.4 s, past the 2 s), so the first waits
+    for them and no stream runs while a prompt fills (counting each prompt whole, the first
+    started at once and the others filled under its stream). The tokens are `generate`'s."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    doc = rng.integers(5, 60, size=128).tolist()
+    prompts = [doc + rng.integers(5, 60, size=40).tolist() for _ in range(4)]
+    ref = jaxspec.generate(model, prompts, max_new_tokens=6).tokens
+    e = ServingEngine(model, max_batch=4, max_len=184, rounds_per_chunk=2, prefill_chunk=16,
+                      page_size=8, prefill_budget=16, fill_first=2.0)
+    real = e.decoder.prefill_paged_row
+
+    def slow(*a, **kw):
+        time.sleep(0.1)
+        return real(*a, **kw)
+    e.decoder.prefill_paged_row = slow
+    filling_at_chunks = []
+    e.step_fault_hook = lambda active: filling_at_chunks.append(
+        sum(s.filled < len(s.fill) for s in e.slots if s is not None) + len(e.waiting))
+    e.start(variants=[(True, False)])
+    try:
+        e.pause_admission()
+        seqs = [Sequence(p, SamplingOptions(max_tokens=6, temperature=0)) for p in prompts]
+        if late:
+            e.fault_hook = lambda s: e.submit(seqs[1:]) if s is seqs[0] else None
+        e.submit(seqs[:1] if late else seqs)
+        e.resume_admission()
+        _wait(seqs)
+        assert [s.tokens for s in seqs] == ref
+        m = e.metrics()
+    finally:
+        e.stop()
+    assert filling_at_chunks and not any(filling_at_chunks), filling_at_chunks
+    assert m["held_sequences"] >= 1, m
+    assert [s.cached_tokens for s in seqs[1:]] == [128] * 3  # the document, from the cache
+
+
 def test_fill_first_is_checked(model):
     with pytest.raises(ValueError, match="fill_first"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, fill_first=-1)

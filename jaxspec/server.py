@@ -57,6 +57,9 @@ from jaxspec.speculation import Speculation
 log = logging.getLogger("jaxspec.server")
 
 API_KEY_ENV = "JAXSPEC_API_KEY"
+# a non-streamed request looks this often whether its client is still there (a client that
+# hung up has its sequences cancelled)
+DISCONNECT_CHECK_SECONDS = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -978,14 +981,23 @@ async def _collect(engine, shutdown, entry, request, base, chat, return_ids, JSO
     texts = {s.tag: [] for s in seqs}
     finished: dict[int, dict] = {}
     gone = False
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + DISCONNECT_CHECK_SECONDS
     try:
         while len(finished) < len(seqs):
             try:
-                ev = await asyncio.wait_for(queue.get(), timeout=0.25)
+                ev = await asyncio.wait_for(queue.get(),
+                                            timeout=max(0.01, check_at - loop.time()))
             except asyncio.TimeoutError:
+                ev = None
+            # on a clock, not only when no token came: tokens flow while it decodes, and a
+            # client that hung up must not keep its rows decoding up to max_tokens
+            if loop.time() >= check_at:
+                check_at = loop.time() + DISCONNECT_CHECK_SECONDS
                 if await request.is_disconnected():  # the client hung up: not a server error
                     gone = True
                     break
+            if ev is None:
                 continue
             if ev["type"] == "delta":
                 texts[ev["tag"]].append(ev["text"])

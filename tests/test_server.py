@@ -401,12 +401,15 @@ def test_queue_full_is_503_with_retry_after(server):
         eng.resume_admission()
 
 
-def test_client_disconnect_frees_the_slot(model, server, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_client_disconnect_frees_the_slot(model, server, monkeypatch, stream):
+    """A client that hangs up mid-generation (after the first streamed event, or a client
+    timeout on a non-streamed request, while tokens keep coming) has its sequence cancelled."""
     eng = server.engine
     slow_step = eng._step
 
     def step(*args):  # slow the engine down so the stream is still running when we hang up
-        time.sleep(0.1)
+        time.sleep(0.1 if stream else 0.2)  # (tokens still come more often than the check)
         return slow_step(*args)
     monkeypatch.setattr(eng, "_step", step)
     # a greedy prompt that does not reach EOS within its budget: it can only end by the hang-up
@@ -415,14 +418,20 @@ def test_client_disconnect_frees_the_slot(model, server, monkeypatch):
     prompt = next((p for p, r in zip(prompts, refs) if 1 not in r), None)
     assert prompt is not None, "no prompt without EOS: pick other seeds"
     before = _metrics(server.url).get('jaxspec_sequences_finished_total{reason="cancelled"}', 0)
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        with c.stream("POST", "/v1/completions", json={
-                "prompt": prompt, "max_tokens": 100, "temperature": 0,
-                "stream": True}) as resp:
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    break  # hang up after the first chunk
+    if stream:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 100, "temperature": 0,
+                    "stream": True}) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        break  # hang up after the first chunk
+    else:
+        with httpx.Client(base_url=server.url, timeout=1.0) as c, \
+                pytest.raises(httpx.TimeoutException):
+            c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 100,
+                                            "temperature": 0})  # gives up after 1 s
     deadline = time.time() + 20
     while time.time() < deadline:
         m = _metrics(server.url)

@@ -256,7 +256,7 @@ def check_serve(a) -> None:
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_speculation(a)
-    for attr, lo, optional in (("max_batch", 1, True), ("max_len", 2, True), ("max_queue", 0, False),
+    for attr, lo, optional in (("max_batch", 1, True), ("max_len", 2, True), ("max_queue", 1, False),
                                ("rounds_per_chunk", 1, False), ("prefill_chunk", 1, True),
                                ("warmup_prefill", 0, False), ("page_size", 1, True),
                                ("kv_blocks", 1, True), ("prefill_budget", 1, True),

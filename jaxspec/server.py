@@ -159,6 +159,40 @@ def _opt(body: dict, name: str, kind: str, default=None, *, lo=None, hi=None, lo
     return v
 
 
+def _unsupported(body: dict, *, chat: bool) -> None:
+    """A 400 for a field of the OpenAI API that this server does not implement, unless it is
+    at its no-op value: answering as if it were honoured would give a client that relies on it
+    (banned tokens, JSON mode, tool calls) a plausible but wrong result."""
+    def refuse(name):
+        raise _bad(f"'{name}' is not supported by this server", name, "unsupported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _opt(body, name, "number", 0.0, lo=-2.0, hi=2.0):
+            refuse(name)
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise _bad("'logit_bias' must be an object", "logit_bias", "invalid_type")
+    if bias:
+        refuse("logit_bias")
+    if not chat and _opt(body, "suffix", "str", ""):
+        refuse("suffix")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise _bad("'response_format' must be an object", "response_format", "invalid_type")
+        if fmt.get("type", "text") != "text":
+            refuse("response_format")
+    if chat:
+        for name in ("tools", "functions"):
+            v = body.get(name)
+            if v is not None and not isinstance(v, list):
+                raise _bad(f"'{name}' must be a list", name, "invalid_type")
+            if v:
+                refuse(name)
+        for name in ("tool_choice", "function_call"):
+            if body.get(name) not in (None, "none"):
+                refuse(name)
+
+
 def _options(body: dict, engine: ServingEngine, limits: ServerLimits, *,
              chat: bool) -> tuple[SamplingOptions, int]:
     max_tokens = _opt(body, "max_tokens", "int", None, lo=1)
@@ -191,10 +225,16 @@ def _options(body: dict, engine: ServingEngine, limits: ServerLimits, *,
     if longest > limits.max_stop_chars:
         raise _bad(f"a 'stop' string has {longest} characters; at most "
                    f"{limits.max_stop_chars}", "stop", "invalid_value")
-    for name in ("logprobs", "top_logprobs"):
-        v = body.get(name)
-        if v is True or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
-            raise _bad(f"'{name}' is not supported by this server", name, "unsupported")
+    # log-probabilities: chat's 'logprobs' is a boolean; a completion's an int, where 0 already
+    # asks for the sampled tokens' own
+    if chat and _opt(body, "logprobs", "bool", False):
+        raise _bad("'logprobs' is not supported by this server", "logprobs", "unsupported")
+    if not chat and _opt(body, "logprobs", "int", None) is not None:
+        raise _bad("'logprobs' is not supported by this server", "logprobs", "unsupported")
+    if _opt(body, "top_logprobs", "int", 0, lo=0):
+        raise _bad("'top_logprobs' is not supported by this server", "top_logprobs",
+                   "unsupported")
+    _unsupported(body, chat=chat)
     if body.get("echo"):
         raise _bad("'echo' is not supported by this server", "echo", "unsupported")
     if body.get("best_of") not in (None, 1, n):
@@ -285,6 +325,10 @@ def _chat_messages(body: dict, limits: ServerLimits) -> list[dict]:
         elif not isinstance(c, str):
             raise _bad(f"messages[{i}].content must be a string or a list of text parts",
                        "messages", "invalid_type")
+        for name in ("tool_calls", "function_call"):
+            if m.get(name):
+                raise _bad(f"messages[{i}].{name}: tool calls are not supported by this server",
+                           "messages", "unsupported")
         if m["role"] not in _ROLES:
             raise _bad(f"messages[{i}].role {_preview(m['role'])} is not one of system, user, "
                        f"assistant, developer, tool", "messages", "invalid_value")
@@ -311,6 +355,11 @@ class HTTPStats:
         self.streams_disconnected = 0
 
 
+def _label(value) -> str:
+    """A Prometheus label value, escaped as its text format requires."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
                     shutdown: "Shutdown | None" = None) -> str:
     m = engine.metrics()
@@ -320,7 +369,7 @@ def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
         lines.append(f"# HELP jaxspec_{name} {help_}")
         lines.append(f"# TYPE jaxspec_{name} {kind}")
         for labels, v in samples:
-            lab = ",".join(f'{k}="{val}"' for k, val in labels.items())
+            lab = ",".join(f'{k}="{_label(val)}"' for k, val in labels.items())
             lines.append(f"jaxspec_{name}{{{lab}}} {float(v):.17g}" if lab else
                          f"jaxspec_{name} {float(v):.17g}")
 
@@ -409,7 +458,7 @@ def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
         metric("shutdown_cut_off_total", "counter", "Requests ended by the shutdown deadline.",
                [({}, shutdown.cut_off)])
     lines.append(f'# HELP jaxspec_model_info The served model.\n# TYPE jaxspec_model_info gauge\n'
-                 f'jaxspec_model_info{{model="{model_name}",gamma="{engine.gamma}"}} 1')
+                 f'jaxspec_model_info{{model="{_label(model_name)}",gamma="{engine.gamma}"}} 1')
     return "\n".join(lines) + "\n"
 
 
@@ -896,7 +945,10 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec", *, api_key: s
         so = body.get("stream_options")
         if so is not None and not isinstance(so, dict):
             raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
-        include_usage = bool(so and so.get("include_usage"))
+        if so is not None and not stream:  # (as OpenAI's API answers it)
+            raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options",
+                       "invalid_value")
+        include_usage = bool(so and _opt(so, "include_usage", "bool", False))
         return_ids = _opt(body, "return_token_ids", "bool", False)
         opts, n = _options(body, engine, limits, chat=chat)
         what = _chat_messages(body, limits) if chat else _completion_items(body, limits)

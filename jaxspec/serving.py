@@ -326,8 +326,9 @@ class ServingEngine:
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         compile_cache.enable()  # as generate: compiled chunks outlive the process
-        if max_batch < 1 or rounds_per_chunk < 1 or max_queue < 0:
-            raise ValueError("max_batch and rounds_per_chunk must be >= 1, max_queue >= 0")
+        if max_batch < 1 or rounds_per_chunk < 1 or max_queue < 1:
+            # (a queue of 0 would refuse every request: each one waits in it, if only briefly)
+            raise ValueError("max_batch, rounds_per_chunk and max_queue must be >= 1")
         if not chunk_seconds > 0:
             raise ValueError(f"chunk_seconds must be > 0, got {chunk_seconds!r}")
         del per_row  # every slot has its own key (kept for callers of the old signature)

@@ -137,7 +137,7 @@ def test_serve_convert_fetch_and_tree_search_arguments(ckpt: Path, tmp_path: Pat
         "--model": ["--model", str(tmp_path / "nowhere")],
         "--max-batch": [*m, "--max-batch", "0"],
         "--max-len": [*m, "--max-len", "1"],
-        "--max-queue": [*m, "--max-queue", "-1"],
+        "--max-queue": [*m, "--max-queue", "0"],
         "--prefill-chunk": [*m, "--prefill-chunk", "0"],
         "--mixed-prefill": [*m, "--mixed-prefill", "-1"],
         "--port": [*m, "--port", "70000"],

@@ -349,6 +349,42 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400,
      "maximum context length is 160"),
     ("/v1/nothing", {}, 404, "Not Found"),
+    # fields of the OpenAI API this server does not implement: refused unless at their no-op
+    # value (`test_no_op_values_of_unimplemented_fields_are_accepted`)
+    ("/v1/completions", {"prompt": "a", "logprobs": 0}, 400, "'logprobs' is not supported"),
+    ("/v1/completions", {"prompt": "a", "logprobs": "yes"}, 400, "'logprobs' must be an integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+     400, "'logprobs' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1},
+     400, "'logprobs' must be a boolean"),
+    ("/v1/completions", {"prompt": "a", "top_logprobs": 2}, 400, "'top_logprobs' is not"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": -100}}, 400,
+     "'logit_bias' is not supported"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": [5]}, 400, "'logit_bias' must be an object"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400,
+     "'presence_penalty' is not supported"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 5}, 400,
+     "'presence_penalty' must be <= 2.0"),
+    ("/v1/completions", {"prompt": "a", "frequency_penalty": "x"}, 400,
+     "'frequency_penalty' must be a number"),
+    ("/v1/completions", {"prompt": "a", "suffix": "end"}, 400, "'suffix' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400,
+     "'response_format' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "'tools' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": "required"}, 400, "'tool_choice' is not supported"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]},
+     400, "tool calls are not supported"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400,
+     "'stream_options' is only allowed with 'stream': true"),
+    ("/v1/completions", {"prompt": "a", "stream": True,
+                         "stream_options": {"include_usage": "false"}}, 400,
+     "'include_usage' must be a boolean"),
 ]
 
 
@@ -361,6 +397,31 @@ def test_bad_input(server, path, body, status, msg):
     err = r.json()["error"]
     assert msg in err["message"], err
     assert set(err) >= {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_no_op_values_of_unimplemented_fields_are_accepted(server, chat):
+    """What OpenAI's clients send by default (or to say "none") is not refused."""
+    body = {"max_tokens": 2, "temperature": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logit_bias": {}, "response_format": {"type": "text"}, "top_logprobs": 0}
+    if chat:
+        body.update(messages=[{"role": "user", "content": "hello"}], tools=[],
+                    tool_choice="none", logprobs=False)
+    else:
+        body.update(prompt="hello", suffix=None, logprobs=None)
+    r = httpx.post(server.url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                   json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_metrics_escape_the_model_name(server):
+    """A served model name with a quote, a backslash and a newline stays one label value (the
+    text format escapes them as \\", \\\\ and \\n); a raw quote broke every scrape."""
+    from jaxspec.server import HTTPStats, prometheus_text
+    text = prometheus_text(server.engine, HTTPStats(), 'my"model\\x\nname')
+    line = next(x for x in text.splitlines() if x.startswith("jaxspec_model_info{"))
+    assert line.startswith('jaxspec_model_info{model="my\\"model\\\\x\\nname",gamma="'), line
+    assert line.endswith("} 1")
 
 
 def test_bad_input_never_takes_the_server_down(server, client):

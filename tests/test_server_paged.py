@@ -380,6 +380,12 @@ def test_a_burst_that_shares_a_document_counts_it_once_when_it_holds(model, late
     assert [s.cached_tokens for s in seqs[1:]] == [128] * 3  # the document, from the cache
 
 
+@pytest.mark.parametrize("kw", [dict(max_batch=0), dict(rounds_per_chunk=0), dict(max_queue=0)])
+def test_engine_sizes_are_checked(model, kw):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ServingEngine(model, **{"max_batch": 2, "max_len": 64, **kw})
+
+
 def test_fill_first_is_checked(model):
     with pytest.raises(ValueError, match="fill_first"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, fill_first=-1)

@@ -676,7 +676,8 @@ def check_answers(model, server, plans, outs, tok, eos, independent: bool) -> di
     with httpx.Client(base_url=server.url, timeout=120) as c:
         for i, (p, o) in enumerate(zip(plans, outs)):
             if (p.greedy or p.seeded) and not p.marked and (o.done or o.texts):
-                r = c.post(p.path, json={**p.body, "stream": False})
+                alone_body = {k: v for k, v in p.body.items() if k != "stream_options"}
+                r = c.post(p.path, json={**alone_body, "stream": False})
                 assert r.status_code == 200, (i, p.body, r.text)
                 alone[i] = _choices(p, r)
     compared["replay_seconds"] = round(time.perf_counter() - t0, 1)

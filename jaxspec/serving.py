@@ -1714,7 +1714,7 @@ class ServingEngine:
             return
         if s.t_first is None and new:
             s.t_first = time.perf_counter()
-        finish = None
+        finish, cut_here = None, False  # (cut_here: a stop string ended the text)
         if device_done:
             finish = "stop" if (new and new[-1] in self.stop_ids) else "length"
         for t, f in zip(new, flags):
@@ -1741,12 +1741,36 @@ class ServingEngine:
                     if cut is not None:
                         s.text = s.text[:cut]
                         finish = "stop"
+                        cut_here = True
                         break
+        if finish is not None and not cut_here and self.tokenizer is not None:
+            self._last_piece(s)
         if finish is not None:
             self._flush(s, final=True)
             self._finish(s, finish)
         else:
             self._flush(s, final=False)
+
+    def _last_piece(self, s: Sequence):
+        """At the end of a sequence, the text of its last tokens that was held back because it
+        ended in the middle of a character (bytes of a byte-level tokenizer): it ends the text as
+        the tokenizer decodes it (with its replacement character), as `jaxspec.generate`'s text
+        does, rather than being dropped while its tokens are counted."""
+        toks = s.tokens[:-1] if s.tokens and s.tokens[-1] in self.stop_ids else s.tokens
+        if len(toks) <= s._ro:
+            return
+        prefix = self._decode(toks[s._po:s._ro])
+        full = self._decode(toks[s._po:])
+        if len(full) <= len(prefix) or not full.startswith(prefix):
+            return
+        piece = full[len(prefix):]
+        s._po, s._ro = s._ro, len(toks)
+        s.text += piece
+        s._pieces.append((len(s.text), bool(s.draft_flags[len(toks) - 1])))
+        if s.options.stop:
+            cut = _find_stop(s.text, s.options.stop, len(s.text) - len(piece))
+            if cut is not None:
+                s.text = s.text[:cut]
 
     def _flush(self, s: Sequence, final: bool):
         end = len(s.text)

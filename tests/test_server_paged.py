@@ -380,6 +380,45 @@ def test_a_burst_that_shares_a_document_counts_it_once_when_it_holds(model, late
     assert [s.cached_tokens for s in seqs[1:]] == [128] * 3  # the document, from the cache
 
 
+def _byte_level_model():
+    """A tiny model over a byte-level tokenizer of 256 byte tokens (+ EOS): its tokens can end
+    in the middle of a UTF-8 character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    m = tiny_model(seed=1, scale=3.0, vocab=260, eos_token_ids=(256,))
+    m.tokenizer = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
+    return m
+
+
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_the_text_of_a_last_unfinished_character_is_kept(page_size):
+    """A sequence whose last tokens are the first bytes of a character: its text ends as the
+    tokenizer decodes its tokens (with the replacement character), not without them (the
+    streaming detokenizer holds such bytes back for the next token, and at the end there was
+    none: the text lost them while the usage counted them)."""
+    m = _byte_level_model()
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    prompts = [rng.integers(0, 256, size=int(rng.integers(2, 8))).tolist() for _ in range(24)]
+    e = ServingEngine(m, max_batch=4, max_len=64, rounds_per_chunk=3, prefill_chunk=16,
+                      page_size=page_size).start()
+    try:
+        seqs = [Sequence(p, SamplingOptions(max_tokens=int(rng.integers(1, 9)), temperature=0))
+                for p in prompts]
+        e.submit(seqs)
+        _wait(seqs)
+    finally:
+        e.stop()
+    texts = [m.tokenizer.decode([t for t in s.tokens if t != 256]) for s in seqs]
+    assert any(t.endswith("\ufffd") for t in texts)  # (the case is there)
+    assert [s.text for s in seqs] == texts
+
+
 @pytest.mark.parametrize("kw", [dict(max_batch=0), dict(rounds_per_chunk=0), dict(max_queue=0)])
 def test_engine_sizes_are_checked(model, kw):
     with pytest.raises(ValueError, match="must be >= 1"):

@@ -43,6 +43,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -608,9 +609,44 @@ class ServingEngine:
                 f"for the completion); lower max_tokens or shorten the prompt")
         return int(max_tokens)
 
+    def check_sequence(self, s: Sequence) -> None:
+        """Raises ValueError for a sequence the engine cannot run (checked before it is queued: on
+        the engine thread it would fail the rows decoding beside it): an empty prompt, token ids
+        outside the vocabulary, sampling options of the wrong type or out of range."""
+        V = self.config.vocab_size
+        if not s.prompt_ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        bad = [t for t in s.prompt_ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {V}): {bad[:5]}")
+        o = s.options
+
+        def number(name, ok):
+            v = getattr(o, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"SamplingOptions.{name}={v!r} is out of range")
+        number("temperature", lambda v: v >= 0)
+        number("top_p", lambda v: 0 < v <= 1)
+        if isinstance(o.top_k, bool) or not isinstance(o.top_k, (int, np.integer)) \
+                or not 0 <= o.top_k < 2 ** 31:
+            raise ValueError(f"SamplingOptions.top_k={o.top_k!r} must be an int in [0, 2**31) "
+                             f"(0: off)")
+        for name in ("max_tokens", "seed"):
+            v = getattr(o, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+                raise ValueError(f"SamplingOptions.{name}={v!r} must be an int or None")
+        if o.max_tokens is not None and o.max_tokens < 0:
+            raise ValueError(f"SamplingOptions.max_tokens={o.max_tokens!r} must be >= 0")
+        if isinstance(o.stop, str) or not all(isinstance(x, str) and x for x in o.stop):
+            raise ValueError(f"SamplingOptions.stop={o.stop!r} must be a tuple of non-empty "
+                             f"strings")
+
     def submit(self, seqs: list[Sequence]):
-        """Queues sequences (all or none). Raises QueueFull, PromptTooLong, EngineStopped."""
+        """Queues sequences (all or none). Raises QueueFull, PromptTooLong, EngineStopped, and
+        ValueError for a sequence it cannot run (`check_sequence`)."""
         for s in seqs:
+            self.check_sequence(s)
             s.budget = self.check(len(s.prompt_ids), s.options.max_tokens)
         with self._cv:
             if not self._running:

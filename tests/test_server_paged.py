@@ -419,6 +419,38 @@ def test_the_text_of_a_last_unfinished_character_is_kept(page_size):
     assert [s.text for s in seqs] == texts
 
 
+BAD_SEQUENCES = [
+    ([], {}, "empty"), ([5, 999], {}, "outside the vocabulary"), ([5, -1], {}, "outside"),
+    ([5, 6], dict(top_k=None), "top_k"), ([5, 6], dict(top_k=2 ** 40), "top_k"),
+    ([5, 6], dict(temperature=float("nan")), "temperature"), ([5, 6], dict(top_p=0.0), "top_p"),
+    ([5, 6], dict(temperature="1"), "temperature"), ([5, 6], dict(max_tokens=2.5), "max_tokens"),
+    ([5, 6], dict(max_tokens=-1), "max_tokens"), ([5, 6], dict(seed="x"), "seed"),
+    ([5, 6], dict(stop="ab"), "stop"), ([5, 6], dict(stop=("",)), "stop"),
+]
+
+
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_a_sequence_the_engine_cannot_run_is_refused_at_submit(model, page_size):
+    """Each of these, once queued, raised on the engine thread and failed the rows decoding
+    beside it (dense: and was lost, never finished). Refused at `submit`, with the option named;
+    the engine goes on serving, and nothing is queued of a refused batch."""
+    ref = jaxspec.generate(model, [[7, 8, 9]], max_new_tokens=6).tokens[0]
+    e = ServingEngine(model, max_batch=2, max_len=64, rounds_per_chunk=2, prefill_chunk=16,
+                      page_size=page_size).start()
+    try:
+        good = Sequence([7, 8, 9], SamplingOptions(max_tokens=6, temperature=0))
+        for prompt, kw, msg in BAD_SEQUENCES:
+            bad = Sequence(prompt, SamplingOptions(**{"max_tokens": 4, **kw}))
+            with pytest.raises(ValueError, match=msg):
+                e.submit([good, bad])
+            assert not e.waiting
+        e.submit([good])
+        _wait([good])
+        assert good.tokens == ref
+    finally:
+        e.stop()
+
+
 @pytest.mark.parametrize("kw", [dict(max_batch=0), dict(rounds_per_chunk=0), dict(max_queue=0)])
 def test_engine_sizes_are_checked(model, kw):
     with pytest.raises(ValueError, match="must be >= 1"):

@@ -26,8 +26,10 @@ queued, and then, on the engine's background thread:
 
 Per-request temperature / top-k / top-p live in per-slot arrays, so one compiled loop serves them
 all; the only static switches are "every active row is greedy" and "some row uses top-k / top-p".
-Every slot draws with its own PRNG key (from the request's ``seed`` and its choice index), so a
-request's draws never depend on which other requests share the batch (its bits do only with
+Every slot draws with its own PRNG key (from the request's ``seed`` and its choice index), and a
+sequence preempted for blocks resumes with its row's key, so a request's draws never depend on
+which other requests share the batch (with adaptive speculation, which rounds it takes part in
+does: speculative or plain chunks are chosen for all the slots; its bits do only with
 ``batch_invariant``, where the arithmetic does not depend on them either).
 
 Token provenance: a speculative round commits accepted drafts and then one token of the target's
@@ -207,6 +209,7 @@ class Sequence:
         self.counted = False  # its prompt is in the metrics (admission may be retried)
         self.retried = False  # it started over after a failed chunk (it does so once)
         self.held = False  # its prompt is in, and it waits for others' (fill_first)
+        self.resume_key = None  # its row's PRNG key when it was preempted (it resumes with it)
         self.t_first: float | None = None
         self.t_done: float | None = None
         self.finished = threading.Event()
@@ -1020,7 +1023,7 @@ class ServingEngine:
                 self._fail(s, failed)
             else:  # its prompt still filled (no row of it decoded): it starts over, once
                 self._release(s)
-                s.retried, s.held = True, False
+                s.retried, s.held, s.resume_key = True, False, None
                 s.fill, s.fill_keys, s.filled = [], [], 0
                 s.cached_tokens = 0
                 again.append(s)
@@ -1452,7 +1455,8 @@ class ServingEngine:
             seeds.append(s.options.seed if s.options.seed is not None else
                          int.from_bytes(os.urandom(4), "little"))
             firsts.append(s.index)
-            # a resumed sequence: a key of its own, not the first one again (batch-invariant
+            # a resumed sequence: the key its row had when it was preempted (below; folded
+            # with its length where there is none), not the first one again (batch-invariant
             # rounds draw with the key folded with each token's position: the same key
             # continues where the sequence left off)
             refolds.append(len(s.tokens) if s.tokens and not self.batch_invariant else None)
@@ -1468,6 +1472,9 @@ class ServingEngine:
         if rows:
             pad = self.B - len(rows)
             keys = sampling.start_keys(seeds, firsts, refolds, size=self.B)
+            for i, s in enumerate(starts):
+                if s.tokens and s.resume_key is not None and not self.batch_invariant:
+                    keys[i] = s.resume_key
             self.state = set_rows(self.state, np.asarray(rows + [self.B] * pad, jnp.int32),
                                   np.asarray(last + [0] * pad, jnp.int32),
                                   np.asarray(budgets + [0] * pad, jnp.int32),
@@ -1590,6 +1597,11 @@ class ServingEngine:
         if s.finished_flag or s.slot is None:
             return
         b = s.slot
+        if s.tokens and not self.batch_invariant:
+            # the key its next round would draw with (every chunk that ran is processed): it
+            # resumes with it, so its draws are those it would have made without the preemption
+            # (batch-invariant rounds key each draw by its position instead)
+            s.resume_key = np.asarray(jax.device_get(self.state.rng[b]), np.uint32)
         self.slots[b] = None
         s.slot = None
         self._stop_rows.add(b)

@@ -429,6 +429,46 @@ BAD_SEQUENCES = [
 ]
 
 
+@pytest.mark.parametrize("spec", [None, "self"])
+def test_a_preempted_seeded_sequence_samples_what_it_would_have_alone(model, spec):
+    """A seeded, sampled sequence preempted by the greedy ones beside it (a pool of one
+    sequence's blocks and three more) resumes with its row's key, so its tokens are those it
+    samples alone (it resumed with a key of its length folded in: other tokens after the
+    preemption)."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    speculation = None if spec is None else jaxspec.Speculation(draft="self", gamma=2, sink=0,
+                                                                window=8, adaptive=False)
+    kw = dict(max_batch=3, max_len=96, rounds_per_chunk=2, prefill_chunk=16, page_size=8,
+              prefill_budget=16, growth_reserve=0, compact_rows=False, fill_first=0,
+              speculation=speculation)
+    one = ServingEngine(model, **kw).max_blocks
+    e = ServingEngine(model, kv_blocks=one + 3, **kw).start(
+        variants=[(True, False), (False, False)])
+    preempted = 0
+    try:
+        for _ in range(6):  # (which sequence the pool preempts depends on timing)
+            others = [rng.integers(5, 60, size=int(n)).tolist() for n in (30, 38)]
+            mine = rng.integers(5, 60, size=20).tolist()
+            o = SamplingOptions(max_tokens=40, temperature=1.0, seed=int(rng.integers(1 << 30)))
+            crowd = [Sequence(p, SamplingOptions(max_tokens=40, temperature=0)) for p in others]
+            s = Sequence(mine, o)
+            e.pause_admission()
+            e.submit(crowd + [s])
+            e.resume_admission()
+            _wait(crowd + [s])
+            alone = Sequence(mine, o)
+            e.submit([alone])
+            _wait([alone])
+            assert alone.preemptions == 0
+            assert s.tokens == alone.tokens, s.preemptions
+            preempted += s.preemptions > 0
+            if preempted >= 2:
+                break
+    finally:
+        e.stop()
+    assert preempted >= 1
+
+
 @pytest.mark.parametrize("page_size", [None, 8])
 def test_a_sequence_the_engine_cannot_run_is_refused_at_submit(model, page_size):
     """Each of these, once queued, raised on the engine thread and failed the rows decoding

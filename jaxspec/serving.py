@@ -968,8 +968,26 @@ class ServingEngine:
         return rd, rounds, ctx
 
     def _main(self):
-        while self._tick():
-            pass
+        try:
+            while self._tick():
+                pass
+        except BaseException as e:  # noqa: BLE001 - the loop itself broke (not one chunk)
+            # nothing would ever finish what is queued or running: the engine stops (submit
+            # raises EngineStopped, /health answers 503) and every sequence fails now
+            log.critical("the engine loop stopped", exc_info=e)
+            with self._cv:
+                self._running = False
+                seqs = list(self.waiting) + [s for s in self.slots if s is not None]
+                self.waiting.clear()
+            message = f"the engine stopped: {type(e).__name__}: {e}"
+            for s in seqs:
+                try:
+                    self._fail(s, message)
+                except Exception:  # noqa: BLE001 - the pool's books may be what broke
+                    if not s.finished_flag:
+                        s.error = message
+                        s._emit({"type": "error", "message": message})
+                        s.finished.set()
 
     def _tick(self) -> bool:
         """One pass of the engine loop (False: the engine stopped). A method of its own so that

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from jaxspec.server import BackgroundServer  # noqa: E402
-from jaxspec.serving import ServingEngine  # noqa: E402
+from jaxspec.serving import SamplingOptions, Sequence, ServingEngine  # noqa: E402
 
 from serverkit import (ENGINE_KW, WORDS, is_openai_error, metrics, served_model,  # noqa: E402
                        sse_data)
@@ -278,6 +278,37 @@ def test_engine_not_running_is_503():
         assert r.status_code == 503 and is_openai_error(r.status_code, r.content)
     finally:
         s.close()
+
+
+def test_a_broken_engine_loop_fails_everything_and_stops():
+    """An exception the engine loop does not handle (here: a pass of the loop itself raises; in
+    practice a fresh state that cannot be made after a failed chunk): the engine thread ended,
+    and the sequences in slots and in the queue never finished (clients hung); now they fail
+    with the cause, the engine is not alive and refuses new sequences."""
+    from jaxspec.serving import EngineStopped
+    engine = ServingEngine(served_model(), **ENGINE_KW).start(variants=[(True, False)])
+    try:
+        opts = SamplingOptions(max_tokens=8, temperature=0)
+        engine.pause_admission()
+        seqs = [Sequence([5, 6, 7], opts) for _ in range(ENGINE_KW["max_batch"] + 2)]
+        engine.submit(seqs)
+        real, calls = engine._tick, []
+
+        def tick():
+            calls.append(1)
+            if len(calls) > 1:  # the first pass admits; the next one breaks
+                raise RuntimeError("the loop broke")
+            return real()
+        engine._tick = tick
+        engine.resume_admission()
+        for s in seqs:
+            assert s.finished.wait(60), "a sequence never finished"
+            assert s.error is not None and "the loop broke" in s.error, s.error
+        assert not engine.alive
+        with pytest.raises(EngineStopped):
+            engine.submit([Sequence([5, 6], opts)])
+    finally:
+        engine.stop()
 
 
 def test_decode_step_fault_fails_the_requests_in_that_step(engine, server):

@@ -277,9 +277,17 @@ def _burst(model, new, fill_first, slow_prefill=None, late=False):
     or queued at each decode chunk, the engine's metrics)."""
     rng = np.random.default_rng(random.randrange(1 << 30))
     prompts = [rng.integers(5, 60, size=9).tolist(), rng.integers(5, 60, size=70).tolist()]
-    ref = jaxspec.generate(model, prompts, max_new_tokens=new).tokens
     e = ServingEngine(model, max_batch=2, max_len=120, rounds_per_chunk=2, prefill_chunk=16,
                       page_size=8, prefill_budget=16, fill_first=fill_first)
+    filling_at_chunks, m, _ = _serve_burst(model, e, prompts, new, slow_prefill, late)
+    return filling_at_chunks, m
+
+
+def _serve_burst(model, e, prompts, new, slow_prefill=None, late=False):
+    """``prompts`` submitted together to the idle paged engine ``e`` (not started; whole
+    prefill steps between decode chunks), as `_burst` says; returns (how many prompts were still
+    filling or queued at each decode chunk, the engine's metrics, the sequences)."""
+    ref = jaxspec.generate(model, prompts, max_new_tokens=new).tokens
     assert e.mixed_prefill == 0  # (a fixed budget: whole prefill steps between chunks)
     if slow_prefill:
         real = e.decoder.prefill_paged_row
@@ -301,7 +309,7 @@ def _burst(model, new, fill_first, slow_prefill=None, late=False):
         e.resume_admission()
         _wait(seqs)
         assert [s.tokens for s in seqs] == ref
-        return filling_at_chunks, e.metrics()
+        return filling_at_chunks, e.metrics(), seqs
     finally:
         e.stop()
 
@@ -350,31 +358,9 @@ def test_a_burst_that_shares_a_document_counts_it_once_when_it_holds(model, late
     rng = np.random.default_rng(random.randrange(1 << 30))
     doc = rng.integers(5, 60, size=128).tolist()
     prompts = [doc + rng.integers(5, 60, size=40).tolist() for _ in range(4)]
-    ref = jaxspec.generate(model, prompts, max_new_tokens=6).tokens
     e = ServingEngine(model, max_batch=4, max_len=184, rounds_per_chunk=2, prefill_chunk=16,
                       page_size=8, prefill_budget=16, fill_first=2.0)
-    real = e.decoder.prefill_paged_row
-
-    def slow(*a, **kw):
-        time.sleep(0.1)
-        return real(*a, **kw)
-    e.decoder.prefill_paged_row = slow
-    filling_at_chunks = []
-    e.step_fault_hook = lambda active: filling_at_chunks.append(
-        sum(s.filled < len(s.fill) for s in e.slots if s is not None) + len(e.waiting))
-    e.start(variants=[(True, False)])
-    try:
-        e.pause_admission()
-        seqs = [Sequence(p, SamplingOptions(max_tokens=6, temperature=0)) for p in prompts]
-        if late:
-            e.fault_hook = lambda s: e.submit(seqs[1:]) if s is seqs[0] else None
-        e.submit(seqs[:1] if late else seqs)
-        e.resume_admission()
-        _wait(seqs)
-        assert [s.tokens for s in seqs] == ref
-        m = e.metrics()
-    finally:
-        e.stop()
+    filling_at_chunks, m, seqs = _serve_burst(model, e, prompts, 6, slow_prefill=0.1, late=late)
     assert filling_at_chunks and not any(filling_at_chunks), filling_at_chunks
     assert m["held_sequences"] >= 1, m
     assert [s.cached_tokens for s in seqs[1:]] == [128] * 3  # the document, from the cache

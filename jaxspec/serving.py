@@ -1523,21 +1523,24 @@ class ServingEngine:
         left = self.fill_first - (now - self._held_since)
         if left <= 0:
             return False
-        todo = self._fill_work(filling, coming)
-        if self._prefill_rate is not None and todo / self._prefill_rate > left:
-            log.info("fill-first: %d prompt tokens left at %.0f tokens/s take longer than the "
-                     "%.1f s left: %d sequences start now", todo, self._prefill_rate, left,
-                     len(starts))
-            return False
+        rate = self._prefill_rate
+        if rate is not None:
+            todo = self._fill_work(filling, coming, rate * left)
+            if todo / rate > left:
+                log.info("fill-first: %d prompt tokens left at %.0f tokens/s take longer than "
+                         "the %.1f s left: %d sequences start now", todo, rate, left,
+                         len(starts))
+                return False
         for s in starts:
             s.held = True
         return True
 
-    def _fill_work(self, filling, coming) -> int:
+    def _fill_work(self, filling, coming, limit=None) -> int:
         """Prompt tokens left to prefill for the sequences ``filling`` (in slots, oldest first)
         and ``coming`` (queued): a full block that the prefix cache holds, or that one of them
         before it fills, is not counted again (a document or system prompt that a burst of
-        requests shares is prefilled once; the others take its blocks when their turn comes)."""
+        requests shares is prefilled once; the others take its blocks when their turn comes).
+        Counting stops past ``limit`` tokens (then any count past it says the same)."""
         bm, P = self.blocks, self.page_size
         seen: set[bytes] = set()
         todo = 0
@@ -1551,6 +1554,8 @@ class ServingEngine:
                     seen.add(k)
                     todo += P
             todo += max(len(s.fill) - max(len(keys) * P, filled), 0)  # its last, partial block
+            if limit is not None and todo > limit:
+                break
         return todo
 
     def _coming(self) -> list:

@@ -229,7 +229,8 @@ def _options(body: dict, engine: ServingEngine, limits: ServerLimits, *,
     # asks for the sampled tokens' own
     if chat and _opt(body, "logprobs", "bool", False):
         raise _bad("'logprobs' is not supported by this server", "logprobs", "unsupported")
-    if not chat and _opt(body, "logprobs", "int", None) is not None:
+    if not chat and body.get("logprobs") is not False and \
+            _opt(body, "logprobs", "int", None) is not None:  # (false: as null)
         raise _bad("'logprobs' is not supported by this server", "logprobs", "unsupported")
     if _opt(body, "top_logprobs", "int", 0, lo=0):
         raise _bad("'top_logprobs' is not supported by this server", "top_logprobs",

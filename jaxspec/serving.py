@@ -1549,10 +1549,11 @@ class ServingEngine:
             if not s.blocks:  # queued: its keys now, kept for its admission
                 self._fill_of(s)
             keys = s.fill_keys
-            for k in keys[filled // P:]:
+            for j in range(filled // P, len(keys)):
+                k = keys[j]
                 if k not in seen and not bm.holds(k):
                     seen.add(k)
-                    todo += P
+                    todo += P - (filled - j * P if j * P < filled else 0)  # (a block half in)
             todo += max(len(s.fill) - max(len(keys) * P, filled), 0)  # its last, partial block
             if limit is not None and todo > limit:
                 break
@@ -1620,11 +1621,12 @@ class ServingEngine:
         if s.finished_flag or s.slot is None:
             return
         b = s.slot
-        if s.tokens and not self.batch_invariant:
+        if s.tokens and not self.batch_invariant and b in self._started:
             # the key its next round would draw with (every chunk that ran is processed): it
             # resumes with it, so its draws are those it would have made without the preemption
-            # (batch-invariant rounds key each draw by its position instead)
-            s.resume_key = np.asarray(jax.device_get(self.state.rng[b]), np.uint32)
+            # (batch-invariant rounds key each draw by its position instead); one preempted
+            # again before its row restarted keeps the key it has (the row's is not its own)
+            s.resume_key = np.asarray(jax.device_get(self.state.rng), np.uint32)[b]
         self.slots[b] = None
         s.slot = None
         self._stop_rows.add(b)
@@ -1815,25 +1817,27 @@ class ServingEngine:
                         cut_here = True
                         break
         if finish is not None and not cut_here and self.tokenizer is not None:
-            self._last_piece(s)
+            if self._last_piece(s):
+                finish = "stop"
         if finish is not None:
             self._flush(s, final=True)
             self._finish(s, finish)
         else:
             self._flush(s, final=False)
 
-    def _last_piece(self, s: Sequence):
+    def _last_piece(self, s: Sequence) -> bool:
         """At the end of a sequence, the text of its last tokens that was held back because it
         ended in the middle of a character (bytes of a byte-level tokenizer): it ends the text as
         the tokenizer decodes it (with its replacement character), as `jaxspec.generate`'s text
-        does, rather than being dropped while its tokens are counted."""
+        does, rather than being dropped while its tokens are counted. True if a stop string in
+        it ends the text there."""
         toks = s.tokens[:-1] if s.tokens and s.tokens[-1] in self.stop_ids else s.tokens
         if len(toks) <= s._ro:
-            return
+            return False
         prefix = self._decode(toks[s._po:s._ro])
         full = self._decode(toks[s._po:])
         if len(full) <= len(prefix) or not full.startswith(prefix):
-            return
+            return False
         piece = full[len(prefix):]
         s._po, s._ro = s._ro, len(toks)
         s.text += piece
@@ -1842,6 +1846,8 @@ class ServingEngine:
             cut = _find_stop(s.text, s.options.stop, len(s.text) - len(piece))
             if cut is not None:
                 s.text = s.text[:cut]
+                return True
+        return False
 
     def _flush(self, s: Sequence, final: bool):
         end = len(s.text)

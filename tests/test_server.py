@@ -408,7 +408,7 @@ def test_no_op_values_of_unimplemented_fields_are_accepted(server, chat):
         body.update(messages=[{"role": "user", "content": "hello"}], tools=[],
                     tool_choice="none", logprobs=False)
     else:
-        body.update(prompt="hello", suffix=None, logprobs=None)
+        body.update(prompt="hello", suffix=None, logprobs=False)
     r = httpx.post(server.url + ("/v1/chat/completions" if chat else "/v1/completions"),
                    json=body, timeout=60)
     assert r.status_code == 200, r.text
@@ -489,6 +489,10 @@ def test_client_disconnect_frees_the_slot(model, server, monkeypatch, stream):
                     if line.startswith("data: "):
                         break  # hang up after the first chunk
     else:
+        # the same shapes once first: compiling them would send no token for a while, and the
+        # check after 0.25 s without one would see the hang-up even without the clock
+        httpx.post(server.url + "/v1/completions", json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0}, timeout=60)
         with httpx.Client(base_url=server.url, timeout=1.0) as c, \
                 pytest.raises(httpx.TimeoutException):
             c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 100,

@@ -366,6 +366,27 @@ def test_a_burst_that_shares_a_document_counts_it_once_when_it_holds(model, late
     assert [s.cached_tokens for s in seqs[1:]] == [128] * 3  # the document, from the cache
 
 
+def test_the_tokens_left_to_fill_count_a_shared_block_once(model):
+    """`_fill_work` (fill-first's estimate) against a count by hand: a sequence 5 tokens into
+    its 29-token fill (blocks of 8) has 24 left (its half-filled block counts the 3 tokens it
+    lacks); a queued one that shares its first 16 tokens adds only what it does not share;
+    blocks the prefix cache holds count nothing."""
+    e = ServingEngine(model, max_batch=2, max_len=64, page_size=8)
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    a = Sequence(rng.integers(5, 60, size=30).tolist(), SamplingOptions())
+    b = Sequence(a.prompt_ids[:16] + rng.integers(5, 60, size=20).tolist(), SamplingOptions())
+    e._fill_of(a)
+    a.blocks, a.filled = [0, 1, 2, 3], 5  # (in a slot, part of its first block in)
+    assert e._fill_work([a], []) == 24
+    assert e._fill_work([a], [b]) == 24 + (35 - 16)
+    assert b.fill == b.prompt_ids[:-1] and len(b.fill_keys) == 4  # kept for its admission
+    e.blocks.register(b.fill[:24], [5, 6, 7], b.fill_keys)  # its first 3 blocks cached
+    assert e._fill_work([], [b]) == 35 - 24
+    # a's first 2 blocks are b's, cached now (its half-filled one too): a's own third block and
+    # its 5-token tail are left, and b's fourth block and 3-token tail
+    assert e._fill_work([a], [b]) == (29 - 16) + (35 - 24)
+
+
 def _byte_level_model():
     """A tiny model over a byte-level tokenizer of 256 byte tokens (+ EOS): its tokens can end
     in the middle of a UTF-8 character."""
@@ -453,6 +474,83 @@ def test_a_preempted_seeded_sequence_samples_what_it_would_have_alone(model, spe
     finally:
         e.stop()
     assert preempted >= 1
+
+
+def test_a_sequence_preempted_again_before_it_restarts_keeps_its_key(model):
+    """Driven by hand (no engine thread): a seeded, sampled sequence is preempted after a few
+    tokens, readmitted, and preempted again while its prompt refills (its row not restarted,
+    the row's key not its own: the second preemption must keep the first one's key); it then
+    samples what it samples alone."""
+    kw = dict(max_batch=3, max_len=96, rounds_per_chunk=2, prefill_chunk=16, page_size=8,
+              prefill_budget=16, growth_reserve=0, compact_rows=False, fill_first=0)
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    mine = rng.integers(5, 60, size=20).tolist()
+    o = SamplingOptions(max_tokens=30, temperature=1.0, seed=int(rng.integers(1 << 30)))
+
+    def engine():
+        e = ServingEngine(model, **kw)
+        e._running = True
+        return e
+
+    def run(e, until):
+        for _ in range(500):
+            if until():
+                return
+            e._tick()
+        raise AssertionError("the engine did not get there")
+
+    e = engine()
+    alone = Sequence(mine, o)
+    e.submit([alone])
+    run(e, lambda: alone.finished_flag)
+    e.stop()
+    e = engine()
+    crowd = Sequence(rng.integers(5, 60, size=30).tolist(),
+                     SamplingOptions(max_tokens=60, temperature=0))
+    s = Sequence(mine, o)
+    e.submit([crowd, s])
+    run(e, lambda: len(s.tokens) >= 6)
+    e._preempt(s)
+    e.pause_admission()
+    run(e, lambda: len(crowd.tokens) >= 20)  # the crowd decodes: every row's key moves on
+    e.resume_admission()
+    with e._cv:
+        e.waiting.remove(s)
+    b = e.slots.index(None)
+    e._admit_paged([(b, s)])  # readmitted, its prompt and tokens refilling
+    assert s.slot == b and b not in e._started
+    e._preempt(s)  # short of blocks again before it restarts
+    run(e, lambda: s.finished_flag and crowd.finished_flag)
+    e.stop()
+    assert s.preemptions == 2
+    assert s.tokens == alone.tokens
+
+
+def test_a_stop_string_in_the_last_unfinished_character_ends_with_stop():
+    """The held-back text of the last token (a space and the first byte of a character, one
+    token) holds the stop string " ": the text ends before it and the finish is "stop", not the
+    budget's "length"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab["<eos>"] = 256
+    vocab["\u0120\u00e2"] = 257  # (byte-level: " " and the first byte of a 3-byte character)
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[("\u0120", "\u00e2")]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    m = tiny_model(seed=1, vocab=260, eos_token_ids=(256,))
+    m.tokenizer = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
+    e = ServingEngine(m, max_batch=1, max_len=64)
+    s = Sequence(m.tokenizer("hi")["input_ids"],
+                 SamplingOptions(max_tokens=4, temperature=0, stop=(" ",)))
+    events = []
+    s._emit = events.append
+    new = m.tokenizer("end")["input_ids"] + [257]
+    assert m.tokenizer.decode(new) == "end \ufffd"
+    e._deliver(s, new, [False] * len(new), True)  # the budget ends it on the device
+    assert (s.text, s.finish_reason) == ("end", "stop")
+    assert "".join(ev["text"] for ev in events if ev["type"] == "delta") == "end"
 
 
 @pytest.mark.parametrize("page_size", [None, 8])

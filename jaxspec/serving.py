@@ -302,9 +302,10 @@ class ServingEngine:
     fill_first: paged: while no sequence decodes, a sequence whose prompt is in waits (at most
         this many seconds since the first one did, and only while the prompt tokens left take
         no longer than the time left at the measured prefill rate, a prefix they share or the
-        prefix cache holds counted once; never one resumed after a preemption) for the others being prefilled or queued for the free slots (a burst's
-        requests arrive over a while), and they start decoding together: a burst
-        of prompts fills at the full prefill rate, with no stream slowed by another's prefill
+        prefix cache holds counted once; never one resumed after a preemption) for the others
+        being prefilled or queued for the free slots (a burst's requests arrive over a while),
+        and they start decoding together: a burst of prompts fills at the full prefill rate,
+        with no stream slowed by another's prefill
         (with mixed pieces, a round that carries a piece takes several times a plain round;
         without them, whole prefill steps stall the streams). The early prompts' first tokens
         wait for it. Default `FILL_FIRST_SECONDS` for a block pool; 0: a sequence starts as

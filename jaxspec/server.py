@@ -1248,8 +1248,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--mixed-prefill", type=int, default=None,
                    help="paged: while some requests decode and others wait for their prefill, "
                         "each decode round also prefills this many prompt tokens in the same "
-                        "forward (running streams keep going; smaller: lower inter-token "
-                        "latency, slower prefill); 0: off, whole prefill steps between decode "
+                        "forward (running streams keep going; smaller: shorter rounds while a "
+                        "burst fills, slower prefill; a round with a piece also has a fixed "
+                        "cost); 0: off, whole prefill steps between decode "
                         "chunks (default: --prefill-chunk with --page-size, unless "
                         "--prefill-budget is given)")
     p.add_argument("--fill-first", type=nonneg_float, default=None,

@@ -295,8 +295,11 @@ class ServingEngine:
         of this many prompt tokens in the same forward (oldest admission first;
         `jaxspec.model.forward_mixed`: the weights are read once for both), so running streams
         keep going while long prompts fill, instead of waiting for whole prefill steps between
-        decode chunks. Smaller pieces: lower inter-token latency, slower prefill (H100,
-        Qwen2.5-1.5B shape: `benchmarks/server_mixed_qwen15_h100.md`). Default:
+        decode chunks. Smaller pieces: shorter rounds while a burst fills, slower prefill; a
+        round that carries a piece also has a fixed cost, so under steady arrivals pieces of 256
+        gave no lower ITL p99 than 2048 and a higher ITL p50 (Qwen2.5-1.5B:
+        `benchmarks/server_mixed_qwen15_h100.md`, `benchmarks/server_mixed_qwen15_h200.md`).
+        Default:
         ``prefill_chunk`` (at most ``max_len``) for a block pool (unless ``prefill_budget`` is
         given); 0: off. Not on a mesh.
     fill_first: paged: while no sequence decodes, a sequence whose prompt is in waits (at most

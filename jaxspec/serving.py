@@ -580,13 +580,16 @@ class ServingEngine:
         else:
             ids = list(prompt)
         ids = [int(t) for t in ids]
+        self._check_ids(ids)
+        return ids
+
+    def _check_ids(self, ids: list[int]) -> None:
         V = self.config.vocab_size
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"token ids outside the vocabulary [0, {V}): {bad[:5]}")
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
-        return ids
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None:
@@ -620,12 +623,7 @@ class ServingEngine:
         """Raises ValueError for a sequence the engine cannot run (checked before it is queued: on
         the engine thread it would fail the rows decoding beside it): an empty prompt, token ids
         outside the vocabulary, sampling options of the wrong type or out of range."""
-        V = self.config.vocab_size
-        if not s.prompt_ids:
-            raise ValueError("the prompt is empty (no tokens)")
-        bad = [t for t in s.prompt_ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"token ids outside the vocabulary [0, {V}): {bad[:5]}")
+        self._check_ids(s.prompt_ids)
         o = s.options
 
         def number(name, ok):
@@ -1799,29 +1797,18 @@ class ServingEngine:
             s.draft_flags.append(f)
             if t in self.stop_ids:
                 break
-            if self.tokenizer is None:  # no text: token ids only
-                piece = ""
-            else:
-                toks = s.tokens  # no stop token in it (a stop token ends the sequence)
-                prefix = self._decode(toks[s._po:s._ro])
-                full = self._decode(toks[s._po:])
-                if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                    piece = full[len(prefix):]
-                    s._po, s._ro = s._ro, len(toks)
-                else:
-                    piece = ""
-            if piece:
-                s.text += piece
-                s._pieces.append((len(s.text), f))
-                if s.options.stop:
-                    cut = _find_stop(s.text, s.options.stop, len(s.text) - len(piece))
-                    if cut is not None:
-                        s.text = s.text[:cut]
-                        finish = "stop"
-                        cut_here = True
-                        break
+            # (no tokenizer: token ids only, no text; no stop token in s.tokens here)
+            if self.tokenizer is not None and self._next_piece(s, s.tokens, f):
+                finish, cut_here = "stop", True
+                break
         if finish is not None and not cut_here and self.tokenizer is not None:
-            if self._last_piece(s):
+            # the text of its last tokens held back because it ended in the middle of a
+            # character (bytes of a byte-level tokenizer) ends the text as the tokenizer decodes
+            # it (with its replacement character), as `jaxspec.generate`'s text does, rather
+            # than being dropped while its tokens are counted
+            toks = s.tokens[:-1] if s.tokens and s.tokens[-1] in self.stop_ids else s.tokens
+            if len(toks) > s._ro and self._next_piece(s, toks, bool(s.draft_flags[len(toks) - 1]),
+                                                      final=True):
                 finish = "stop"
         if finish is not None:
             self._flush(s, final=True)
@@ -1829,23 +1816,20 @@ class ServingEngine:
         else:
             self._flush(s, final=False)
 
-    def _last_piece(self, s: Sequence) -> bool:
-        """At the end of a sequence, the text of its last tokens that was held back because it
-        ended in the middle of a character (bytes of a byte-level tokenizer): it ends the text as
-        the tokenizer decodes it (with its replacement character), as `jaxspec.generate`'s text
-        does, rather than being dropped while its tokens are counted. True if a stop string in
-        it ends the text there."""
-        toks = s.tokens[:-1] if s.tokens and s.tokens[-1] in self.stop_ids else s.tokens
-        if len(toks) <= s._ro:
-            return False
+    def _next_piece(self, s: Sequence, toks: list[int], from_draft: bool,
+                    final: bool = False) -> bool:
+        """Adds to ``s.text`` what ``toks`` past ``s._ro`` add to it (decoded from ``s._po`` on,
+        so that the tokenizer joins them as it joins the whole), unless that ends in the middle of
+        a character and it is not the ``final`` piece (then it waits for the next token). True
+        when a stop string in it ends the text there."""
         prefix = self._decode(toks[s._po:s._ro])
         full = self._decode(toks[s._po:])
-        if len(full) <= len(prefix) or not full.startswith(prefix):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return False
         piece = full[len(prefix):]
         s._po, s._ro = s._ro, len(toks)
         s.text += piece
-        s._pieces.append((len(s.text), bool(s.draft_flags[len(toks) - 1])))
+        s._pieces.append((len(s.text), from_draft))
         if s.options.stop:
             cut = _find_stop(s.text, s.options.stop, len(s.text) - len(piece))
             if cut is not None:

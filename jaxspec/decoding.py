@@ -302,17 +302,35 @@ class Round:
         return st
 
 
-def _rounds_loop(params, dparams, sp, state: DecodeState, max_rounds, rd: Round) -> DecodeState:
-    """The `lax.while_loop` of at most ``max_rounds`` rounds (stops when every row is done)."""
-    def cond(c):
-        i, st = c
-        return (i < max_rounds) & jnp.any(~st.done)
+def _rounds_loop(params, dparams, sp, state: DecodeState, max_rounds, rd: Round,
+                 end_after=None) -> DecodeState:
+    """The `lax.while_loop` of at most ``max_rounds`` rounds (stops when every row is done).
+    With ``end_after`` (a traced int) it also stops after round i (counted from 1) when a row
+    finished in it and i <= ``end_after``: a serving chunk then ends where a stream ends, so
+    that stream's last tokens reach its client without waiting for the chunk's other rounds."""
+    if end_after is None:
+        def cond(c):
+            i, st = c
+            return (i < max_rounds) & jnp.any(~st.done)
 
-    def body(c):
-        i, st = c
-        return i + 1, rd(params, dparams, sp, st)
+        def body(c):
+            i, st = c
+            return i + 1, rd(params, dparams, sp, st)
 
-    _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+        _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+        return st
+
+    def cond_ending(c):
+        i, st, ended = c
+        return (i < max_rounds) & jnp.any(~st.done) & ~ended
+
+    def body_ending(c):
+        i, st, _ = c
+        nxt = rd(params, dparams, sp, st)
+        return i + 1, nxt, jnp.any(nxt.done & ~st.done) & (i + 1 <= end_after)
+
+    _, st, _ = jax.lax.while_loop(cond_ending, body_ending,
+                                  (jnp.zeros((), jnp.int32), state, jnp.zeros((), bool)))
     return st
 
 
@@ -337,14 +355,15 @@ class ChunkOutputs:
 
 
 @functools.partial(jax.jit, static_argnames=("rd",), donate_argnames=("state",))
-def run_chunk(params, dparams, sp, state: DecodeState, max_rounds, *, rd: Round):
+def run_chunk(params, dparams, sp, state: DecodeState, max_rounds, end_after=0, *, rd: Round):
     """A serving chunk: the output buffer starts empty (each row's budget shrinks by what it
-    committed before), then at most ``max_rounds`` rounds run (`run_rounds`). Returns the state
-    and the chunk's `ChunkOutputs`."""
+    committed before), then at most ``max_rounds`` rounds run (`run_rounds`), fewer when a row
+    finishes in round ``end_after`` or before (`_rounds_loop`; 0: never). Returns the state and
+    the chunk's `ChunkOutputs`."""
     B = state.last.shape[0]
     state = state.replace(budget=state.budget - state.n_out, n_out=jnp.zeros_like(state.n_out),
                           steps=jnp.zeros_like(state.steps), stats=RoundStats.zeros(B))
-    st = _rounds_loop(params, dparams, sp, state, max_rounds, rd)
+    st = _rounds_loop(params, dparams, sp, state, max_rounds, rd, jnp.asarray(end_after, jnp.int32))
     outs = ChunkOutputs(out=st.out, from_draft=st.from_draft, n_out=st.n_out, done=st.done,
                         lengths=st.cache.lengths, steps=st.steps, stats=st.stats)
     return st, outs

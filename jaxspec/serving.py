@@ -96,6 +96,13 @@ MIXED_ROUNDS = 8
 # times a plain round again: the cost model's chunk sizes and the piece cost both need it
 MIXED_CALIBRATE_EVERY = 16
 MIX_NONE, MIX_PIECES, MIX_CALIBRATE = 0, 1, 2  # `ServingEngine._mixing`
+# While at most this many streams decode, a chunk ends after the round in which one of them ends
+# (`jaxspec.decoding.run_chunk`'s ``end_after``): that stream's last tokens then reach the client
+# at once instead of after the chunk's remaining rounds (a client sees its last tokens arrive one
+# chunk late: with sequences starting at different times, about 1% of all tokens, which set the
+# ITL p99). Each early end costs the other streams one host turn between chunks (a few ms), so with
+# many streams, which end every few rounds, chunks run their full length.
+END_EARLY_MAX_ROWS = 8
 # Paged (``fill_first``): while no sequence decodes, one whose prompt is in waits for the others
 # still filling or queued for a free slot, at most this long; then they start together. A burst
 # of long prompts fills at the full prefill rate and no stream sees another's prefill; the price
@@ -889,8 +896,9 @@ class ServingEngine:
             self._device = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="jaxspec-device")
         started = threading.Event()
+        end_after = rounds - 1 if pieces is None and len(active) <= END_EARLY_MAX_ROWS else 0
         fut = self._device.submit(self._chunk_on_device, program, sp, state, rounds, t_compile,
-                                  started, rows, pieces)
+                                  started, rows, pieces, end_after)
         del compact
         del state  # donated to the chunk
         self._pending = fut
@@ -901,9 +909,10 @@ class ServingEngine:
         return fut
 
     def _chunk_on_device(self, program, sp, state, rounds, t_compile, started, rows=None,
-                         pieces=None):
+                         pieces=None, end_after=0):
         """Runs a chunk on ``state`` (the slots', or with ``rows`` the state of those rows alone,
-        whose outputs are spread over the slots; with ``pieces`` a mixed chunk)."""
+        whose outputs are spread over the slots; with ``pieces`` a mixed chunk; ``end_after`` as
+        `Decoder.call_chunk`'s)."""
         try:
             try:
                 max_rounds = jnp.int32(rounds)
@@ -911,7 +920,11 @@ class ServingEngine:
             finally:
                 started.set()
             t = time.perf_counter()
-            state, outs = self.decoder.call_chunk(program, sp, state, max_rounds, pieces)
+            if pieces is not None:
+                state, outs = self.decoder.call_chunk(program, sp, state, max_rounds, pieces)
+            else:
+                state, outs = self.decoder.call_chunk(program, sp, state, max_rounds,
+                                                      end_after=end_after)
             if rows is not None:
                 outs = spread_outputs(outs, jnp.asarray(rows), batch=self.B)
             jax.block_until_ready(outs)

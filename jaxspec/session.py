@@ -410,7 +410,7 @@ class Decoder:
     def chunk_program(self, rd: Round, sp, state: DecodeState, *, compile: bool = True):
         """The compiled serving chunk of ``rd`` for these shapes (compiled now unless it was
         before; with ``compile=False`` None then): ``(program, seconds compiling)``. The program
-        takes ``(params, draft params, sp, state, max_rounds)`` and donates the state."""
+        takes ``(params, draft params, sp, state, max_rounds, end_after)`` and donates the state."""
         args = (self.params, self.dparams, sp, state)
         key = ("chunk", rd, self._key(sp, state))
         compiled = self._compiled.get(key)
@@ -418,7 +418,7 @@ class Decoder:
             return compiled, 0.0
         with use_mesh(self.mesh):
             t = time.perf_counter()
-            compiled = run_chunk.lower(*args, jnp.int32(0), rd=rd).compile(
+            compiled = run_chunk.lower(*args, jnp.int32(0), jnp.int32(0), rd=rd).compile(
                 compiler_options=loop_compiler_options())
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t
@@ -431,13 +431,16 @@ class Decoder:
         state, outs = self.call_chunk(compiled, sp, state, jnp.int32(max_rounds))
         return state, outs, t_compile
 
-    def call_chunk(self, program, sp, state: DecodeState, max_rounds, pieces=None):
-        """Runs a `chunk_program` (with ``pieces``: a `mixed_program`) on ``state`` (donated):
-        ``(state, outputs)``."""
+    def call_chunk(self, program, sp, state: DecodeState, max_rounds, pieces=None,
+                   end_after=0):
+        """Runs a `chunk_program` (with ``pieces``: a `mixed_program`, whose rounds all run) on
+        ``state`` (donated): ``(state, outputs)``. ``end_after``: the chunk ends after the
+        first round that a row finished in, if it is at most this round (0: never)."""
         with use_mesh(self.mesh):
             if pieces is not None:
                 return program(self.params, self.dparams, sp, state, max_rounds, pieces)
-            return program(self.params, self.dparams, sp, state, max_rounds)
+            return program(self.params, self.dparams, sp, state, max_rounds,
+                           jnp.int32(end_after))
 
     def mixed_program(self, rd: Round, sp, state: DecodeState, pieces: Pieces):
         """The compiled serving chunk of rounds ``rd`` (plain or speculative) that prefill prompt

@@ -5,7 +5,8 @@
 For each ``--setups`` value (``--mixed-prefill``: 0 = prompts prefilled between decode chunks),
 a `jaxspec.serving.ServingEngine` with a paged pool takes ``--requests`` random-token prompts of
 ``--lo``-``--hi`` tokens drawn log-uniformly (``jaxspec.bench_server.draw_lengths``, seed 0; the
-same prompts for every setup), all submitted at once, ``--new`` greedy tokens each. Every call
+same prompts for every setup), all submitted at once (or, with ``--rate R``, at the times of a Poisson process of R requests/s,
+``jaxspec.bench_server.arrival_times``), ``--new`` greedy tokens each. Every call
 of the engine-thread steps (`_tick`, `_step`'s parts, prefill, program lookups) and of the
 device thread's chunk (`_chunk_on_device`) is recorded with its start and duration.
 
@@ -13,7 +14,10 @@ Printed per setup: wall time, TTFT p50 / p99, the summed time per recorded funct
 included: a function that reads the engine's state waits for the running chunk), the device
 thread's chunk time, and the gaps between consecutive chunks (the device idle unless a prefill
 runs there). ``<out>/serving_timeline.json`` keeps every event and each sequence's submit /
-first token / done times.
+first token / done times. Each sequence's token events are timed as a client sees them, and
+its inter-token latency computed as ``jaxspec.bench_server`` does (a gap between two events
+split over the tokens of the later one); the gaps of the ITL p99 and above are printed with
+the engine calls that overlapped them (a chunk's rounds and whether it carried prompt pieces).
 """
 from __future__ import annotations
 
@@ -46,11 +50,14 @@ def main(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--rounds-per-chunk", type=int, default=8)
+    p.add_argument("--rate", type=float, default=float("inf"),
+                   help="requests/s of a Poisson process (inf: all at once)")
+    p.add_argument("--worst", type=int, default=8, help="slowest ITL gaps to print")
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
 
     from jaxspec.bench import load_model
-    from jaxspec.bench_server import draw_lengths
+    from jaxspec.bench_server import arrival_times, draw_lengths
     from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
 
     model = load_model(args.model)
@@ -81,7 +88,11 @@ def main(argv=None):
                 try:
                     return fn(*a, **k)
                 finally:
-                    events.append((label, threading.current_thread().name, t0,
+                    if name == "_chunk_on_device":  # (program, sp, state, rounds, ...)
+                        label_ = f"{label}[{a[3]}{'+pieces' if k.get('pieces') is not None or len(a) > 7 and a[7] is not None else ''}]"
+                    else:
+                        label_ = label
+                    events.append((label_, threading.current_thread().name, t0,
                                    time.perf_counter()))
             setattr(obj, name, timed)
         for name in ENGINE:
@@ -90,10 +101,25 @@ def main(argv=None):
             wrap(e.decoder, name, "decoder." + name)
         seqs = [Sequence(x, SamplingOptions(max_tokens=args.new, temperature=0.0))
                 for x in prompts]
+        deltas = collections.defaultdict(list)  # sequence index -> [(time, tokens so far)]
+        index = {id(s): i for i, s in enumerate(seqs)}
+        emit = Sequence._emit
+
+        def record(seq, event, _emit=emit):
+            if event.get("type") == "delta" and id(seq) in index:
+                deltas[index[id(seq)]].append((time.perf_counter(), event["n_tokens"]))
+            return _emit(seq, event)
+        Sequence._emit = record
+        when = arrival_times(len(seqs), args.rate, 0)
         t0 = time.perf_counter()
-        e.submit(seqs)
+        for s, at in zip(seqs, when):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            e.submit([s])
         for s in seqs:
             s.finished.wait()
+        Sequence._emit = emit
         wall = time.perf_counter() - t0
         m = e.metrics()
         e.stop()
@@ -102,13 +128,36 @@ def main(argv=None):
         for n, _, _, d in ev:
             total[n][0] += 1
             total[n][1] += d
-        chunks = sorted((a, a + d) for n, _, a, d in ev if n == "_chunk_on_device")
+        chunks = sorted((a, a + d) for n, _, a, d in ev if n.startswith("_chunk_on_device"))
         gaps = [b[0] - a[1] for a, b in zip(chunks, chunks[1:])]
         failed = [s.error for s in seqs if s.error is not None]
         if failed:
             print(f"{len(failed)} sequences failed, e.g.: {failed[0]}", flush=True)
-        ttft = np.asarray([s.t_first - t0 for s in seqs if s.t_first is not None])
+        ttft = np.asarray([s.t_first - s.t_submit for s in seqs if s.t_first is not None])
+        itl = []  # (seconds per token, gap start, gap end, tokens), as a client sees them
+        for pts in deltas.values():
+            for (ta, na), (tb, nb) in zip(pts, pts[1:]):
+                if nb > na:
+                    itl.extend([((tb - ta) / (nb - na), ta - t0, tb - t0, nb - na)] * (nb - na))
+        itl.sort()
+        worst = []
+        if itl:
+            p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))][0]
+            seen = set()
+            for per, a, b, n in reversed(itl):
+                if per < p99 or len(worst) >= args.worst:
+                    break
+                if (a, b) in seen:
+                    continue
+                seen.add((a, b))
+                worst.append({"itl_ms": round(per * 1e3, 2), "gap": [round(a, 4), round(b, 4)],
+                              "tokens": n, "calls": [(nm, round(x, 4), round(d * 1e3, 2))
+                                                     for nm, _, x, d in ev
+                                                     if x < b and x + d > a and d > 0.0005]})
         res = {"mixed_prefill": int(setup), "wall_s": wall,
+               "itl_p50_ms": float(np.percentile([x[0] for x in itl], 50) * 1e3) if itl else None,
+               "itl_p99_ms": float(np.percentile([x[0] for x in itl], 99) * 1e3) if itl else None,
+               "worst_gaps": worst,
                "ttft_p50_s": float(np.percentile(ttft, 50)),
                "ttft_p99_s": float(np.percentile(ttft, 99)),
                "calls": {k: [v[0], round(v[1], 4)] for k, v in
@@ -123,8 +172,10 @@ def main(argv=None):
                "sequences": [(len(s.prompt_ids), s.t_submit - t0,
                               None if s.t_first is None else s.t_first - t0,
                               None if s.t_done is None else s.t_done - t0) for s in seqs]}
-        print(json.dumps({k: v for k, v in res.items() if k not in ("events", "sequences")}),
-              flush=True)
+        print(json.dumps({k: v for k, v in res.items()
+                          if k not in ("events", "sequences", "worst_gaps")}), flush=True)
+        for w in res["worst_gaps"]:
+            print("  slow gap", json.dumps(w), flush=True)
         results[setup] = res
         del e
     os.makedirs(args.out, exist_ok=True)

@@ -382,11 +382,16 @@ class Pieces:
 
 
 @functools.partial(jax.jit, static_argnames=("rd",), donate_argnames=("state",))
-def run_mixed_chunk(params, dparams, sp, state: DecodeState, num, pieces: Pieces, *, rd: Round):
-    """A serving chunk of exactly ``num`` rounds of ``rd`` (``num <= P``), round i also
-    prefilling prompt piece i in its target forward (`jaxspec.model.forward_mixed`: the weights
-    are read once for the running rows' step or verification and the piece), so prompts fill
-    while the running rows keep decoding at about their own pace. Outputs as `run_chunk`'s."""
+def run_mixed_chunk(params, dparams, sp, state: DecodeState, num, pieces: Pieces, max_rounds=0,
+                    end_after=0, *, rd: Round):
+    """A serving chunk of ``num`` rounds of ``rd`` (``num <= P``), round i also prefilling
+    prompt piece i in its target forward (`jaxspec.model.forward_mixed`: the weights are read
+    once for the running rows' step or verification and the piece), so prompts fill while the
+    running rows keep decoding at about their own pace; then plain rounds of ``rd`` up to
+    ``max_rounds`` in all, as `run_chunk`'s (they end early as its ``end_after`` says, counted
+    from the chunk's first round; a row that finished during the pieces ends the chunk after
+    them when ``num <= end_after``). A chunk of a few pieces thus still gives the running rows
+    a chunk's worth of tokens for its host turn. Outputs as `run_chunk`'s."""
     B = state.last.shape[0]
     state = state.replace(budget=state.budget - state.n_out, n_out=jnp.zeros_like(state.n_out),
                           steps=jnp.zeros_like(state.steps), stats=RoundStats.zeros(B))
@@ -397,6 +402,10 @@ def run_mixed_chunk(params, dparams, sp, state: DecodeState, num, pieces: Pieces
         return rd(params, dparams, sp, st, piece)
 
     st = jax.lax.fori_loop(0, num, body, state)
+    end_after = jnp.asarray(end_after, jnp.int32)
+    ended = jnp.any(st.done & ~state.done) & (num <= end_after)
+    more = jnp.where(ended, 0, jnp.maximum(jnp.asarray(max_rounds, jnp.int32) - num, 0))
+    st = _rounds_loop(params, dparams, sp, st, more, rd, end_after - num)
     outs = ChunkOutputs(out=st.out, from_draft=st.from_draft, n_out=st.n_out, done=st.done,
                         lengths=st.cache.lengths, steps=st.steps, stats=st.stats)
     return st, outs

@@ -92,6 +92,12 @@ SERVE_PREFILL_CHUNK = 2048
 # Mixed chunks (paged, ``mixed_prefill``): at most this many rounds per chunk, each with one
 # prompt piece in its forward
 MIXED_ROUNDS = 8
+# ... and only as many pieces as add at most this share to the chunk's time without them (from the
+# measured time a piece adds; one piece while none was measured), the chunk's other rounds plain.
+# The clients of the running streams get a chunk's tokens at once, so their inter-token latency
+# grows by about this share while prompts fill, whatever the piece size; the price is the filling
+# prompts' time to first token (a share of the device's time goes to prefill)
+PIECE_SHARE = 0.5
 # ... and after this many mixed chunks in a row, a short plain chunk (at most MIXED_ROUNDS rounds)
 # times a plain round again: the cost model's chunk sizes and the piece cost both need it
 MIXED_CALIBRATE_EVERY = 16
@@ -428,6 +434,7 @@ class ServingEngine:
         # (a mesh splits the slots over its data axis: a prompt piece is one row's)
         self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
         self._mixed_run = 0  # mixed chunks dispatched since the last plain one
+        self._piece_s = None  # seconds a piece adds to its round (measured; `PIECE_SHARE`)
         if fill_first is None:
             fill_first = FILL_FIRST_SECONDS if self.paged else 0.0
         if not float(fill_first) >= 0:
@@ -863,7 +870,7 @@ class ServingEngine:
             log.exception("compiling a chunk of %d rows failed", state.last.shape[0])
 
     def _run_chunk(self, rd, greedy, filtering, rounds, compile_only=False, active=(),
-                   pieces=None):
+                   pieces=None, num_pieces=0):
         """Dispatches a decode chunk. It runs on a device thread of its own: a decode loop with a
         data-dependent trip count holds the calling thread until the loop is done (XLA reads the
         loop's condition on the host), so the engine thread detokenizes and streams the last
@@ -896,9 +903,9 @@ class ServingEngine:
             self._device = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="jaxspec-device")
         started = threading.Event()
-        end_after = rounds - 1 if pieces is None and len(active) <= END_EARLY_MAX_ROWS else 0
+        end_after = rounds - 1 if len(active) <= END_EARLY_MAX_ROWS else 0
         fut = self._device.submit(self._chunk_on_device, program, sp, state, rounds, t_compile,
-                                  started, rows, pieces, end_after)
+                                  started, rows, pieces, end_after, num_pieces)
         del compact
         del state  # donated to the chunk
         self._pending = fut
@@ -909,7 +916,7 @@ class ServingEngine:
         return fut
 
     def _chunk_on_device(self, program, sp, state, rounds, t_compile, started, rows=None,
-                         pieces=None, end_after=0):
+                         pieces=None, end_after=0, num_pieces=0):
         """Runs a chunk on ``state`` (the slots', or with ``rows`` the state of those rows alone,
         whose outputs are spread over the slots; with ``pieces`` a mixed chunk; ``end_after`` as
         `Decoder.call_chunk`'s)."""
@@ -920,11 +927,8 @@ class ServingEngine:
             finally:
                 started.set()
             t = time.perf_counter()
-            if pieces is not None:
-                state, outs = self.decoder.call_chunk(program, sp, state, max_rounds, pieces)
-            else:
-                state, outs = self.decoder.call_chunk(program, sp, state, max_rounds,
-                                                      end_after=end_after)
+            state, outs = self.decoder.call_chunk(program, sp, state, max_rounds, pieces,
+                                                  end_after, num_pieces)
             if rows is not None:
                 outs = spread_outputs(outs, jnp.asarray(rows), batch=self.B)
             jax.block_until_ready(outs)
@@ -974,13 +978,17 @@ class ServingEngine:
             if not rd.speculative and spec_rd.is_chain and dec.costs.worth_exploring(
                     ctx, levels, nodes):
                 rd = spec_rd  # one chunk that measures the acceptance
-        if rd.speculative:
-            levels, nodes = dec._levels(rd)
-            t_round = dec.costs.round_time(ctx, levels, nodes)
-        else:
-            t_round = dec.costs.plain_time(ctx)
+        t_round = self._round_seconds(rd, ctx)
         rounds = int(np.clip(self.chunk_seconds / max(t_round, 1e-9), 1, self.rounds))
         return rd, rounds, ctx
+
+    def _round_seconds(self, rd, ctx) -> float:
+        """The cost model's time of one round of ``rd`` at contexts ``ctx`` (the running rows')."""
+        dec = self.decoder
+        if rd.speculative:
+            levels, nodes = dec._levels(rd)
+            return dec.costs.round_time(ctx, levels, nodes)
+        return dec.costs.plain_time(ctx)
 
     def _main(self):
         try:
@@ -1431,12 +1439,22 @@ class ServingEngine:
             return MIX_CALIBRATE
         return MIX_PIECES
 
-    def _pieces(self):
-        """The next mixed chunk's prompt pieces of ``mixed_prefill`` tokens (the last one of a
-        prompt may be shorter): ``[(sequence, start, tokens), ...]``, at most `MIXED_ROUNDS`,
-        oldest admission first."""
-        C, out = self.mixed_prefill, []
+    def _piece_rounds(self, rd, ctx, rounds: int) -> int:
+        """How many rounds of a mixed chunk of ``rounds`` rounds carry a piece: as many as add at
+        most `PIECE_SHARE` of their time (from the measured time a piece adds; one while none
+        was measured), at least one, at most `MIXED_ROUNDS`."""
         P = min(MIXED_ROUNDS, self.rounds)
+        if self._piece_s is None:
+            return 1
+        budget = PIECE_SHARE * rounds * self._round_seconds(rd, ctx)
+        return int(np.clip(budget // max(self._piece_s, 1e-9), 1, P))
+
+    def _pieces(self, most: int | None = None):
+        """The next mixed chunk's prompt pieces of ``mixed_prefill`` tokens (the last one of a
+        prompt may be shorter): ``[(sequence, start, tokens), ...]``, at most ``most`` (and
+        `MIXED_ROUNDS`), oldest admission first."""
+        C, out = self.mixed_prefill, []
+        P = min(MIXED_ROUNDS, self.rounds, most or MIXED_ROUNDS)
         for s in self._filling():
             self._late_hits(s)
             pos = s.filled
@@ -1660,8 +1678,9 @@ class ServingEngine:
     def _step(self, mix: int = 0):
         """Dispatches the next chunk, then handles the previous chunk's tokens while it runs (the
         device never waits for detokenization and streaming). ``mix`` (`_mixing`):
-        `MIX_PIECES`: a mixed chunk, each round prefilling a prompt piece; `MIX_CALIBRATE`: at
-        most `MIXED_ROUNDS` rounds."""
+        `MIX_PIECES`: a mixed chunk, its first rounds each prefilling a prompt piece, the rest
+        plain (a chunk's rounds in all, as the cost model sizes them); `MIX_CALIBRATE`: at most
+        `MIXED_ROUNDS` rounds."""
         pieces = None
         if self._stop_rows:
             rows = sorted(self._stop_rows)
@@ -1677,10 +1696,11 @@ class ServingEngine:
             rd, rounds, ctx = self._choose_chunk(greedy)
             if mix == MIX_CALIBRATE:
                 rounds = min(rounds, MIXED_ROUNDS)
-            if mix == MIX_PIECES:  # one piece per round
-                pieces = self._pieces() or None  # (none: cached blocks came in meanwhile)
+            if mix == MIX_PIECES:  # pieces in the first rounds, then plain ones (`PIECE_SHARE`)
+                pieces = self._pieces(self._piece_rounds(rd, ctx, rounds)) or None
+                # (none: cached blocks came in meanwhile)
                 if pieces:
-                    rounds = len(pieces)
+                    rounds = max(rounds, len(pieces))
             if self.paged:
                 rounds = self._grow(active, rounds, rd)
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
@@ -1697,11 +1717,12 @@ class ServingEngine:
                 self._mixed_run = 0
             chunk = self._run_chunk(rd, greedy, filtering, rounds, active=active,
                                     pieces=None if pieces is None else
-                                    self._piece_arrays(pieces))
+                                    self._piece_arrays(pieces),
+                                    num_pieces=0 if pieces is None else len(pieces))
             # the rows this chunk decodes: a slot whose sequence is still being prefilled (paged)
             # is idle on the device, and its "done" must not end the sequence
             owners = [self.slots[b] if b in active else None for b in range(self.B)]
-            self._inflight.append((chunk, owners, rd, ctx, rounds, pieces is not None))
+            self._inflight.append((chunk, owners, rd, ctx, rounds, len(pieces or ())))
             if pieces:
                 self._pieces_done(pieces)
         while self._inflight and (len(self._inflight) > 1 or not active):
@@ -1716,10 +1737,11 @@ class ServingEngine:
         while self._inflight:
             self._process(*self._inflight.popleft())
 
-    def _process(self, chunk, owners, rd, ctx, rounds=0, mixed=False):
+    def _process(self, chunk, owners, rd, ctx, rounds=0, mixed=0):
         """The tokens of a finished chunk: to their sequences (if they still own their slots).
-        A ``mixed`` chunk's time is not its rounds' alone: the cost model does not learn from
-        it."""
+        A ``mixed`` chunk's time (``mixed`` pieces) is not its rounds' alone: the cost model
+        does not learn from it, but what beyond its rounds' predicted time the pieces took
+        does (`PIECE_SHARE`)."""
         _, outs, _, dt, _, _ = chunk.result()
         host = jax.device_get(outs)
         out, flags, n_out, done, lengths = (np.asarray(x) for x in (
@@ -1737,6 +1759,10 @@ class ServingEngine:
             if not mixed:  # (a mixed chunk's time includes its prefill)
                 self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
                 self._chunk_s = dt
+            elif self.decoder.costs.fits:
+                extra = max(dt - n * self._round_seconds(rd, ctx), 0.0) / mixed
+                self._piece_s = extra if self._piece_s is None else \
+                    0.5 * (self._piece_s + extra)
             self.m["chunk_seconds"] += dt
         self.m["chunks"] += 1
         self.m["speculative_chunks" if rd.speculative else "plain_chunks"] += 1

@@ -432,13 +432,15 @@ class Decoder:
         return state, outs, t_compile
 
     def call_chunk(self, program, sp, state: DecodeState, max_rounds, pieces=None,
-                   end_after=0):
-        """Runs a `chunk_program` (with ``pieces``: a `mixed_program`, whose rounds all run) on
-        ``state`` (donated): ``(state, outputs)``. ``end_after``: the chunk ends after the
-        first round that a row finished in, if it is at most this round (0: never)."""
+                   end_after=0, num_pieces=0):
+        """Runs a `chunk_program` (with ``pieces``: a `mixed_program`, whose first
+        ``num_pieces`` rounds each prefill a piece) of at most ``max_rounds`` rounds on ``state``
+        (donated): ``(state, outputs)``. ``end_after``: the chunk ends after the first round
+        that a row finished in, if it is at most this round (0: never)."""
         with use_mesh(self.mesh):
             if pieces is not None:
-                return program(self.params, self.dparams, sp, state, max_rounds, pieces)
+                return program(self.params, self.dparams, sp, state, jnp.int32(num_pieces),
+                               pieces, max_rounds, jnp.int32(end_after))
             return program(self.params, self.dparams, sp, state, max_rounds,
                            jnp.int32(end_after))
 
@@ -446,7 +448,7 @@ class Decoder:
         """The compiled serving chunk of rounds ``rd`` (plain or speculative) that prefill prompt
         ``pieces`` as they run (`jaxspec.decoding.run_mixed_chunk`), for these shapes:
         ``(program, seconds compiling)``. The program takes ``(params, draft params, sp, state,
-        rounds, pieces)``."""
+        pieces to prefill, pieces, max_rounds, end_after)``."""
         args = (self.params, self.dparams, sp, state)
         key = ("mixed", rd, self._key(sp, state), _avals(pieces))
         compiled = self._compiled.get(key)
@@ -454,7 +456,8 @@ class Decoder:
             return compiled, 0.0
         with use_mesh(self.mesh):
             t = time.perf_counter()
-            compiled = run_mixed_chunk.lower(*args, jnp.int32(0), pieces, rd=rd).compile(
+            compiled = run_mixed_chunk.lower(*args, jnp.int32(0), pieces, jnp.int32(0),
+                                             jnp.int32(0), rd=rd).compile(
                 compiler_options=loop_compiler_options())
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t

@@ -553,7 +553,7 @@ def main():
         lock = threading.Lock()
         chunks = [0]
 
-        def call_chunk(program, sp, state, max_rounds, pieces=None, end_after=0):
+        def call_chunk(program, sp, state, max_rounds, pieces=None, end_after=0, num_pieces=0):
             with lock:
                 row_to_prompt = {b: index_of[sid] for sid, b in slot_of.items()}
             pre = host_pre(state)
@@ -568,7 +568,7 @@ def main():
                                      jnp.asarray(lens - 1, jnp.int32)))
                 for b in fresh:
                     kdiff[row_to_prompt[b]] = float(d[row_to_prompt[b]])
-            st, outs = orig_call(program, sp, state, max_rounds, pieces, end_after)
+            st, outs = orig_call(program, sp, state, max_rounds, pieces, end_after, num_pieces)
             srv.add(host_view(st), row_to_prompt, pre)
             chunks[0] += 1
             if chunks[0] == 1:

@@ -82,8 +82,8 @@ def test_engine_ends_chunks_where_streams_end():
     seen = []
     real = e.decoder.call_chunk
 
-    def spy(program, sp, state, max_rounds, pieces=None, end_after=0):
-        st, outs = real(program, sp, state, max_rounds, pieces, end_after)
+    def spy(program, sp, state, max_rounds, pieces=None, end_after=0, num_pieces=0):
+        st, outs = real(program, sp, state, max_rounds, pieces, end_after, num_pieces)
         seen.append((int(max_rounds), int(end_after), int(outs.steps), np.asarray(outs.n_out),
                      np.asarray(outs.done)))
         return st, outs
@@ -113,3 +113,116 @@ def test_engine_ends_chunks_where_streams_end():
             # the chunk stopped in the round its first finishing row ended
             assert steps == int(n_out[finished].min()) or steps == max_rounds
     assert ended >= 2  # (the streams' distinct budgets ended distinct chunks)
+
+
+@pytest.mark.parametrize("kind", ["plain", "chain"])
+def test_mixed_chunk_goes_on_after_its_pieces(kind):
+    """`run_mixed_chunk`: three rounds prefill row 0's prompt in pieces, then plain rounds up to
+    ``max_rounds``; rows 1 and 2 commit what `run_chunk` of as many rounds commits after a
+    prefill of row 0 (greedy, float32). A row that finishes during the pieces ends the chunk after
+    them when ``end_after`` reaches them."""
+    from jaxspec.decoding import Pieces, run_mixed_chunk
+
+    model = served_model(eos=False)
+    e = ServingEngine(model, max_batch=3, max_len=128, rounds_per_chunk=8, prefill_chunk=16,
+                      page_size=8, speculation=_spec(kind), mixed_prefill=8)
+    rd, dec, MB = e._round(True), e.decoder, e.max_blocks
+    rng = np.random.default_rng()
+    st0 = set_block_tables(e.state, np.arange(3, dtype=np.int32),
+                           rng.permutation(e.n_blocks)[:3 * MB].reshape(3, MB).astype(np.int32))
+    prompts = [rng.integers(5, 60, size=n).tolist() for n in (20, 15, 11)]
+    for b in (1, 2):
+        st0 = dec.prefill_paged_row(st0, b, prompts[b][:-1], 0)
+    fill, C = prompts[0][:-1], 8  # 19 tokens: pieces of 8, 8, 3
+    tokens = np.zeros((8, C), np.int32)
+    starts = np.minimum(np.arange(8) * C, len(fill)).astype(np.int32)
+    ends = np.minimum(starts + C, len(fill)).astype(np.int32)
+    for i in range(3):
+        tokens[i, :ends[i] - starts[i]] = fill[starts[i]:ends[i]]
+    pieces = Pieces(tokens=tokens, rows=np.zeros(8, np.int32), starts=starts, ends=ends)
+    sp = e._sampling(True, False)
+    args = (dec.params, dec.dparams, sp)
+
+    def start(budget1):
+        return set_rows(jax.tree.map(jnp.copy, st0), np.asarray([1, 2, 3], np.int32),
+                        np.asarray([prompts[1][-1], prompts[2][-1], 0], np.int32),
+                        np.asarray([budget1, 30, 0], np.int32), np.zeros((3, 2), np.uint32),
+                        np.asarray([len(prompts[1]) - 1, len(prompts[2]) - 1, 0], np.int32))
+
+    got, outs = run_mixed_chunk(*args, start(30), jnp.int32(3), pieces, jnp.int32(6),
+                                jnp.int32(0), rd=rd)
+    ref = dec.prefill_paged_row(start(30), 0, fill, 0)
+    ref, ref_outs = run_chunk(*args, ref, jnp.int32(6), jnp.int32(0), rd=rd)
+    assert int(outs.steps) == 6 and int(got.cache.lengths[0]) == len(fill)
+    n = np.asarray(outs.n_out)
+    assert n[0] == 0 and (n[1:] >= 6).all()
+    np.testing.assert_array_equal(n, np.asarray(ref_outs.n_out))
+    for b in (1, 2):
+        assert np.asarray(outs.out)[b, :n[b]].tolist() == np.asarray(ref_outs.out)[b, :n[b]].tolist()
+
+    # row 1 with a budget of 2 finishes in the pieces' rounds: with end_after >= 3 the chunk
+    # stops after them, with end_after < 3 it goes on
+    _, outs_end = run_mixed_chunk(*args, start(2), jnp.int32(3), pieces, jnp.int32(6),
+                                  jnp.int32(5), rd=rd)
+    assert int(outs_end.steps) == 3 and bool(outs_end.done[1]) and int(outs_end.n_out[1]) == 2
+    _, outs_on = run_mixed_chunk(*args, start(2), jnp.int32(3), pieces, jnp.int32(6),
+                                 jnp.int32(2), rd=rd)
+    assert int(outs_on.steps) == 6
+
+
+def test_piece_rounds_follow_the_measured_piece_cost():
+    """A mixed chunk carries as many pieces as add at most `PIECE_SHARE` of its rounds' time:
+    one while no piece was measured, at least one, at most `MIXED_ROUNDS`."""
+    from jaxspec.serving import MIXED_ROUNDS, PIECE_SHARE
+
+    e = ServingEngine(served_model(eos=False), max_batch=2, max_len=96, rounds_per_chunk=16,
+                      page_size=8, mixed_prefill=8)
+    t = float(np.random.default_rng().uniform(1e-3, 1e-2))
+    e._round_seconds = lambda rd, ctx: t
+    rd = e._round(True)
+    assert e._piece_rounds(rd, None, 8) == 1
+    for k in range(1, MIXED_ROUNDS):
+        e._piece_s = PIECE_SHARE * 8 * t / (k + 0.5)
+        assert e._piece_rounds(rd, None, 8) == k
+    e._piece_s = 10 * t
+    assert e._piece_rounds(rd, None, 8) == 1
+    e._piece_s = t / 1000
+    assert e._piece_rounds(rd, None, 8) == MIXED_ROUNDS
+
+
+def test_streams_keep_a_chunk_of_tokens_while_a_prompt_fills():
+    """A stream decodes while a long prompt fills in pieces: the mixed chunks go on with plain
+    rounds after their pieces (the stream gets a chunk's tokens, not one per piece), and both
+    sequences' tokens equal `generate`'s."""
+    model = served_model(eos=False)
+    rng = np.random.default_rng()
+    short, long_ = (rng.integers(5, 60, size=int(n)).tolist() for n in (6, 70))
+    e = ServingEngine(model, max_batch=2, max_len=160, rounds_per_chunk=8, page_size=8,
+                      prefill_chunk=8, mixed_prefill=8, fill_first=0)
+    e.chunk_seconds = 1e9
+    seen = []
+    real = e.decoder.call_chunk
+
+    def spy(program, sp, state, max_rounds, pieces=None, end_after=0, num_pieces=0):
+        st, outs = real(program, sp, state, max_rounds, pieces, end_after, num_pieces)
+        seen.append((num_pieces, int(max_rounds), int(outs.steps)))
+        return st, outs
+    e.decoder.call_chunk = spy
+    first = Sequence(short, SamplingOptions(max_tokens=60, temperature=0.0))
+    late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
+    e.start(variants=[(True, False)])
+    try:
+        e.submit([first])
+        while not first.tokens:
+            assert not first.finished.is_set()
+            first.finished.wait(0.01)
+        e.submit([late])
+        assert first.finished.wait(600) and late.finished.wait(600)
+    finally:
+        e.stop()
+    for p, s, n in ((short, first, 60), (long_, late, 5)):
+        assert s.tokens == list(jaxspec.generate(model, [p], max_new_tokens=n).tokens[0])
+    mixed = [(k, m, steps) for k, m, steps in seen if k > 0]
+    assert mixed, seen
+    assert all(steps <= m and k <= m for k, m, steps in mixed)
+    assert any(steps > k for k, m, steps in mixed), mixed  # plain rounds after the pieces

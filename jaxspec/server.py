@@ -1247,10 +1247,10 @@ def add_arguments(p: argparse.ArgumentParser):
                         "--prefill-chunk chunks)")
     p.add_argument("--mixed-prefill", type=int, default=None,
                    help="paged: while some requests decode and others wait for their prefill, "
-                        "each decode round also prefills this many prompt tokens in the same "
-                        "forward (running streams keep going; smaller: shorter rounds while a "
-                        "burst fills, slower prefill; a round with a piece also has a fixed "
-                        "cost); 0: off, whole prefill steps between decode "
+                        "the first rounds of a decode chunk (as many as add at most half its "
+                        "time) also prefill this many prompt tokens each in the same forward "
+                        "(running streams keep going; smaller: less added per round, slower "
+                        "prefill); 0: off, whole prefill steps between decode "
                         "chunks (default: --prefill-chunk with --page-size, unless "
                         "--prefill-budget is given)")
     p.add_argument("--fill-first", type=nonneg_float, default=None,

@@ -9,13 +9,15 @@ queued, and then, on the engine's background thread:
 1. admitted into a free slot: its prompt (all but the last token) is prefilled into the slot's row
    (`Decoder.prefill_row`: through a small cache of a power-of-two bucket of the prompt length, so
    the number of compilations stays bounded; a draft model's cache too). With a block pool
-   (``page_size``) the prompt goes in pieces: while other slots decode, each decode round's
-   forward also prefills a piece of it (``mixed_prefill``, `jaxspec.decoding.run_mixed_chunk`);
-   while nothing decodes, in whole prefill steps;
+   (``page_size``) the prompt goes in pieces: while other slots decode, the first rounds of a
+   decode chunk (as many as add at most `PIECE_SHARE` of its time) also prefill a piece each in
+   their forward (``mixed_prefill``, `jaxspec.decoding.run_mixed_chunk`); while nothing decodes,
+   in whole prefill steps;
 2. decoded together with every other active slot in *chunks*: one jitted call of
    `jaxspec.decoding.run_rounds` runs as many rounds as fit in about `chunk_seconds` (the cost
    model predicts a round's time and learns it from every chunk), so tokens reach clients at that
-   pace on any device; with speculation each chunk is either speculative rounds or plain steps,
+   pace on any device (while few streams run, a chunk ends where one of them ends:
+   `END_EARLY_MAX_ROWS`); with speculation each chunk is either speculative rounds or plain steps,
    as the cost model decides for the rows running and their own acceptance;
 3. while the next chunk runs (on a device thread of its own: the call of a data-dependent decode
    loop holds its thread until the loop ends), the last chunk's tokens are detokenized and pushed
@@ -308,11 +310,11 @@ class ServingEngine:
         of this many prompt tokens in the same forward (oldest admission first;
         `jaxspec.model.forward_mixed`: the weights are read once for both), so running streams
         keep going while long prompts fill, instead of waiting for whole prefill steps between
-        decode chunks. Smaller pieces: shorter rounds while a burst fills, slower prefill; a
-        round that carries a piece also has a fixed cost, so under steady arrivals pieces of 256
-        gave no lower ITL p99 than 2048 and a higher ITL p50 (Qwen2.5-1.5B:
-        `benchmarks/server_mixed_qwen15_h100.md`, `benchmarks/server_mixed_qwen15_h200.md`).
-        Default:
+        decode chunks. A chunk carries pieces in as many of its first rounds as add at most
+        `PIECE_SHARE` of its rounds' time, then plain rounds (the streams get a chunk's tokens
+        per host turn). Smaller pieces: less added per round, slower prefill (Qwen2.5-1.5B shape,
+        H200: a 2048-token piece at a 30k offset adds ~45 ms to its round, a 128-token one ~3
+        ms; `benchmarks/server_poisson_random_h200.md`). Default:
         ``prefill_chunk`` (at most ``max_len``) for a block pool (unless ``prefill_budget`` is
         given); 0: off. Not on a mesh.
     fill_first: paged: while no sequence decodes, a sequence whose prompt is in waits (at most

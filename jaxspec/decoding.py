@@ -371,7 +371,7 @@ def run_chunk(params, dparams, sp, state: DecodeState, max_rounds, end_after=0, 
 
 @struct.dataclass
 class Pieces:
-    """Prompt pieces for `run_mixed_chunk` (one per round, plain or speculative): piece i
+    """Prompt pieces for `run_mixed_chunk` (one per round of its first ones): piece i
     (``tokens[i]``, padded to C) goes into row ``rows[i]`` from slot ``starts[i]`` on, and that
     row's length becomes ``ends[i]``."""
 

@@ -91,8 +91,8 @@ PREFILL_MIN_TOKENS = 2048  # (in whole prefill chunks, at least one)
 # the library's 512: their rows are sized in whole prefill chunks (`ServingEngine.S`), 18% more
 # memory per slot at the default 8192 tokens with 2048.
 SERVE_PREFILL_CHUNK = 2048
-# Mixed chunks (paged, ``mixed_prefill``): at most this many rounds per chunk, each with one
-# prompt piece in its forward
+# Mixed chunks (paged, ``mixed_prefill``): at most this many of a chunk's rounds carry a prompt
+# piece each in their forward (the first ones)
 MIXED_ROUNDS = 8
 # ... and only as many pieces as add at most this share to the chunk's time without them (from the
 # measured time a piece adds; one piece while none was measured), the chunk's other rounds plain.
@@ -305,9 +305,9 @@ class ServingEngine:
         speculation from all the slots); draws are keyed by token position, so a preempted
         sequence resumes with the draws it would have made. No shared-context attention then
         (``share_min_tokens`` is ignored); not on a mesh.
-    mixed_prefill: paged: while some sequences decode and others wait for their prefill, each
-        decode round (a plain step or a speculative round's verification) also prefills a piece
-        of this many prompt tokens in the same forward (oldest admission first;
+    mixed_prefill: paged: while some sequences decode and others wait for their prefill, decode
+        rounds (a plain step or a speculative round's verification) also prefill a piece of this
+        many prompt tokens each in the same forward (oldest admission first;
         `jaxspec.model.forward_mixed`: the weights are read once for both), so running streams
         keep going while long prompts fill, instead of waiting for whole prefill steps between
         decode chunks. A chunk carries pieces in as many of its first rounds as add at most
@@ -437,6 +437,7 @@ class ServingEngine:
         self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
         self._mixed_run = 0  # mixed chunks dispatched since the last plain one
         self._piece_s = None  # seconds a piece adds to its round (measured; `PIECE_SHARE`)
+        self._programs_run = set()  # ids of the chunk programs run (`_run_chunk`'s first_run)
         if fill_first is None:
             fill_first = FILL_FIRST_SECONDS if self.paged else 0.0
         if not float(fill_first) >= 0:
@@ -880,8 +881,9 @@ class ServingEngine:
         63 ms, and the device idled for the host's 4-5 ms between chunks). Returns a future of
         ``(state, outputs, seconds compiling, seconds on the device)``; ``compile_only`` runs a
         zero-round chunk on this thread (warm-up). With ``pieces`` (a `Pieces`) a mixed chunk
-        (`jaxspec.decoding.run_mixed_chunk`): ``rounds`` rounds of ``rd`` over every slot, each
-        prefilling one piece."""
+        (`jaxspec.decoding.run_mixed_chunk`): ``rounds`` rounds of ``rd`` over every slot, the
+        first ``num_pieces`` each prefilling a piece. The future's ``first_run`` says whether its
+        program ran for the first time (a first run's time is not learned from)."""
         sp = self._sampling(greedy, filtering)
         if self.decoder.mesh is not None:
             sp = put_batch(sp, self.decoder.mesh, self.B)
@@ -908,6 +910,8 @@ class ServingEngine:
         end_after = rounds - 1 if len(active) <= END_EARLY_MAX_ROWS else 0
         fut = self._device.submit(self._chunk_on_device, program, sp, state, rounds, t_compile,
                                   started, rows, pieces, end_after, num_pieces)
+        fut.first_run = id(program) not in self._programs_run
+        self._programs_run.add(id(program))
         del compact
         del state  # donated to the chunk
         self._pending = fut
@@ -1760,8 +1764,12 @@ class ServingEngine:
             still = [b for b in ran if not done[b]]
             if not mixed:  # (a mixed chunk's time includes its prefill)
                 self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
-                self._chunk_s = dt
-            elif self.decoder.costs.fits:
+                if n == rounds:  # (a chunk that ended early is not a chunk's time)
+                    self._chunk_s = dt
+            elif self.decoder.costs.fits and n == rounds and not getattr(chunk, "first_run",
+                                                                           False):
+                # what the pieces added to the rounds' predicted time (only from chunks that ran
+                # all their rounds: in a cut one the host turn's share would land on the pieces)
                 extra = max(dt - n * self._round_seconds(rd, ctx), 0.0) / mixed
                 self._piece_s = extra if self._piece_s is None else \
                     0.5 * (self._piece_s + extra)

@@ -56,7 +56,9 @@ def test_chunk_ends_after_a_row_finishes(kind):
                                 jnp.int32(0), rd=rd) if n > 1 else (None, None)
     if prev_outs is not None:
         assert not bool(prev_outs.done[0])
-    # a row that finishes after round end_after does not end the chunk
+    # the round it finished in is the bound: end_after = n still ends there, n - 1 does not
+    _, outs_at = run_chunk(*args, jax.tree.map(jnp.copy, st), jnp.int32(8), jnp.int32(n), rd=rd)
+    assert int(outs_at.steps) == n
     late, outs_late = run_chunk(*args, jax.tree.map(jnp.copy, st), jnp.int32(8), jnp.int32(n - 1),
                                 rd=rd)
     assert int(outs_late.steps) == 8
@@ -110,8 +112,9 @@ def test_engine_ends_chunks_where_streams_end():
         finished = done & (n_out > 0)
         if finished.any():
             ended += 1
-            # the chunk stopped in the round its first finishing row ended
-            assert steps == int(n_out[finished].min()) or steps == max_rounds
+            # the chunk stopped in the round its first finishing row ended (plain rounds: a row
+            # commits one token per round from the chunk's first)
+            assert steps == int(n_out[finished].min())
     assert ended >= 2  # (the streams' distinct budgets ended distinct chunks)
 
 
@@ -162,12 +165,27 @@ def test_mixed_chunk_goes_on_after_its_pieces(kind):
 
     # row 1 with a budget of 2 finishes in the pieces' rounds: with end_after >= 3 the chunk
     # stops after them, with end_after < 3 it goes on
-    _, outs_end = run_mixed_chunk(*args, start(2), jnp.int32(3), pieces, jnp.int32(6),
-                                  jnp.int32(5), rd=rd)
-    assert int(outs_end.steps) == 3 and bool(outs_end.done[1]) and int(outs_end.n_out[1]) == 2
-    _, outs_on = run_mixed_chunk(*args, start(2), jnp.int32(3), pieces, jnp.int32(6),
-                                 jnp.int32(2), rd=rd)
-    assert int(outs_on.steps) == 6
+    for end_after, steps in ((5, 3), (3, 3), (2, 6)):
+        _, o = run_mixed_chunk(*args, start(2), jnp.int32(3), pieces, jnp.int32(6),
+                               jnp.int32(end_after), rd=rd)
+        assert int(o.steps) == steps and bool(o.done[1]) and int(o.n_out[1]) == 2, end_after
+
+    # row 1 finishes in a plain round after the pieces (round r, found by running 1, 2, ...
+    # rounds): end_after counts rounds from the chunk's first, so end_after = r ends it there
+    # and r - 1 does not
+    budget = 5 if kind == "plain" else 9
+    r = next(m for m in range(1, 12)
+             if bool(run_mixed_chunk(*args, start(budget), jnp.int32(min(3, m)), pieces,
+                                     jnp.int32(m), jnp.int32(0), rd=rd)[1].done[1]))
+    if kind == "plain":
+        assert r == budget
+    if r > 3:
+        _, o = run_mixed_chunk(*args, start(budget), jnp.int32(3), pieces, jnp.int32(12),
+                               jnp.int32(r), rd=rd)
+        assert int(o.steps) == r and int(o.n_out[1]) == budget
+        _, o = run_mixed_chunk(*args, start(budget), jnp.int32(3), pieces, jnp.int32(12),
+                               jnp.int32(r - 1), rd=rd)
+        assert int(o.steps) == 12
 
 
 def test_piece_rounds_follow_the_measured_piece_cost():
@@ -226,3 +244,44 @@ def test_streams_keep_a_chunk_of_tokens_while_a_prompt_fills():
     assert mixed, seen
     assert all(steps <= m and k <= m for k, m, steps in mixed)
     assert any(steps > k for k, m, steps in mixed), mixed  # plain rounds after the pieces
+
+
+def test_piece_cost_is_learned_from_whole_mixed_chunks():
+    """What pieces add beyond their rounds' predicted time, per piece, is learned (an average of
+    the latest measurements) from mixed chunks that ran all their rounds, not from a program's
+    first run or a chunk that ended early."""
+    import concurrent.futures
+    import types
+
+    from jaxspec.decoding import ChunkOutputs, RoundStats
+
+    e = ServingEngine(served_model(eos=False), max_batch=2, max_len=96, rounds_per_chunk=8,
+                      page_size=8, mixed_prefill=8)
+    rng = np.random.default_rng()
+    t = float(rng.uniform(1e-3, 1e-2))
+    e._round_seconds = lambda rd, ctx: t
+    e.decoder.costs = types.SimpleNamespace(fits=True)
+    rd = e._round(True)
+    B = e.B
+
+    def chunk(n, dt, first=False):
+        outs = ChunkOutputs(out=np.zeros((B, 8), np.int32), from_draft=np.zeros((B, 8), bool),
+                            n_out=np.zeros(B, np.int32), done=np.ones(B, bool),
+                            lengths=np.zeros(B, np.int32), steps=np.int32(n),
+                            stats=jax.tree.map(np.asarray, RoundStats.zeros(B)))
+        f = concurrent.futures.Future()
+        f.set_result((None, outs, 0.0, dt, None, None))
+        f.first_run = first
+        return f
+
+    owners = [None] * B
+    e._process(chunk(8, 100.0, first=True), owners, rd, None, 8, 2)  # a first run: not learned
+    e._process(chunk(5, 100.0), owners, rd, None, 8, 2)  # ended early: not learned
+    assert e._piece_s is None
+    d1, d2 = (float(x) for x in rng.uniform(0.01, 0.1, size=2))
+    e._process(chunk(8, 8 * t + 3 * d1), owners, rd, None, 8, 3)
+    assert e._piece_s == pytest.approx(d1)
+    e._process(chunk(8, 8 * t + 2 * d2), owners, rd, None, 8, 2)
+    assert e._piece_s == pytest.approx((d1 + d2) / 2)
+    e._process(chunk(8, 0.5 * t), owners, rd, None, 8, 2)  # faster than predicted: adds nothing
+    assert e._piece_s == pytest.approx((d1 + d2) / 4)

@@ -101,23 +101,23 @@ def piece_prefill(params, cache, tok, start):
                                 config=cfg, impl="auto")
 
 
-@jax.jit
-def piece_attn(q, cache, start):
-    tab = jax.lax.dynamic_slice_in_dim(cache.block_table, B, 1, axis=0)
-    pplan = AttentionPlan(lengths=start[None], impl="auto", block_table=tab)
-    o = 0.
-    for layer in range(cfg.num_layers):
-        o = o + attend(q, cache.k, cache.v, jnp.int32(layer), pplan)[0, 0, 0, 0].astype(jnp.float32)
-    return o
-
-
-@jax.jit
-def decode_attn(q, cache):
-    plan = plan_for(cache, cache.lengths, impl="auto", active=active)
+def _all_layers(q, cache, plan):
+    """Attention of ``q`` by ``plan`` in every layer (one element of each kept)."""
     o = 0.
     for layer in range(cfg.num_layers):
         o = o + attend(q, cache.k, cache.v, jnp.int32(layer), plan)[0, 0, 0, 0].astype(jnp.float32)
     return o
+
+
+@jax.jit
+def piece_attn(q, cache, start):
+    tab = jax.lax.dynamic_slice_in_dim(cache.block_table, B, 1, axis=0)
+    return _all_layers(q, cache, AttentionPlan(lengths=start[None], impl="auto", block_table=tab))
+
+
+@jax.jit
+def decode_attn(q, cache):
+    return _all_layers(q, cache, plan_for(cache, cache.lengths, impl="auto", active=active))
 
 
 @jax.jit

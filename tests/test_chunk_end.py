@@ -146,10 +146,10 @@ def test_mixed_chunk_goes_on_after_its_pieces(kind):
     sp = e._sampling(True, False)
     args = (dec.params, dec.dparams, sp)
 
-    def start(budget1):
+    def start(budget1, budget2=30):
         return set_rows(jax.tree.map(jnp.copy, st0), np.asarray([1, 2, 3], np.int32),
                         np.asarray([prompts[1][-1], prompts[2][-1], 0], np.int32),
-                        np.asarray([budget1, 30, 0], np.int32), np.zeros((3, 2), np.uint32),
+                        np.asarray([budget1, budget2, 0], np.int32), np.zeros((3, 2), np.uint32),
                         np.asarray([len(prompts[1]) - 1, len(prompts[2]) - 1, 0], np.int32))
 
     got, outs = run_mixed_chunk(*args, start(30), jnp.int32(3), pieces, jnp.int32(6),
@@ -172,20 +172,20 @@ def test_mixed_chunk_goes_on_after_its_pieces(kind):
 
     # row 1 finishes in a plain round after the pieces (round r, found by running 1, 2, ...
     # rounds): end_after counts rounds from the chunk's first, so end_after = r ends it there
-    # and r - 1 does not
+    # and r - 1 does not (row 2's budget is more than 12 rounds can commit: it never ends one)
     budget = 5 if kind == "plain" else 9
-    r = next(m for m in range(1, 12)
-             if bool(run_mixed_chunk(*args, start(budget), jnp.int32(min(3, m)), pieces,
-                                     jnp.int32(m), jnp.int32(0), rd=rd)[1].done[1]))
+
+    def run(m, end_after):
+        return run_mixed_chunk(*args, start(budget, 200), jnp.int32(min(3, m)), pieces,
+                               jnp.int32(m), jnp.int32(end_after), rd=rd)[1]
+    r = next(m for m in range(1, 12) if bool(run(m, 0).done[1]))
     if kind == "plain":
         assert r == budget
     if r > 3:
-        _, o = run_mixed_chunk(*args, start(budget), jnp.int32(3), pieces, jnp.int32(12),
-                               jnp.int32(r), rd=rd)
+        o = run(12, r)
         assert int(o.steps) == r and int(o.n_out[1]) == budget
-        _, o = run_mixed_chunk(*args, start(budget), jnp.int32(3), pieces, jnp.int32(12),
-                               jnp.int32(r - 1), rd=rd)
-        assert int(o.steps) == 12
+        o = run(12, r - 1)
+        assert int(o.steps) == 12 and not bool(o.done[2])
 
 
 def test_piece_rounds_follow_the_measured_piece_cost():
@@ -215,7 +215,7 @@ def test_streams_keep_a_chunk_of_tokens_while_a_prompt_fills():
     model = served_model(eos=False)
     rng = np.random.default_rng()
     short, long_ = (rng.integers(5, 60, size=int(n)).tolist() for n in (6, 70))
-    e = ServingEngine(model, max_batch=2, max_len=160, rounds_per_chunk=8, page_size=8,
+    e = ServingEngine(model, max_batch=2, max_len=320, rounds_per_chunk=8, page_size=8,
                       prefill_chunk=8, mixed_prefill=8, fill_first=0)
     e.chunk_seconds = 1e9
     seen = []
@@ -226,7 +226,8 @@ def test_streams_keep_a_chunk_of_tokens_while_a_prompt_fills():
         seen.append((num_pieces, int(max_rounds), int(outs.steps)))
         return st, outs
     e.decoder.call_chunk = spy
-    first = Sequence(short, SamplingOptions(max_tokens=60, temperature=0.0))
+    # (a long budget: the stream still decodes however late the other prompt comes in)
+    first = Sequence(short, SamplingOptions(max_tokens=200, temperature=0.0))
     late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
     e.start(variants=[(True, False)])
     try:
@@ -238,7 +239,7 @@ def test_streams_keep_a_chunk_of_tokens_while_a_prompt_fills():
         assert first.finished.wait(600) and late.finished.wait(600)
     finally:
         e.stop()
-    for p, s, n in ((short, first, 60), (long_, late, 5)):
+    for p, s, n in ((short, first, 200), (long_, late, 5)):
         assert s.tokens == list(jaxspec.generate(model, [p], max_new_tokens=n).tokens[0])
     mixed = [(k, m, steps) for k, m, steps in seen if k > 0]
     assert mixed, seen

@@ -293,9 +293,11 @@ def _report(tally: Tally) -> str:
 
 
 def test_fuzz_every_endpoint(server):
-    tally = _run(server, 300)
+    # (600 draws: about 7% of them are valid requests with valid headers, so 300 drew fewer than
+    # 20 completions now and then)
+    tally = _run(server, 600)
     print(_report(tally))
-    assert tally.requests >= 300
+    assert tally.requests >= 600
     # the fuzzer reaches both outcomes: real completions and refusals
     assert sum(v for k, v in tally.by_status.items() if k < 300) >= 20, tally.by_status
     assert sum(v for k, v in tally.by_status.items() if k >= 400) >= 100, tally.by_status

@@ -308,28 +308,18 @@ def _rounds_loop(params, dparams, sp, state: DecodeState, max_rounds, rd: Round,
     With ``end_after`` (a traced int) it also stops after round i (counted from 1) when a row
     finished in it and i <= ``end_after``: a serving chunk then ends where a stream ends, so
     that stream's last tokens reach its client without waiting for the chunk's other rounds."""
-    if end_after is None:
-        def cond(c):
-            i, st = c
-            return (i < max_rounds) & jnp.any(~st.done)
-
-        def body(c):
-            i, st = c
-            return i + 1, rd(params, dparams, sp, st)
-
-        _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-        return st
-
-    def cond_ending(c):
+    def cond(c):
         i, st, ended = c
         return (i < max_rounds) & jnp.any(~st.done) & ~ended
 
-    def body_ending(c):
+    def body(c):
         i, st, _ = c
         nxt = rd(params, dparams, sp, st)
-        return i + 1, nxt, jnp.any(nxt.done & ~st.done) & (i + 1 <= end_after)
+        ended = jnp.zeros((), bool) if end_after is None else \
+            jnp.any(nxt.done & ~st.done) & (i + 1 <= end_after)
+        return i + 1, nxt, ended
 
-    _, st, _ = jax.lax.while_loop(cond_ending, body_ending,
+    _, st, _ = jax.lax.while_loop(cond, body,
                                   (jnp.zeros((), jnp.int32), state, jnp.zeros((), bool)))
     return st
 
@@ -354,19 +344,28 @@ class ChunkOutputs:
     stats: RoundStats
 
 
+def _chunk_begins(state: DecodeState) -> DecodeState:
+    """A serving chunk's state at its start: the output buffer empty, each row's budget shrunk
+    by what it committed before, the round counts and stats zero."""
+    return state.replace(budget=state.budget - state.n_out, n_out=jnp.zeros_like(state.n_out),
+                         steps=jnp.zeros_like(state.steps),
+                         stats=RoundStats.zeros(state.last.shape[0]))
+
+
+def _chunk_outputs(st: DecodeState) -> ChunkOutputs:
+    return ChunkOutputs(out=st.out, from_draft=st.from_draft, n_out=st.n_out, done=st.done,
+                        lengths=st.cache.lengths, steps=st.steps, stats=st.stats)
+
+
 @functools.partial(jax.jit, static_argnames=("rd",), donate_argnames=("state",))
 def run_chunk(params, dparams, sp, state: DecodeState, max_rounds, end_after=0, *, rd: Round):
     """A serving chunk: the output buffer starts empty (each row's budget shrinks by what it
     committed before), then at most ``max_rounds`` rounds run (`run_rounds`), fewer when a row
     finishes in round ``end_after`` or before (`_rounds_loop`; 0: never). Returns the state and
     the chunk's `ChunkOutputs`."""
-    B = state.last.shape[0]
-    state = state.replace(budget=state.budget - state.n_out, n_out=jnp.zeros_like(state.n_out),
-                          steps=jnp.zeros_like(state.steps), stats=RoundStats.zeros(B))
+    state = _chunk_begins(state)
     st = _rounds_loop(params, dparams, sp, state, max_rounds, rd, jnp.asarray(end_after, jnp.int32))
-    outs = ChunkOutputs(out=st.out, from_draft=st.from_draft, n_out=st.n_out, done=st.done,
-                        lengths=st.cache.lengths, steps=st.steps, stats=st.stats)
-    return st, outs
+    return st, _chunk_outputs(st)
 
 
 @struct.dataclass
@@ -392,9 +391,7 @@ def run_mixed_chunk(params, dparams, sp, state: DecodeState, num, pieces: Pieces
     from the chunk's first round; a row that finished during the pieces ends the chunk after
     them when ``num <= end_after``). A chunk of a few pieces thus still gives the running rows
     a chunk's worth of tokens for its host turn. Outputs as `run_chunk`'s."""
-    B = state.last.shape[0]
-    state = state.replace(budget=state.budget - state.n_out, n_out=jnp.zeros_like(state.n_out),
-                          steps=jnp.zeros_like(state.steps), stats=RoundStats.zeros(B))
+    state = _chunk_begins(state)
 
     def body(i, st):
         piece = (jax.lax.dynamic_slice_in_dim(pieces.tokens, i, 1, axis=0), pieces.rows[i],
@@ -406,9 +403,7 @@ def run_mixed_chunk(params, dparams, sp, state: DecodeState, num, pieces: Pieces
     ended = jnp.any(st.done & ~state.done) & (num <= end_after)
     more = jnp.where(ended, 0, jnp.maximum(jnp.asarray(max_rounds, jnp.int32) - num, 0))
     st = _rounds_loop(params, dparams, sp, st, more, rd, end_after - num)
-    outs = ChunkOutputs(out=st.out, from_draft=st.from_draft, n_out=st.n_out, done=st.done,
-                        lengths=st.cache.lengths, steps=st.steps, stats=st.stats)
-    return st, outs
+    return st, _chunk_outputs(st)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -43,8 +43,8 @@ def test_chunk_ends_after_a_row_finishes(kind):
     args = (dec.params, dec.dparams, sp)
 
     # no early end: the chunk runs all its rounds (row 2 is idle throughout)
-    full, outs_full = run_chunk(*args, jax.tree.map(jnp.copy, st), jnp.int32(8), jnp.int32(0),
-                                rd=rd)
+    _, outs_full = run_chunk(*args, jax.tree.map(jnp.copy, st), jnp.int32(8), jnp.int32(0),
+                             rd=rd)
     assert int(outs_full.steps) == 8 and bool(outs_full.done[0]) and not bool(outs_full.done[1])
     # early end: it stops after the round in which row 0 committed its last token
     cut, outs = run_chunk(*args, jax.tree.map(jnp.copy, st), jnp.int32(8), jnp.int32(7), rd=rd)
@@ -52,18 +52,18 @@ def test_chunk_ends_after_a_row_finishes(kind):
     assert bool(outs.done[0]) and not bool(outs.done[1]) and 1 <= n < 8
     assert int(outs.n_out[0]) == short
     # (the round before the last one had not finished row 0: the chunk ended at the first end)
-    prev, prev_outs = run_chunk(*args, jax.tree.map(jnp.copy, st), jnp.int32(n - 1),
-                                jnp.int32(0), rd=rd) if n > 1 else (None, None)
-    if prev_outs is not None:
+    if n > 1:
+        _, prev_outs = run_chunk(*args, jax.tree.map(jnp.copy, st), jnp.int32(n - 1),
+                                 jnp.int32(0), rd=rd)
         assert not bool(prev_outs.done[0])
     # the round it finished in is the bound: end_after = n still ends there, n - 1 does not
     _, outs_at = run_chunk(*args, jax.tree.map(jnp.copy, st), jnp.int32(8), jnp.int32(n), rd=rd)
     assert int(outs_at.steps) == n
-    late, outs_late = run_chunk(*args, jax.tree.map(jnp.copy, st), jnp.int32(8), jnp.int32(n - 1),
-                                rd=rd)
+    _, outs_late = run_chunk(*args, jax.tree.map(jnp.copy, st), jnp.int32(8), jnp.int32(n - 1),
+                             rd=rd)
     assert int(outs_late.steps) == 8
     # row 1 goes on in the next chunk: what it commits over both equals the uninterrupted run's
-    rest, outs2 = run_chunk(*args, cut, jnp.int32(8 - n), jnp.int32(0), rd=rd)
+    _, outs2 = run_chunk(*args, cut, jnp.int32(8 - n), jnp.int32(0), rd=rd)
     got = (np.asarray(outs.out)[1, :int(outs.n_out[1])].tolist()
            + np.asarray(outs2.out)[1, :int(outs2.n_out[1])].tolist())
     want = np.asarray(outs_full.out)[1, :int(outs_full.n_out[1])].tolist()

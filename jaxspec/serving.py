@@ -94,11 +94,12 @@ SERVE_PREFILL_CHUNK = 2048
 # Mixed chunks (paged, ``mixed_prefill``): at most this many of a chunk's rounds carry a prompt
 # piece each in their forward (the first ones)
 MIXED_ROUNDS = 8
-# ... and only as many pieces as add at most this share to the chunk's time without them (from the
-# measured time a piece adds; one piece while none was measured), the chunk's other rounds plain.
-# The clients of the running streams get a chunk's tokens at once, so their inter-token latency
-# grows by about this share while prompts fill, whatever the piece size; the price is the filling
-# prompts' time to first token (a share of the device's time goes to prefill)
+# ... and only as many pieces as add at most this share to the chunk's time without them (as
+# `PieceCost` predicts them; one piece while none was measured), the chunk's other rounds plain;
+# a chunk whose one piece adds more runs more plain rounds (up to ``rounds_per_chunk``) to keep
+# the share. The clients of the running streams get a chunk's tokens at once, so their
+# inter-token latency grows by about this share while prompts fill, whatever the piece size; the
+# price is the filling prompts' time to first token (a share of the device's time goes to prefill)
 PIECE_SHARE = 0.5
 # ... and after this many mixed chunks in a row, a short plain chunk (at most MIXED_ROUNDS rounds)
 # times a plain round again: the cost model's chunk sizes and the piece cost both need it
@@ -124,6 +125,51 @@ FILL_FIRST_SECONDS = 10.0
 # while the streams wait or slow down), so in a burst it is cheaper for the last requests to wait
 # for blocks than to be admitted and preempt one another.
 GROWTH_RESERVE_TOKENS = 512
+
+
+class PieceCost:
+    """The time prompt pieces add to a mixed chunk beyond its rounds' own, learned from measured
+    chunks: ``fixed + per_key * keys`` per piece, where ``keys`` is the piece's mean attended
+    context (its start plus half its length). A piece's GEMMs are those of the compiled piece
+    size whatever its length, its attention grows with its offset (Qwen2.5-1.5B shape, H200: a
+    2048-token piece adds ~12 ms at offset 0 and ~45 ms at 30k), so one number per piece would
+    let pieces at long offsets overrun the chunk's share. A least-squares fit of the chunks'
+    added times to their pieces' count and summed keys, the older chunks' weight decaying by
+    `DECAY` per chunk, coefficients kept non-negative (one of them dropped while the pieces
+    seen do not tell them apart, e.g. all at one offset)."""
+
+    DECAY = 0.8
+    KEYS = 1e4  # (the keys' unit: the two features of one scale)
+
+    def __init__(self):
+        self._xx = np.zeros((2, 2))
+        self._xy = np.zeros(2)
+        self.coef = None  # (seconds per piece, seconds per `KEYS` keys per piece)
+
+    def observe(self, keys, seconds: float):
+        """A chunk whose pieces (mean attended keys each) added ``seconds`` to its rounds."""
+        x = np.array([len(keys), float(np.sum(keys)) / self.KEYS])
+        self._xx = self.DECAY * self._xx + np.outer(x, x)
+        self._xy = self.DECAY * self._xy + x * max(float(seconds), 0.0)
+        xx, xy = self._xx, self._xy
+        fits = []  # (objective, coefficients): the non-negative least squares of two unknowns
+        det = xx[0, 0] * xx[1, 1] - xx[0, 1] ** 2
+        if det > 1e-6 * xx[0, 0] * xx[1, 1]:
+            c = np.linalg.solve(xx, xy)
+            if np.all(c >= 0):
+                fits.append(c)
+        for i in (0, 1):
+            if xx[i, i] > 0:
+                c = np.zeros(2)
+                c[i] = xy[i] / xx[i, i]
+                fits.append(c)
+        self.coef = min(fits, key=lambda c: float(c @ xx @ c - 2 * c @ xy))
+
+    def predict(self, keys: float) -> float | None:
+        """Seconds a piece of ``keys`` mean attended keys adds (None until a chunk was seen)."""
+        if self.coef is None:
+            return None
+        return float(self.coef[0] + self.coef[1] * keys / self.KEYS)
 
 
 def default_prefill_chunk(paged: bool) -> int:
@@ -436,7 +482,7 @@ class ServingEngine:
         # (a mesh splits the slots over its data axis: a prompt piece is one row's)
         self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
         self._mixed_run = 0  # mixed chunks dispatched since the last plain one
-        self._piece_s = None  # seconds a piece adds to its round (measured; `PIECE_SHARE`)
+        self._piece_cost = PieceCost()  # the time pieces add to their chunk (`PIECE_SHARE`)
         self._programs_run = set()  # ids of the chunk programs run (`_run_chunk`'s first_run)
         if fill_first is None:
             fill_first = FILL_FIRST_SECONDS if self.paged else 0.0
@@ -1445,32 +1491,27 @@ class ServingEngine:
             return MIX_CALIBRATE
         return MIX_PIECES
 
-    def _piece_rounds(self, rd, ctx, rounds: int) -> int:
-        """How many rounds of a mixed chunk of ``rounds`` rounds carry a piece: as many as add at
-        most `PIECE_SHARE` of their time (from the measured time a piece adds; one while none
-        was measured), at least one, at most `MIXED_ROUNDS`."""
-        P = min(MIXED_ROUNDS, self.rounds)
-        if self._piece_s is None:
-            return 1
-        budget = PIECE_SHARE * rounds * self._round_seconds(rd, ctx)
-        return int(np.clip(budget // max(self._piece_s, 1e-9), 1, P))
-
-    def _pieces(self, most: int | None = None):
+    def _pieces(self, budget: float):
         """The next mixed chunk's prompt pieces of ``mixed_prefill`` tokens (the last one of a
-        prompt may be shorter): ``[(sequence, start, tokens), ...]``, at most ``most`` (and
-        `MIXED_ROUNDS`), oldest admission first."""
-        C, out = self.mixed_prefill, []
-        P = min(MIXED_ROUNDS, self.rounds, most or MIXED_ROUNDS)
+        prompt may be shorter), oldest admission first, as many as `PieceCost` predicts to add
+        at most ``budget`` seconds (at least one; one while no piece was measured), at most
+        `MIXED_ROUNDS`: ``([(sequence, start, tokens), ...], predicted seconds or None)``."""
+        C, out, spent = self.mixed_prefill, [], 0.0
+        P = min(MIXED_ROUNDS, self.rounds)
         for s in self._filling():
             self._late_hits(s)
             pos = s.filled
             while pos < len(s.fill) and len(out) < P:
                 n = min(C, len(s.fill) - pos)
+                cost = self._piece_cost.predict(pos + n / 2)
+                if out and (spent is None or spent + cost > budget):
+                    return out, spent
                 out.append((s, pos, s.fill[pos:pos + n]))
+                spent = None if cost is None else spent + cost
                 pos += n
             if len(out) >= P:
                 break
-        return out
+        return out, spent
 
     def _pieces_done(self, pieces):
         """The host's side of pieces a mixed chunk prefills (dispatched: the device runs them in
@@ -1703,10 +1744,13 @@ class ServingEngine:
             if mix == MIX_CALIBRATE:
                 rounds = min(rounds, MIXED_ROUNDS)
             if mix == MIX_PIECES:  # pieces in the first rounds, then plain ones (`PIECE_SHARE`)
-                pieces = self._pieces(self._piece_rounds(rd, ctx, rounds)) or None
-                # (none: cached blocks came in meanwhile)
+                t_round = max(self._round_seconds(rd, ctx), 1e-9)
+                pieces, extra = self._pieces(PIECE_SHARE * rounds * t_round)
+                pieces = pieces or None  # (none: cached blocks came in meanwhile)
                 if pieces:
-                    rounds = max(rounds, len(pieces))
+                    # a first piece that adds more than the chunk's share: more plain rounds
+                    need = 0 if extra is None else int(np.ceil(extra / (PIECE_SHARE * t_round)))
+                    rounds = max(rounds, len(pieces), min(need, self.rounds))
             if self.paged:
                 rounds = self._grow(active, rounds, rd)
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
@@ -1728,7 +1772,8 @@ class ServingEngine:
             # the rows this chunk decodes: a slot whose sequence is still being prefilled (paged)
             # is idle on the device, and its "done" must not end the sequence
             owners = [self.slots[b] if b in active else None for b in range(self.B)]
-            self._inflight.append((chunk, owners, rd, ctx, rounds, len(pieces or ())))
+            keys = tuple(pos + len(toks) / 2 for _, pos, toks in pieces or ())
+            self._inflight.append((chunk, owners, rd, ctx, rounds, keys))
             if pieces:
                 self._pieces_done(pieces)
         while self._inflight and (len(self._inflight) > 1 or not active):
@@ -1743,11 +1788,11 @@ class ServingEngine:
         while self._inflight:
             self._process(*self._inflight.popleft())
 
-    def _process(self, chunk, owners, rd, ctx, rounds=0, mixed=0):
+    def _process(self, chunk, owners, rd, ctx, rounds=0, mixed=()):
         """The tokens of a finished chunk: to their sequences (if they still own their slots).
-        A ``mixed`` chunk's time (``mixed`` pieces) is not its rounds' alone: the cost model
-        does not learn from it, but what beyond its rounds' predicted time the pieces took
-        does (`PIECE_SHARE`)."""
+        A ``mixed`` chunk's time (its pieces' mean attended keys) is not its rounds' alone: the
+        cost model does not learn from it, but what beyond its rounds' predicted time the pieces
+        took does (`PieceCost`)."""
         _, outs, _, dt, _, _ = chunk.result()
         host = jax.device_get(outs)
         out, flags, n_out, done, lengths = (np.asarray(x) for x in (
@@ -1770,9 +1815,7 @@ class ServingEngine:
                                                                            False):
                 # what the pieces added to the rounds' predicted time (only from chunks that ran
                 # all their rounds: in a cut one the host turn's share would land on the pieces)
-                extra = max(dt - n * self._round_seconds(rd, ctx), 0.0) / mixed
-                self._piece_s = extra if self._piece_s is None else \
-                    0.5 * (self._piece_s + extra)
+                self._piece_cost.observe(mixed, dt - n * self._round_seconds(rd, ctx))
             self.m["chunk_seconds"] += dt
         self.m["chunks"] += 1
         self.m["speculative_chunks" if rd.speculative else "plain_chunks"] += 1

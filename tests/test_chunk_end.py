@@ -188,24 +188,61 @@ def test_mixed_chunk_goes_on_after_its_pieces(kind):
         assert int(o.steps) == 12 and not bool(o.done[2])
 
 
-def test_piece_rounds_follow_the_measured_piece_cost():
-    """A mixed chunk carries as many pieces as add at most `PIECE_SHARE` of its rounds' time:
-    one while no piece was measured, at least one, at most `MIXED_ROUNDS`."""
-    from jaxspec.serving import MIXED_ROUNDS, PIECE_SHARE
+def test_piece_cost_fits_a_fixed_and_a_per_key_part():
+    """`PieceCost` recovers a piece's fixed time and its time per attended key from chunks of
+    several pieces at random offsets (noiseless: exact); pieces all at one offset are predicted
+    right there; a time that falls with the offset gives no negative part."""
+    from jaxspec.serving import PieceCost
+
+    rng = np.random.default_rng()
+    fixed, per_key = rng.uniform(1e-3, 1e-2), rng.uniform(1e-8, 1e-6)
+    cost = PieceCost()
+    assert cost.predict(100.0) is None
+    for _ in range(12):
+        keys = rng.uniform(0, 32768, size=int(rng.integers(1, 9)))
+        cost.observe(keys, len(keys) * fixed + per_key * keys.sum())
+    for k in rng.uniform(0, 65536, size=5):
+        assert cost.predict(k) == pytest.approx(fixed + per_key * k, rel=1e-6)
+    one = PieceCost()
+    k0 = float(rng.uniform(1000, 30000))
+    for m in rng.integers(1, 9, size=4):
+        one.observe([k0] * int(m), int(m) * (fixed + per_key * k0))
+    assert one.predict(k0) == pytest.approx(fixed + per_key * k0, rel=1e-6)
+    falls = PieceCost()
+    for k in (1000.0, 20000.0, 1000.0, 20000.0):
+        falls.observe([k], 0.02 - k * 1e-6)
+    assert np.all(falls.coef >= 0) and falls.predict(1e6) > 0
+
+
+def test_pieces_fill_the_chunks_share():
+    """A mixed chunk takes its pieces in order (oldest sequence first, each prompt from where it
+    is filled) while their predicted times fit the budget: at least one, at most
+    `MIXED_ROUNDS`, and one while no piece was measured."""
+    import types
+
+    from jaxspec.serving import MIXED_ROUNDS
 
     e = ServingEngine(served_model(eos=False), max_batch=2, max_len=96, rounds_per_chunk=16,
                       page_size=8, mixed_prefill=8)
-    t = float(np.random.default_rng().uniform(1e-3, 1e-2))
-    e._round_seconds = lambda rd, ctx: t
-    rd = e._round(True)
-    assert e._piece_rounds(rd, None, 8) == 1
-    for k in range(1, MIXED_ROUNDS):
-        e._piece_s = PIECE_SHARE * 8 * t / (k + 0.5)
-        assert e._piece_rounds(rd, None, 8) == k
-    e._piece_s = 10 * t
-    assert e._piece_rounds(rd, None, 8) == 1
-    e._piece_s = t / 1000
-    assert e._piece_rounds(rd, None, 8) == MIXED_ROUNDS
+    rng = np.random.default_rng()
+    seqs = [types.SimpleNamespace(fill=list(range(int(n))), filled=int(f))
+            for n, f in zip(rng.integers(20, 60, size=3), rng.integers(0, 12, size=3))]
+    e._filling = lambda: seqs
+    e._late_hits = lambda s: None
+    every = [(s, p) for s in seqs for p in range(s.filled, len(s.fill), 8)]
+    out, spent = e._pieces(1e9)
+    assert len(out) == 1 and spent is None and out[0][:2] == every[0]
+    for _ in range(20):
+        e._piece_cost.coef = np.array([rng.uniform(0, 1), rng.uniform(0, 1)])
+        budget = float(rng.uniform(0, 8))
+        out, spent = e._pieces(budget)
+        costs = [e._piece_cost.predict(p + len(s.fill[p:p + 8]) / 2) for s, p in every]
+        k = 1
+        while k < min(MIXED_ROUNDS, len(every)) and sum(costs[:k + 1]) <= budget:
+            k += 1
+        assert [(s, p) for s, p, _ in out] == every[:k]
+        assert all(t == s.fill[p:p + 8] for s, p, t in out)
+        assert spent == pytest.approx(sum(costs[:k]))
 
 
 def test_streams_keep_a_chunk_of_tokens_while_a_prompt_fills():
@@ -248,9 +285,9 @@ def test_streams_keep_a_chunk_of_tokens_while_a_prompt_fills():
 
 
 def test_piece_cost_is_learned_from_whole_mixed_chunks():
-    """What pieces add beyond their rounds' predicted time, per piece, is learned (an average of
-    the latest measurements) from mixed chunks that ran all their rounds, not from a program's
-    first run or a chunk that ended early."""
+    """What pieces add beyond their rounds' predicted time is learned from mixed chunks that ran
+    all their rounds (by the pieces' attended keys), not from a program's first run or a chunk
+    that ended early."""
     import concurrent.futures
     import types
 
@@ -276,13 +313,68 @@ def test_piece_cost_is_learned_from_whole_mixed_chunks():
         return f
 
     owners = [None] * B
-    e._process(chunk(8, 100.0, first=True), owners, rd, None, 8, 2)  # a first run: not learned
-    e._process(chunk(5, 100.0), owners, rd, None, 8, 2)  # ended early: not learned
-    assert e._piece_s is None
-    d1, d2 = (float(x) for x in rng.uniform(0.01, 0.1, size=2))
-    e._process(chunk(8, 8 * t + 3 * d1), owners, rd, None, 8, 3)
-    assert e._piece_s == pytest.approx(d1)
-    e._process(chunk(8, 8 * t + 2 * d2), owners, rd, None, 8, 2)
-    assert e._piece_s == pytest.approx((d1 + d2) / 2)
-    e._process(chunk(8, 0.5 * t), owners, rd, None, 8, 2)  # faster than predicted: adds nothing
-    assert e._piece_s == pytest.approx((d1 + d2) / 4)
+    e._process(chunk(8, 100.0, first=True), owners, rd, None, 8, (4.0, 12.0))  # a first run
+    e._process(chunk(5, 100.0), owners, rd, None, 8, (4.0, 12.0))  # ended early: not learned
+    assert e._piece_cost.coef is None
+    fixed, per_key = rng.uniform(1e-3, 1e-2), rng.uniform(1e-7, 1e-5)
+    for _ in range(4):
+        keys = tuple(rng.uniform(0, 5000, size=int(rng.integers(1, 4))))
+        e._process(chunk(8, 8 * t + len(keys) * fixed + per_key * sum(keys)), owners, rd, None,
+                   8, keys)
+    assert e._piece_cost.predict(2500.0) == pytest.approx(fixed + per_key * 2500, rel=1e-6)
+
+
+def test_a_costly_piece_gets_a_longer_chunk():
+    """A mixed chunk whose one piece is predicted to add more than `PIECE_SHARE` of its rounds'
+    time runs more plain rounds (up to ``rounds_per_chunk``), so that the piece's share of the
+    chunk stays within it; every stream's tokens still equal `generate`'s."""
+    from jaxspec.serving import PIECE_SHARE
+
+    model = served_model(eos=False)
+    rng = np.random.default_rng()
+    short, long_ = (rng.integers(5, 60, size=int(n)).tolist() for n in (6, 70))
+    e = ServingEngine(model, max_batch=2, max_len=320, rounds_per_chunk=12, page_size=8,
+                      prefill_chunk=8, mixed_prefill=8, fill_first=0)
+    fixed = float(rng.uniform(1.2, 2.4))  # (seconds per piece, against rounds of one second)
+    e._round_seconds = lambda rd, ctx: 1.0
+    e.chunk_seconds = 2.0  # two rounds a chunk
+    e._piece_cost.coef = np.array([fixed, 0.0])
+    e._piece_cost.observe = lambda keys, seconds: None
+    seen = []
+    real = e.decoder.call_chunk
+
+    keys, processed = [], []
+
+    def spy(program, sp, state, max_rounds, pieces=None, end_after=0, num_pieces=0):
+        seen.append((num_pieces, int(max_rounds)))
+        if num_pieces:
+            starts, ends = (np.asarray(x)[:num_pieces] for x in (pieces.starts, pieces.ends))
+            keys.append(tuple(starts + (ends - starts) / 2))
+        return real(program, sp, state, max_rounds, pieces, end_after, num_pieces)
+    e.decoder.call_chunk = spy
+    real_process = e._process
+
+    def process(*args):  # (the pieces' attended keys each chunk reports to the piece cost)
+        if len(args) > 5 and len(args[5]):
+            processed.append(tuple(args[5]))
+        return real_process(*args)
+    e._process = process
+    first = Sequence(short, SamplingOptions(max_tokens=300, temperature=0.0))
+    late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
+    e.start(variants=[(True, False)])
+    try:
+        e.submit([first])
+        while not first.tokens:
+            assert not first.finished.is_set()
+            first.finished.wait(0.01)
+        e.submit([late])
+        assert first.finished.wait(600) and late.finished.wait(600)
+    finally:
+        e.stop()
+    for p, s, n in ((short, first, 300), (long_, late, 5)):
+        assert s.tokens == list(jaxspec.generate(model, [p], max_new_tokens=n).tokens[0])
+    mixed = [(k, m) for k, m in seen if k > 0]
+    assert mixed, seen
+    want = int(np.ceil(fixed / PIECE_SHARE))
+    assert all(k == 1 and m == want for k, m in mixed), (want, mixed)
+    assert processed == [pytest.approx(k) for k in keys]

@@ -99,6 +99,15 @@ def main(argv=None):
             wrap(e, name, name)
         for name in DECODER:
             wrap(e.decoder, name, "decoder." + name)
+        pieces_seen = []  # (pieces' attended keys, seconds they added, predicted before)
+        cost = e._piece_cost
+        observe = cost.observe
+
+        def observed(keys, seconds, _observe=observe):
+            pieces_seen.append((list(keys), float(seconds),
+                                None if cost.coef is None else sum(cost.predict(k) for k in keys)))
+            return _observe(keys, seconds)
+        cost.observe = observed
         seqs = [Sequence(x, SamplingOptions(max_tokens=args.new, temperature=0.0))
                 for x in prompts]
         deltas = collections.defaultdict(list)  # sequence index -> [(time, tokens so far)]
@@ -154,7 +163,26 @@ def main(argv=None):
                               "tokens": n, "calls": [(nm, round(x, 4), round(d * 1e3, 2))
                                                      for nm, _, x, d in ev
                                                      if x < b and x + d > a and d > 0.0005]})
+        # what the gaps of the ITL p99 and above overlapped, counted in tokens
+        slow = collections.Counter()
+        if itl:
+            for per, a, b, n in itl[int(0.99 * len(itl)):]:
+                kinds = {"mixed" if "pieces" in nm else "prefill" if "prefill" in nm else
+                         "chunk" if nm.startswith("_chunk_on_device") else None
+                         for nm, _, x, d in ev if x < b and x + d > a and d > 0.0005}
+                slow["mixed" if "mixed" in kinds else "prefill" if "prefill" in kinds else
+                     "plain chunks only"] += 1
+        predicted = [(x, p) for _, x, p in pieces_seen if p is not None]
         res = {"mixed_prefill": int(setup), "wall_s": wall,
+               "slow_tokens_overlapping": dict(slow),
+               "piece_cost": {"chunks_learned": len(pieces_seen),
+                              "coef": None if cost.coef is None else [float(c) for c in
+                                                                      cost.coef],
+                              "measured_over_predicted_p50_p90": [
+                                  float(np.percentile([x / max(p, 1e-9) for x, p in predicted],
+                                                      q)) for q in (50, 90)]
+                              if predicted else None,
+                              "chunks": pieces_seen},
                "itl_p50_ms": float(np.percentile([x[0] for x in itl], 50) * 1e3) if itl else None,
                "itl_p99_ms": float(np.percentile([x[0] for x in itl], 99) * 1e3) if itl else None,
                "worst_gaps": worst,
@@ -173,7 +201,9 @@ def main(argv=None):
                               None if s.t_first is None else s.t_first - t0,
                               None if s.t_done is None else s.t_done - t0) for s in seqs]}
         print(json.dumps({k: v for k, v in res.items()
-                          if k not in ("events", "sequences", "worst_gaps")}), flush=True)
+                          if k not in ("events", "sequences", "worst_gaps")} | {
+            "piece_cost": {k: v for k, v in res["piece_cost"].items() if k != "chunks"}}),
+            flush=True)
         for w in res["worst_gaps"]:
             print("  slow gap", json.dumps(w), flush=True)
         results[setup] = res

@@ -322,20 +322,25 @@ def test_piece_cost_is_learned_from_whole_mixed_chunks():
         e._process(chunk(8, 8 * t + len(keys) * fixed + per_key * sum(keys)), owners, rd, None,
                    8, keys)
     assert e._piece_cost.predict(2500.0) == pytest.approx(fixed + per_key * 2500, rel=1e-6)
+    e._process(chunk(8, 0.5 * t), owners, rd, None, 8, (10.0,))  # faster than its rounds alone:
+    assert e._piece_cost.predict(2500.0) == pytest.approx(fixed + per_key * 2500, rel=1e-6)
 
 
 def test_a_costly_piece_gets_a_longer_chunk():
     """A mixed chunk whose one piece is predicted to add more than `PIECE_SHARE` of its rounds'
-    time runs more plain rounds (up to ``rounds_per_chunk``), so that the piece's share of the
-    chunk stays within it; every stream's tokens still equal `generate`'s."""
-    from jaxspec.serving import PIECE_SHARE
+    time runs more plain rounds (beyond ``rounds_per_chunk``, up to `MIXED_STRETCH` times it), so
+    that the piece's share of the chunk stays within it; every stream's tokens still equal
+    `generate`'s."""
+    from jaxspec.serving import MIXED_STRETCH, PIECE_SHARE
 
     model = served_model(eos=False)
     rng = np.random.default_rng()
     short, long_ = (rng.integers(5, 60, size=int(n)).tolist() for n in (6, 70))
-    e = ServingEngine(model, max_batch=2, max_len=320, rounds_per_chunk=12, page_size=8,
+    e = ServingEngine(model, max_batch=2, max_len=320, rounds_per_chunk=4, page_size=8,
                       prefill_chunk=8, mixed_prefill=8, fill_first=0)
-    fixed = float(rng.uniform(1.2, 2.4))  # (seconds per piece, against rounds of one second)
+    # (seconds per piece, against rounds of one second: more than a chunk's share, and more
+    # than rounds_per_chunk rounds would take)
+    fixed = float(rng.uniform(4 * PIECE_SHARE + 0.1, MIXED_STRETCH * 4 * PIECE_SHARE - 0.1))
     e._round_seconds = lambda rd, ctx: 1.0
     e.chunk_seconds = 2.0  # two rounds a chunk
     e._piece_cost.coef = np.array([fixed, 0.0])

@@ -1031,6 +1031,8 @@ def _point_line(p: dict) -> str:
 
 
 def _setup_words(out: dict) -> str:
+    from jaxspec.serving import PIECE_SHARE
+
     words = []
     for s in out.get("setups") or []:
         if s["page_size"] is None:
@@ -1038,10 +1040,15 @@ def _setup_words(out: dict) -> str:
         else:
             info = next((i for i in out["servers"].values()
                          if i.get("setup") == s["name"] and i.get("kv_blocks")), {})
-            budget = (f"{info['prefill_budget']} tokens" if info.get("prefill_budget") else
-                      "adaptive (the batch fills first, then half a decode chunk's time)")
+            budget = (f"prefill budget {info['prefill_budget']} tokens per chunk"
+                      if info.get("prefill_budget") else
+                      f"prompt pieces of {info['mixed_prefill']} tokens inside the decode rounds "
+                      f"while streams decode (at most {PIECE_SHARE} of a chunk's time), whole "
+                      f"prefill chunks while none does" if info.get("mixed_prefill") else
+                      "prefill budget adaptive (the batch fills first, then half a decode "
+                      "chunk's time) per chunk")
             pool = (f"{info['kv_blocks']} blocks ({info['blocks_per_sequence']} per sequence of "
-                    f"max_len), prefill budget {budget} per chunk"
+                    f"max_len), {budget}"
                     if info else "pool size and budget: the server's defaults")
             words.append(f"`{s['name']}`: paged K/V, pages of {s['page_size']} slots, {pool}, "
                          f"automatic prefix caching")

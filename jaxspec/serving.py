@@ -361,8 +361,9 @@ class ServingEngine:
         `jaxspec.model.forward_mixed`: the weights are read once for both), so running streams
         keep going while long prompts fill, instead of waiting for whole prefill steps between
         decode chunks. A chunk carries pieces in as many of its first rounds as add at most
-        `PIECE_SHARE` of its rounds' time, then plain rounds (the streams get a chunk's tokens
-        per host turn). Smaller pieces: less added per round, slower prefill (Qwen2.5-1.5B shape,
+        `PIECE_SHARE` of its rounds' time (`PieceCost` predicts them from the measured chunks),
+        then plain rounds, more of them (up to `MIXED_STRETCH` x ``rounds_per_chunk``) where
+        its one piece adds more (the streams get a chunk's tokens per host turn). Smaller pieces: less added per round, slower prefill (Qwen2.5-1.5B shape,
         H200: a 2048-token piece at a 30k offset adds ~45 ms to its round, a 128-token one ~3
         ms; `benchmarks/server_poisson_random_h200.md`). Default:
         ``prefill_chunk`` (at most ``max_len``) for a block pool (unless ``prefill_budget`` is
@@ -382,7 +383,9 @@ class ServingEngine:
         blocks, the blocks that it and every sequence in a slot need for this many more tokens
         of their budgets (at most what each budget allows) and the next two chunks, so that
         sequences whose budgets fit are not preempted later (a preempted sequence's cache is
-        computed again); 0: the next two chunks' only.
+        computed again); 0: the next two chunks' only. A decoding sequence that needs a block
+        takes this room at once while the pool has it (its block table is written again only
+        when it is used up).
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -828,11 +831,15 @@ class ServingEngine:
 
     def _compile_mixed(self, rd, greedy: bool, filtering: bool):
         """Compiles the mixed chunk (`mixed_prefill`) of rounds ``rd`` of this sampling variant
-        (warm-up)."""
+        and runs it once with no piece and no round (warm-up: a program's first run on a GPU
+        loads its kernels, which the first mixed chunk would otherwise wait for)."""
         sp = self._sampling(greedy, filtering)
         state = self._with_shared(self.state)
         try:
-            self.decoder.mixed_program(rd, sp, state, self._piece_arrays([]))
+            pieces = self._piece_arrays([])
+            program, _ = self.decoder.mixed_program(rd, sp, state, pieces)
+            state, _ = self.decoder.call_chunk(program, sp, state, jnp.int32(0), pieces)
+            self._programs_run.add(id(program))
         finally:
             self.state = self._without_shared(state)
 
@@ -1669,16 +1676,23 @@ class ServingEngine:
             return r.tree.num_nodes if r.speculative else 1
         tpr = per_round(rd)
         flight = sum(f[4] * per_round(f[2]) for f in self._inflight)
-        want = {}
+        want, ahead = {}, {}
         for b in active:
             s = self.slots[b]
             slots = int(self.lengths[b]) + flight + rounds * tpr + self.extra + 1
             need = min(-(-slots // self.page_size), self.max_blocks) - len(s.blocks)
             if need > 0:
                 want[b] = need
+                # a row that grows takes at once the blocks admission keeps for its growth
+                # (`_growth_blocks`): its table is written again only when they are used up, not
+                # every few chunks (a table write waits for the running chunk: ~1 ms of host
+                # turn per chunk, H200)
+                ahead[b] = max(need, self._growth_blocks(s, int(self.lengths[b]), len(s.blocks)))
         if not want:
             return rounds
-        if sum(want.values()) > self.blocks.free:
+        if sum(ahead.values()) <= self.blocks.free:
+            want = ahead
+        elif sum(want.values()) > self.blocks.free:
             holders = sorted((s for s in self.slots if s is not None and s.blocks),
                              key=lambda s: s.t_submit)
             if len(holders) > 1:  # the most recently admitted one gives its blocks back

@@ -383,3 +383,22 @@ def test_a_costly_piece_gets_a_longer_chunk():
     want = int(np.ceil(fixed / PIECE_SHARE))
     assert all(k == 1 and m == want for k, m in mixed), (want, mixed)
     assert processed == [pytest.approx(k) for k in keys]
+
+
+def test_warmup_runs_the_mixed_program_once():
+    """Warm-up runs each mixed chunk program once, with no piece and no round (a program's first
+    run loads its kernels on a GPU), and counts it as run (a later chunk's time is learned)."""
+    e = ServingEngine(served_model(eos=False), max_batch=2, max_len=96, page_size=8,
+                      mixed_prefill=8)
+    calls = []
+    real = e.decoder.call_chunk
+
+    def spy(program, sp, state, max_rounds, pieces=None, *more):
+        calls.append((program, pieces is not None, int(max_rounds)))
+        return real(program, sp, state, max_rounds, pieces, *more)
+    e.decoder.call_chunk = spy
+    e.start(variants=[(True, False)])
+    e.stop()
+    mixed = [(p, r) for p, m, r in calls if m]
+    assert mixed and all(r == 0 for _, r in mixed)
+    assert all(id(p) in e._programs_run for p, _ in mixed)

@@ -224,6 +224,40 @@ def test_the_growth_reserve_covers_what_chunks_map(model, reserve):
         assert want <= reserved or made > reserve, (made, want, reserved)
 
 
+def test_a_growing_row_takes_its_reserve_at_once(model):
+    """A decoding row that needs blocks takes at once what admission keeps for its growth
+    (`growth_reserve` tokens and two chunks), so its block table is written about once per that
+    many tokens instead of once per block (each write waits for the running chunk); the tokens
+    are `generate`'s and every block comes back."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    reserve, new = int(rng.integers(16, 33)), 120
+    prompt = rng.integers(5, 60, size=int(rng.integers(6, 14))).tolist()
+    e = ServingEngine(model, max_batch=2, max_len=160, rounds_per_chunk=2, prefill_chunk=16,
+                      page_size=4, growth_reserve=reserve, mixed_prefill=0)
+    writes = []
+    real = e._tables
+
+    def tables(rows):
+        writes.append({b: len(v) for b, v in rows.items()})
+        return real(rows)
+    e._tables = tables
+    e.start(variants=[(True, False)])
+    try:
+        writes.clear()  # (warm-up's)
+        seq = Sequence(prompt, SamplingOptions(max_tokens=new, temperature=0))
+        e.submit([seq])
+        _wait([seq])
+        assert seq.tokens == list(jaxspec.generate(model, [prompt], max_new_tokens=new)
+                                  .tokens[0])
+        grows = [w for w in writes if any(n > 0 for n in w.values())]
+        # (admission's write, then one per reserve's worth of tokens; once per block of 4 would
+        # be about 30)
+        assert len(grows) <= 2 + -(-new // reserve), writes
+        assert e.metrics()["kv_blocks_used"] == 0
+    finally:
+        e.stop()
+
+
 def test_growth_maps_what_the_chunk_in_flight_may_write(model):
     """A plain chunk dispatched while a speculative one is in flight (adaptive chunks switch
     kinds): the row's table must cover what the speculative chunk may advance (its rounds x

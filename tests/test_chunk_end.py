@@ -245,6 +245,26 @@ def test_pieces_fill_the_chunks_share():
         assert spent == pytest.approx(sum(costs[:k]))
 
 
+def _serve_a_late_prompt(e, model, short, long_, tokens: int):
+    """Starts ``e``, submits ``short`` (a greedy stream of ``tokens``) and, once it streams,
+    ``long_`` (5 tokens), then stops ``e`` and checks both sequences' tokens against
+    `generate`'s."""
+    first = Sequence(short, SamplingOptions(max_tokens=tokens, temperature=0.0))
+    late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
+    e.start(variants=[(True, False)])
+    try:
+        e.submit([first])
+        while not first.tokens:
+            assert not first.finished.is_set()
+            first.finished.wait(0.01)
+        e.submit([late])
+        assert first.finished.wait(600) and late.finished.wait(600)
+    finally:
+        e.stop()
+    for p, s, n in ((short, first, tokens), (long_, late, 5)):
+        assert s.tokens == list(jaxspec.generate(model, [p], max_new_tokens=n).tokens[0])
+
+
 def test_streams_keep_a_chunk_of_tokens_while_a_prompt_fills():
     """A stream decodes while a long prompt fills in pieces: the mixed chunks go on with plain
     rounds after their pieces (the stream gets a chunk's tokens, not one per piece), and both
@@ -264,20 +284,7 @@ def test_streams_keep_a_chunk_of_tokens_while_a_prompt_fills():
         return st, outs
     e.decoder.call_chunk = spy
     # (a long budget: the stream still decodes however late the other prompt comes in)
-    first = Sequence(short, SamplingOptions(max_tokens=200, temperature=0.0))
-    late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
-    e.start(variants=[(True, False)])
-    try:
-        e.submit([first])
-        while not first.tokens:
-            assert not first.finished.is_set()
-            first.finished.wait(0.01)
-        e.submit([late])
-        assert first.finished.wait(600) and late.finished.wait(600)
-    finally:
-        e.stop()
-    for p, s, n in ((short, first, 200), (long_, late, 5)):
-        assert s.tokens == list(jaxspec.generate(model, [p], max_new_tokens=n).tokens[0])
+    _serve_a_late_prompt(e, model, short, long_, 200)
     mixed = [(k, m, steps) for k, m, steps in seen if k > 0]
     assert mixed, seen
     assert all(steps <= m and k <= m for k, m, steps in mixed)
@@ -364,20 +371,7 @@ def test_a_costly_piece_gets_a_longer_chunk():
             processed.append(tuple(args[5]))
         return real_process(*args)
     e._process = process
-    first = Sequence(short, SamplingOptions(max_tokens=300, temperature=0.0))
-    late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
-    e.start(variants=[(True, False)])
-    try:
-        e.submit([first])
-        while not first.tokens:
-            assert not first.finished.is_set()
-            first.finished.wait(0.01)
-        e.submit([late])
-        assert first.finished.wait(600) and late.finished.wait(600)
-    finally:
-        e.stop()
-    for p, s, n in ((short, first, 300), (long_, late, 5)):
-        assert s.tokens == list(jaxspec.generate(model, [p], max_new_tokens=n).tokens[0])
+    _serve_a_late_prompt(e, model, short, long_, 300)
     mixed = [(k, m) for k, m in seen if k > 0]
     assert mixed, seen
     want = int(np.ceil(fixed / PIECE_SHARE))

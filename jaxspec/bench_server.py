@@ -1056,6 +1056,8 @@ def _setup_words(out: dict) -> str:
 
 
 def markdown(out: dict) -> str:
+    from jaxspec.serving import MIXED_STRETCH
+
     env = out["env"]
     lo, hi = out["prompt"]
     workloads = out.get("workloads") or ["independent"]
@@ -1094,7 +1096,8 @@ def markdown(out: dict) -> str:
              f"- command: `{env['command']}`",
              f"- model: {out['model']}" + (f", draft {out['draft']}" if out["draft"] else ""),
              f"- server: {out['max_batch']} slots, max_len {out['max_len']}, "
-             f"{out['rounds_per_chunk']} rounds per chunk at most, prefill chunk "
+             f"{out['rounds_per_chunk']} rounds per chunk at most (a mixed chunk with a "
+             f"costly prompt piece: up to {MIXED_STRETCH}x), prefill chunk "
              f"{out['prefill_chunk'] or chunks}; HTTP on 127.0.0.1, a client in its own process"]
     if multi:
         lines.append(f"- server setups: {_setup_words(out)}")

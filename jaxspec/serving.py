@@ -105,6 +105,9 @@ MIXED_ROUNDS = 8
 # prefill while streams decode)
 PIECE_SHARE = 0.4
 MIXED_STRETCH = 4
+# A mixed chunk that took less than its rounds' predicted time by more than this share of it
+# teaches the piece cost nothing (the rounds' prediction is off: early on, before it has learned)
+MIXED_NOISE = 0.1
 # ... and after this many mixed chunks in a row, a short plain chunk (at most MIXED_ROUNDS rounds)
 # times a plain round again: the cost model's chunk sizes and the piece cost both need it
 MIXED_CALIBRATE_EVERY = 16
@@ -156,18 +159,21 @@ class PieceCost:
         self._xx = self.DECAY * self._xx + np.outer(x, x)
         self._xy = self.DECAY * self._xy + x * max(float(seconds), 0.0)
         xx, xy = self._xx, self._xy
-        fits = []  # (objective, coefficients): the non-negative least squares of two unknowns
+        fits = []  # the non-negative least squares of two unknowns: its candidates
         det = xx[0, 0] * xx[1, 1] - xx[0, 1] ** 2
-        if det > 1e-6 * xx[0, 0] * xx[1, 1]:
+        if det > 1e-3 * xx[0, 0] * xx[1, 1]:  # (the pieces seen tell the two parts apart)
             c = np.linalg.solve(xx, xy)
             if np.all(c >= 0):
                 fits.append(c)
-        for i in (0, 1):
-            if xx[i, i] > 0:
+        for i in (0, 1):  # one part alone: the fixed one first (it wins a tie: pieces all at
+            if xx[i, i] > 0:  # one offset fit both alike, and a piece's GEMMs are a fixed cost)
                 c = np.zeros(2)
                 c[i] = xy[i] / xx[i, i]
                 fits.append(c)
-        self.coef = min(fits, key=lambda c: float(c @ xx @ c - 2 * c @ xy))
+        loss = [float(c @ xx @ c - 2 * c @ xy) for c in fits]
+        best = min(loss)
+        tie = 1e-9 * (abs(best) + float(xy @ xy) + 1e-30)
+        self.coef = next(c for c, v in zip(fits, loss) if v <= best + tie)
 
     def predict(self, keys: float) -> float | None:
         """Seconds a piece of ``keys`` mean attended keys adds (None until a chunk was seen)."""
@@ -317,7 +323,8 @@ class ServingEngine:
         never more than the model's context, nor than a full-cache draft model's.
     speculation: a `jaxspec.Speculation` (or None for plain decoding).
     chunk_seconds: the time a decode chunk aims at (the streaming granularity).
-    rounds_per_chunk: the most rounds a chunk runs.
+    rounds_per_chunk: the most rounds a chunk runs (a mixed chunk with a costly prompt piece:
+        up to `MIXED_STRETCH` times it, see ``mixed_prefill``).
     max_queue: waiting sequences beyond which `submit` raises `QueueFull`.
     page_size: paged K/V (`jaxspec.paged`): blocks of this many slots shared by all slots, so
         memory follows the sequences' actual lengths; a request reuses the cached blocks of its
@@ -384,8 +391,8 @@ class ServingEngine:
         of their budgets (at most what each budget allows) and the next two chunks, so that
         sequences whose budgets fit are not preempted later (a preempted sequence's cache is
         computed again); 0: the next two chunks' only. A decoding sequence that needs a block
-        takes this room at once while the pool has it (its block table is written again only
-        when it is used up).
+        takes this room at once while the pool holds every slot's (its block table is written
+        again only when it is used up).
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -451,10 +458,26 @@ class ServingEngine:
         # whole prefill chunks must fit (see `jaxspec.prefill.prefill_row`)
         self.S = round_up(self.max_len + self.extra, max(SLOT_ALIGN, self.prefill_chunk))
         self.tokens_per_round = (dec.max_depth + 1) if speculation is not None else 1
-        # (a mixed chunk may run up to `MIXED_STRETCH` times the rounds: a block pool's only)
-        self.out_len = self.rounds * self.tokens_per_round * (
-            MIXED_STRETCH if page_size is not None else 1)
         self.paged = page_size is not None
+        asked = mixed_prefill is not None
+        if mixed_prefill is None:  # on for a pool, unless a fixed budget between chunks is asked
+            mixed_prefill = min(self.prefill_chunk, self.max_len) \
+                if self.paged and prefill_budget is None else 0
+        if int(mixed_prefill) < 0:
+            raise ValueError(f"mixed_prefill must be >= 0, got {mixed_prefill!r}")
+        if mixed_prefill and not self.paged:
+            raise ValueError("mixed_prefill needs a block pool (page_size)")
+        if asked and int(mixed_prefill) > self.max_len:  # (MIXED_ROUNDS x that many tokens)
+            raise ValueError(f"mixed_prefill={mixed_prefill} is more than max_len={self.max_len} "
+                             f"tokens: a piece is at most one prompt")
+        if mixed_prefill and asked and dec.mesh is not None:
+            log.warning("mixed_prefill is off on a mesh: prompts fill between decode chunks")
+        # (a mesh splits the slots over its data axis: a prompt piece is one row's)
+        self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
+        # the most rounds a chunk runs: a mixed chunk with a costly piece up to `MIXED_STRETCH`
+        # times ``rounds_per_chunk``
+        self.max_chunk_rounds = self.rounds * (MIXED_STRETCH if self.mixed_prefill else 1)
+        self.out_len = self.max_chunk_rounds * self.tokens_per_round
         self.blocks = None
         if self.paged:
             if int(page_size) < 1:
@@ -475,21 +498,6 @@ class ServingEngine:
             self.prefill_budget = None if prefill_budget is None else int(prefill_budget)
             self._prefill_rate = None  # prompt tokens / s, measured
             self._chunk_s = 0.0  # device seconds of the last decode chunk
-        asked = mixed_prefill is not None
-        if mixed_prefill is None:  # on for a pool, unless a fixed budget between chunks is asked
-            mixed_prefill = min(self.prefill_chunk, self.max_len) \
-                if self.paged and prefill_budget is None else 0
-        if int(mixed_prefill) < 0:
-            raise ValueError(f"mixed_prefill must be >= 0, got {mixed_prefill!r}")
-        if mixed_prefill and not self.paged:
-            raise ValueError("mixed_prefill needs a block pool (page_size)")
-        if asked and int(mixed_prefill) > self.max_len:  # (MIXED_ROUNDS x that many tokens)
-            raise ValueError(f"mixed_prefill={mixed_prefill} is more than max_len={self.max_len} "
-                             f"tokens: a piece is at most one prompt")
-        if mixed_prefill and asked and dec.mesh is not None:
-            log.warning("mixed_prefill is off on a mesh: prompts fill between decode chunks")
-        # (a mesh splits the slots over its data axis: a prompt piece is one row's)
-        self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
         self._mixed_run = 0  # mixed chunks dispatched since the last plain one
         self._piece_cost = PieceCost()  # the time pieces add to their chunk (`PIECE_SHARE`)
         self._programs_run = set()  # ids of the chunk programs run (`_run_chunk`'s first_run)
@@ -1337,8 +1345,10 @@ class ServingEngine:
         """Blocks beyond its ``have`` that ``s``, with ``length`` tokens in its cache, may need to
         grow: for min(its budget left, `growth_reserve`) tokens and, past them, what `_grow`
         maps ahead of a row's length for the chunk in flight and the next one (two chunks of
-        rounds, each a token tree's nodes; also near the end of its budget: with the budget
-        left reserved, what it maps stays within the reserve however the sequence advances)."""
+        ``rounds_per_chunk`` rounds, each a token tree's nodes: a chunk stretched for a costly
+        prompt piece runs only where the pool maps it, `_grow`; also near the end of its
+        budget: with the budget left reserved, what it maps stays within the reserve however
+        the sequence advances)."""
         nodes = self.tree.num_nodes if self.tree is not None else self.tokens_per_round
         ahead = min(max(s.budget - len(s.tokens), 0), self.growth_reserve) + \
             2 * self.rounds * nodes
@@ -1665,13 +1675,15 @@ class ServingEngine:
                 return []
             return [s for s in self.waiting if not s.cancelled][:free]
 
-    def _grow(self, active, rounds: int, rd) -> int:
+    def _grow(self, active, rounds: int, rd, unstretched: int | None = None) -> int:
         """Blocks for what the next chunk may write (and the chunks in flight): each running row
         is mapped up to ``lengths + what the chunks in flight may advance + rounds x slots per
         round + extra`` slots (each chunk at its own kind: a speculative chunk in flight may
         advance a round's nodes per round, a plain one that follows it one); when the pool is
-        short the most recently admitted sequence is preempted. Returns the rounds to run (0:
-        the running rows changed)."""
+        short the most recently admitted sequence is preempted, unless the chunk was stretched
+        for a costly piece (`MIXED_STRETCH`) and its ``unstretched`` rounds fit. A row that grows
+        takes at once the blocks admission keeps for its growth while the pool holds every
+        slot's (`_growth_blocks`). Returns the rounds to run (0: the running rows changed)."""
         def per_round(r):  # slots a round of ``r`` may write ahead of a row's length
             return r.tree.num_nodes if r.speculative else 1
         tpr = per_round(rd)
@@ -1690,9 +1702,12 @@ class ServingEngine:
                 ahead[b] = max(need, self._growth_blocks(s, int(self.lengths[b]), len(s.blocks)))
         if not want:
             return rounds
-        if sum(ahead.values()) <= self.blocks.free:
-            want = ahead
-        elif sum(want.values()) > self.blocks.free:
+        free = self.blocks.free
+        if sum(ahead.values()) <= free and free >= self._growth_reserve():
+            want = ahead  # (no other slot's room taken)
+        elif sum(want.values()) > free:
+            if unstretched is not None and unstretched < rounds:
+                return self._grow(active, unstretched, rd)
             holders = sorted((s for s in self.slots if s is not None and s.blocks),
                              key=lambda s: s.t_submit)
             if len(holders) > 1:  # the most recently admitted one gives its blocks back
@@ -1746,9 +1761,10 @@ class ServingEngine:
         """Dispatches the next chunk, then handles the previous chunk's tokens while it runs (the
         device never waits for detokenization and streaming). ``mix`` (`_mixing`):
         `MIX_PIECES`: a mixed chunk, its first rounds each prefilling a prompt piece, the rest
-        plain (a chunk's rounds in all, as the cost model sizes them); `MIX_CALIBRATE`: at most
-        `MIXED_ROUNDS` rounds."""
-        pieces = None
+        plain (a chunk's rounds in all, as the cost model sizes them, more where its pieces add
+        more than `PIECE_SHARE`: `MIXED_STRETCH`); `MIX_CALIBRATE`: at most `MIXED_ROUNDS`
+        rounds."""
+        pieces, base = None, None
         if self._stop_rows:
             rows = sorted(self._stop_rows)
             self.state = stop_rows(self.state, np.asarray(rows + [self.B] * (self.B - len(rows)),
@@ -1770,9 +1786,10 @@ class ServingEngine:
                 if pieces:
                     # a first piece that adds more than the chunk's share: more plain rounds
                     need = 0 if extra is None else int(np.ceil(extra / (PIECE_SHARE * t_round)))
-                    rounds = max(rounds, len(pieces), min(need, MIXED_STRETCH * self.rounds))
+                    base = rounds
+                    rounds = max(rounds, len(pieces), min(need, self.max_chunk_rounds))
             if self.paged:
-                rounds = self._grow(active, rounds, rd)
+                rounds = self._grow(active, rounds, rd, base)
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
                     self._drain()
                     return
@@ -1835,9 +1852,12 @@ class ServingEngine:
                                                                            False):
                 # what the pieces added to the rounds' predicted time (only from chunks that ran
                 # all their rounds: in a cut one the host turn's share would land on the pieces)
-                extra = dt - n * self._round_seconds(rd, ctx)
-                if extra > 0:  # (else the rounds' prediction is off: it tells nothing)
-                    self._piece_cost.observe(mixed, extra)
+                alone = n * self._round_seconds(rd, ctx)
+                extra = dt - alone
+                # (a chunk well under its rounds' predicted time: that prediction is off, and
+                # the pieces' time unknown; within the noise it counts, as at least nothing)
+                if extra > -MIXED_NOISE * alone:
+                    self._piece_cost.observe(mixed, max(extra, 0.0))
             self.m["chunk_seconds"] += dt
         self.m["chunks"] += 1
         self.m["speculative_chunks" if rd.speculative else "plain_chunks"] += 1

@@ -167,11 +167,14 @@ def main(argv=None):
         slow = collections.Counter()
         if itl:
             for per, a, b, n in itl[int(0.99 * len(itl)):]:
-                kinds = {"mixed" if "pieces" in nm else "prefill" if "prefill" in nm else
-                         "chunk" if nm.startswith("_chunk_on_device") else None
+                kinds = {("mixed" if "+pieces" in nm else "chunk")
+                         if nm.startswith("_chunk_on_device") else
+                         "prefill" if nm.startswith("decoder.prefill") else None
                          for nm, _, x, d in ev if x < b and x + d > a and d > 0.0005}
                 slow["mixed" if "mixed" in kinds else "prefill" if "prefill" in kinds else
                      "plain chunks only"] += 1
+        # (over the chunks the piece cost learned from: full length, not well under their
+        # rounds' prediction)
         predicted = [(x, p) for _, x, p in pieces_seen if p is not None]
         res = {"mixed_prefill": int(setup), "wall_s": wall,
                "slow_tokens_overlapping": dict(slow),

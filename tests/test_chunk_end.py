@@ -208,6 +208,12 @@ def test_piece_cost_fits_a_fixed_and_a_per_key_part():
     for m in rng.integers(1, 9, size=4):
         one.observe([k0] * int(m), int(m) * (fixed + per_key * k0))
     assert one.predict(k0) == pytest.approx(fixed + per_key * k0, rel=1e-6)
+    # (which part it is cannot be told from one offset: a fixed time, the same anywhere)
+    assert one.predict(3 * k0) == pytest.approx(one.predict(k0), rel=1e-9)
+    for k in rng.uniform(100, 32768, size=20):  # one chunk seen: the same
+        single = PieceCost()
+        single.observe([k], float(rng.uniform(1e-3, 5e-2)))
+        assert single.predict(5 * k) == pytest.approx(single.predict(k), rel=1e-9)
     falls = PieceCost()
     for k in (1000.0, 20000.0, 1000.0, 20000.0):
         falls.observe([k], 0.02 - k * 1e-6)
@@ -331,6 +337,8 @@ def test_piece_cost_is_learned_from_whole_mixed_chunks():
     assert e._piece_cost.predict(2500.0) == pytest.approx(fixed + per_key * 2500, rel=1e-6)
     e._process(chunk(8, 0.5 * t), owners, rd, None, 8, (10.0,))  # faster than its rounds alone:
     assert e._piece_cost.predict(2500.0) == pytest.approx(fixed + per_key * 2500, rel=1e-6)
+    e._process(chunk(8, 0.97 * 8 * t), owners, rd, None, 8, (2500.0,))  # within the noise: 0
+    assert e._piece_cost.predict(2500.0) < 0.9 * (fixed + per_key * 2500)
 
 
 def test_a_costly_piece_gets_a_longer_chunk():

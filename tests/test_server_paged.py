@@ -258,6 +258,52 @@ def test_a_growing_row_takes_its_reserve_at_once(model):
         e.stop()
 
 
+def _two_running_rows(model, **kw):
+    """An engine (not started) with two decoding rows: row 0 at 23 tokens whose next block is
+    due, row 1 at 28, each holding its cache's blocks."""
+    e = ServingEngine(model, max_batch=2, max_len=200, rounds_per_chunk=2, page_size=4,
+                      growth_reserve=16, **kw)
+    seqs = []
+    for b, L in ((0, 23), (1, 28)):
+        s = Sequence(list(range(5, 5 + L)), SamplingOptions(max_tokens=100))
+        s.budget, s.slot, s.t_submit = 100, b, float(b)
+        s.blocks = e.blocks.allocate(-(-(L + 1) // 4))
+        e.slots[b], e.lengths[b], e.done[b] = s, L, False
+        e._started.add(b)
+        seqs.append(s)
+    return e, seqs
+
+
+def test_a_growing_row_leaves_the_other_rows_room(model):
+    """A growing row takes its growth room at once only while the pool holds every slot's
+    (`_growth_reserve`); short of that, only the blocks the next chunk needs."""
+    e, (s0, s1) = _two_running_rows(model, mixed_prefill=0)
+    rd = e._round(True)
+    reserve = e._growth_reserve()
+    hog = e.blocks.allocate(e.blocks.free - (reserve - 1))  # one block short of every room
+    assert e._grow([0, 1], 2, rd) == 2
+    assert len(s0.blocks) == 7 and e.m["preemptions"] == 0  # (its 26 slots: one block more)
+    e.blocks.release(hog)
+    e.lengths[0] = 27  # its next block due again, and the pool holds every room now
+    room = e._growth_blocks(s0, 27, len(s0.blocks))
+    assert room > 1
+    assert e._grow([0, 1], 2, rd) == 2
+    assert len(s0.blocks) == 7 + room
+
+
+def test_a_stretched_chunk_the_pool_cannot_map_runs_unstretched(model):
+    """A mixed chunk stretched for a costly piece (`MIXED_STRETCH`) that the free blocks cannot
+    map runs its unstretched rounds instead of preempting a sequence."""
+    e, (s0, s1) = _two_running_rows(model, mixed_prefill=4)
+    assert e.max_chunk_rounds > e.rounds
+    rd = e._round(True)
+    e.blocks.allocate(e.blocks.free - 1)  # one free block: the 2 rounds' need, not the 8's
+    assert e._grow([0, 1], 8, rd, 2) == 2
+    assert e.m["preemptions"] == 0 and e.slots[1] is s1
+    assert e._grow([0, 1], 8, rd) == 0  # (without the fallback: the latest one preempted)
+    assert e.m["preemptions"] == 1 and e.slots[1] is None
+
+
 def test_growth_maps_what_the_chunk_in_flight_may_write(model):
     """A plain chunk dispatched while a speculative one is in flight (adaptive chunks switch
     kinds): the row's table must cover what the speculative chunk may advance (its rounds x

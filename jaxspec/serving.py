@@ -1786,8 +1786,8 @@ class ServingEngine:
                 if pieces:
                     # a first piece that adds more than the chunk's share: more plain rounds
                     need = 0 if extra is None else int(np.ceil(extra / (PIECE_SHARE * t_round)))
-                    base = rounds
-                    rounds = max(rounds, len(pieces), min(need, self.max_chunk_rounds))
+                    base = max(rounds, len(pieces))
+                    rounds = max(base, min(need, self.max_chunk_rounds))
             if self.paged:
                 rounds = self._grow(active, rounds, rd, base)
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
@@ -1855,8 +1855,10 @@ class ServingEngine:
                 alone = n * self._round_seconds(rd, ctx)
                 extra = dt - alone
                 # (a chunk well under its rounds' predicted time: that prediction is off, and
-                # the pieces' time unknown; within the noise it counts, as at least nothing)
-                if extra > -MIXED_NOISE * alone:
+                # the pieces' time unknown; within the noise it counts, as at least nothing,
+                # once something was learned: a first zero would let every piece in)
+                if extra > 0 or (self._piece_cost.coef is not None
+                                 and extra > -MIXED_NOISE * alone):
                     self._piece_cost.observe(mixed, max(extra, 0.0))
             self.m["chunk_seconds"] += dt
         self.m["chunks"] += 1

@@ -282,7 +282,7 @@ def test_a_growing_row_leaves_the_other_rows_room(model):
     reserve = e._growth_reserve()
     hog = e.blocks.allocate(e.blocks.free - (reserve - 1))  # one block short of every room
     assert e._grow([0, 1], 2, rd) == 2
-    assert len(s0.blocks) == 7 and e.m["preemptions"] == 0  # (its 26 slots: one block more)
+    assert len(s0.blocks) == 7 and e.m["preemptions"] == 0  # (the next chunk's: one block)
     e.blocks.release(hog)
     e.lengths[0] = 27  # its next block due again, and the pool holds every room now
     room = e._growth_blocks(s0, 27, len(s0.blocks))

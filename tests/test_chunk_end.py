@@ -381,12 +381,20 @@ def test_a_costly_piece_gets_a_longer_chunk():
             processed.append(tuple(args[5]))
         return real_process(*args)
     e._process = process
+    grows = []  # (the rounds asked of the pool, and the unstretched ones it may fall back to)
+    real_grow = e._grow
+
+    def grow(active, rounds, rd, unstretched=None):
+        grows.append((rounds, unstretched))
+        return real_grow(active, rounds, rd, unstretched)
+    e._grow = grow
     _serve_a_late_prompt(e, model, short, long_, 300)
     mixed = [(k, m) for k, m in seen if k > 0]
     assert mixed, seen
     want = int(np.ceil(fixed / PIECE_SHARE))
     assert all(k == 1 and m == want for k, m in mixed), (want, mixed)
     assert processed == [pytest.approx(k) for k in keys]
+    assert (want, 2) in grows and all(u in (None, 2) for _, u in grows), grows
 
 
 def test_warmup_runs_the_mixed_program_once():

@@ -4,7 +4,8 @@ For each speculation variant (``off``; ``default`` = ``jaxspec.Speculation()``; 
 ``Speculation(gamma="auto")``; or any `jaxspec.bench.parse_variant` string such as
 ``g4-w496-fixed``) a server is started in this process (`jaxspec.serving.ServingEngine` behind
 `jaxspec.server.BackgroundServer`, listening on 127.0.0.1 only), warmed up with requests of the
-benchmark's shapes (so compilation is not measured), and then, for each request rate, sent the
+benchmark's shapes (so compilation is not measured; prompts of mixed lengths arrive one after
+another, so that their prefills overlap decoding as the measured ones' will), and then, for each request rate, sent the
 same ``--requests`` streamed ``/v1/completions`` requests: token-id prompts cut from a text source
 (`jaxspec.bench.make_prompts`; random tokens for a model without a tokenizer), lengths from
 ``--prompt`` (``16384``, or a range ``8192-32768`` drawn per request with ``--seed``),
@@ -367,6 +368,20 @@ def warmup_lengths(lo: int, hi: int) -> list[int]:
             out.add(p)
         p *= 2
     return sorted(out)
+
+
+#: Seconds between the arrivals of a mixed-lengths workload's warm-up requests.
+WARMUP_SPACING_S = 0.25
+
+
+def warmup_requests(first: int, n: int, staggered: bool) -> list[dict]:
+    """The warm-up requests of prompts ``first .. first + n - 1``. ``staggered``: each arrives
+    `WARMUP_SPACING_S` after the one before (shortest first, `warmup_lengths`), so that it comes
+    while the ones before it decode and its prefill runs as the measured load's will (a paged
+    server's pieces in mixed chunks, the smaller batches' programs) instead of all of them
+    starting together; else all at once."""
+    step = WARMUP_SPACING_S if staggered else 0.0
+    return [{"prompt": first + i, "arrival": i * step} for i in range(n)]
 
 
 # ============================================================================= statistics
@@ -810,7 +825,7 @@ def bench_server(args, model=None, draft=None) -> dict:
             w["plan"] = {r: [{"prompt": base + i, "arrival": a} for i, a in
                              enumerate(arrival_times(N, r, args.seed + 1 + j))]
                          for j, r in enumerate(args.rate_list)}
-            warm = [{"prompt": base + N + i, "arrival": 0.0} for i in range(len(w["warm"]))]
+            warm = warmup_requests(base + N, len(w["warm"]), staggered=w["prime"] is None)
             k = w["waves"][0]
             w["warm_waves"] = [x for x in (warm[:k], warm[k:]) if x]
             w["prime_req"] = [{"prompt": base + N + len(w["warm"]), "arrival": 0.0,
@@ -879,9 +894,11 @@ def bench_server(args, model=None, draft=None) -> dict:
                             time.perf_counter() - t < args.point_timeout_s:
                         time.sleep(0.5)  # the smaller batches' programs (`compact_rows`)
                     info["warmup_seconds"] = time.perf_counter() - t
+                    info["warmup_mixed_chunks"] = int(engine.metrics().get("mixed_chunks", 0))
                     info["gamma"] = served_gamma(m)
                     print(f"{key}: server ready (start {info['start_seconds']:.1f} s, warm-up "
-                          f"{info['warmup_seconds']:.1f} s, gamma {info['gamma']})", flush=True)
+                          f"{info['warmup_seconds']:.1f} s with {info['warmup_mixed_chunks']} "
+                          f"mixed chunks, gamma {info['gamma']})", flush=True)
                     for w in wls:
                         for r in args.rate_list:
                             point = {"setup": setup["name"], "variant": v,
@@ -1277,7 +1294,8 @@ def add_arguments(sub) -> None:
                    help="compare the greedy outputs of the first N requests with "
                         "jaxspec.generate's (0: none)")
     s.add_argument("--warmup", type=int, default=4,
-                   help="warm-up requests per server (at least one per prefill length bucket)")
+                   help="warm-up requests per server (at least one per prefill length bucket; "
+                        "of mixed lengths, they arrive 0.25 s apart, shortest first)")
     s.add_argument("--point-timeout-s", type=float, default=600.0,
                    help="a point's requests still running after this long are cancelled")
     s.add_argument("--time-budget-s", type=float, default=None,

@@ -189,6 +189,13 @@ def test_arrivals_and_lengths():
     assert np.array_equal(lg, bench_server.draw_lengths(20000, 1024, 32767, seed, "log"))
     assert bench_server.warmup_lengths(8, 40) == [8, 16, 32, 40]
     assert bench_server.warmup_lengths(100, 100) == [100]
+    gap = bench_server.WARMUP_SPACING_S
+    assert gap > 0
+    assert bench_server.warmup_requests(10, 3, staggered=True) == [
+        {"prompt": 10, "arrival": 0.0}, {"prompt": 11, "arrival": gap},
+        {"prompt": 12, "arrival": 2 * gap}]
+    assert bench_server.warmup_requests(4, 2, staggered=False) == [
+        {"prompt": 4, "arrival": 0.0}, {"prompt": 5, "arrival": 0.0}]
 
 
 @pytest.mark.parametrize("extra, flag", [

@@ -48,23 +48,6 @@ MAX_BYTES = 4 << 30
 OPT_OUT = "JAXSPEC_COMPILE_CACHE"
 
 _lock = threading.Lock()
-_compile_lock = threading.RLock()
-
-
-def one_compile():
-    """A context in which jaxspec compiles a program: on the CPU one at a time per process.
-
-    The server compiles on two threads (its engine thread, and a background thread for the
-    programs of smaller batches); on the CPU a segmentation fault was seen while jax wrote one of
-    two concurrently compiled executables to its cache, so there they take turns. Elsewhere
-    compiles still overlap (a background compile must not hold up a program the engine needs)."""
-    import contextlib
-
-    import jax
-
-    if jax.default_backend() == "cpu":
-        return _compile_lock
-    return contextlib.nullcontext()
 
 
 def cache_dir() -> Path:
@@ -236,8 +219,7 @@ def executable(fn, args: tuple, static: dict | None = None, compiler_options: di
             except Exception as e:  # noqa: BLE001 - a stale or damaged file: compile again
                 log.debug("cannot load %s (%s); compiling", path, e)
     if key is None:
-        with one_compile():
-            return fn.lower(*args, **static).compile(compiler_options=compiler_options)
+        return fn.lower(*args, **static).compile(compiler_options=compiler_options)
     # An executable jax loads from its own cache does not serialize whole on the CPU (loading it
     # back fails: "Function ... not found"), so the program must compile afresh here: on the CPU
     # an option that changes nothing in the code (how many parts LLVM compiles in parallel, any
@@ -253,14 +235,13 @@ def executable(fn, args: tuple, static: dict | None = None, compiler_options: di
                 64 + (int(key[:6], 16) + attempt) % 4096
         _thread.hits = 0
         _thread.counting = True
-        with one_compile():
-            try:
-                compiled = fn.lower(*args, **static).compile(compiler_options=options or None)
-            finally:
-                _thread.counting = False
-            if not _thread.hits:
-                _save_executable(compiled, folder, f"{key}.bin")
-                break
+        try:
+            compiled = fn.lower(*args, **static).compile(compiler_options=options or None)
+        finally:
+            _thread.counting = False
+        if not _thread.hits:
+            _save_executable(compiled, folder, f"{key}.bin")
+            break
     return compiled
 
 

@@ -418,9 +418,8 @@ class Decoder:
             return compiled, 0.0
         with use_mesh(self.mesh):
             t = time.perf_counter()
-            with compile_cache.one_compile():
-                compiled = run_chunk.lower(*args, jnp.int32(0), jnp.int32(0), rd=rd).compile(
-                    compiler_options=loop_compiler_options())
+            compiled = run_chunk.lower(*args, jnp.int32(0), jnp.int32(0), rd=rd).compile(
+                compiler_options=loop_compiler_options())
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t
 
@@ -457,10 +456,9 @@ class Decoder:
             return compiled, 0.0
         with use_mesh(self.mesh):
             t = time.perf_counter()
-            with compile_cache.one_compile():
-                compiled = run_mixed_chunk.lower(*args, jnp.int32(0), pieces, jnp.int32(0),
-                                                 jnp.int32(0), rd=rd).compile(
-                    compiler_options=loop_compiler_options())
+            compiled = run_mixed_chunk.lower(*args, jnp.int32(0), pieces, jnp.int32(0),
+                                             jnp.int32(0), rd=rd).compile(
+                compiler_options=loop_compiler_options())
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t
 

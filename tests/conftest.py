@@ -4,14 +4,18 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
-# One on-disk XLA compile cache per test run, shared by the pytest-xdist workers (they inherit
-# this process's environment) and by the CLI subprocesses some tests start: many tests compile
-# programs another module compiled already (and the fixture below drops the in-memory cache
-# after each module). Made here in the controlling process, removed in pytest_unconfigure; a
-# run-wide JAX_COMPILATION_CACHE_DIR of your own is used as is, JAXSPEC_TEST_XLA_CACHE=0 turns
-# it off. A cold cache made one run of four heavy files 11% faster (628 -> 557 s).
+# No persistent compilation cache in the test processes unless asked for: jaxspec's own
+# (`jaxspec.compile_cache.enable`, which `generate` and the server call) is off, and with
+# JAXSPEC_TEST_XLA_CACHE=1 one on-disk XLA cache per run is shared by the pytest-xdist workers
+# and the CLI subprocesses some tests start (made here in the controlling process, removed in
+# pytest_unconfigure; a run-wide JAX_COMPILATION_CACHE_DIR of your own is used as is). Full
+# runs with that shared cache crashed a worker with a segmentation fault inside jax's write of a
+# CPU executable to it (`put_executable_and_time`, three runs in a row at the same test), and the
+# run then hung; off, nothing is serialized in the workers. The tests of the cache itself run
+# their own processes with their own settings.
 _RUN_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("JAXSPEC_TEST_XLA_CACHE") != "0":
+os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "0")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("JAXSPEC_TEST_XLA_CACHE") == "1":
     import tempfile
     _RUN_CACHE = tempfile.mkdtemp(prefix="jaxspec-test-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE

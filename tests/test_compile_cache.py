@@ -202,39 +202,3 @@ def test_kept_executables_run_in_a_process_with_several_devices(tmp_path: Path) 
     assert second["tokens"] == ref
     assert second["traced"] == 0, "the kept executables were not used"
 
-
-
-def test_compiles_take_turns_on_the_cpu() -> None:
-    """On the CPU a program compiled through `executable` waits while another thread compiles
-    (jax's cache write of two concurrent compiles crashed the process once); a fresh constant
-    keeps jax's in-memory caches from answering."""
-    import threading
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxspec import compile_cache
-
-    assert jax.default_backend() == "cpu"
-    constant = float(np.random.default_rng().uniform(1, 2))
-
-    @jax.jit
-    def program(x):
-        return jnp.sin(x * constant).sum()
-
-    x = jnp.linspace(0, 1, 64)
-    done = threading.Event()
-    out = []
-
-    def compile_it():
-        out.append(compile_cache.executable(program, (x,)))
-        done.set()
-
-    with compile_cache.one_compile():  # another thread's compile
-        worker = threading.Thread(target=compile_it, daemon=True)
-        worker.start()
-        assert not done.wait(1.0)  # waits its turn
-    assert done.wait(60)
-    worker.join()
-    assert float(out[0](x)) == pytest.approx(float(jnp.sin(x * constant).sum()), rel=1e-6)

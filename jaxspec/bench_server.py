@@ -4,9 +4,10 @@ For each speculation variant (``off``; ``default`` = ``jaxspec.Speculation()``; 
 ``Speculation(gamma="auto")``; or any `jaxspec.bench.parse_variant` string such as
 ``g4-w496-fixed``) a server is started in this process (`jaxspec.serving.ServingEngine` behind
 `jaxspec.server.BackgroundServer`, listening on 127.0.0.1 only), warmed up with requests of the
-benchmark's shapes (so compilation is not measured; prompts of mixed lengths arrive one after
-another, so that their prefills overlap decoding as the measured ones' will), and then, for each request rate, sent the
-same ``--requests`` streamed ``/v1/completions`` requests: token-id prompts cut from a text source
+benchmark's shapes (so compilation is not measured; outside the shared-document workload
+they arrive one after another, so that their prefills overlap decoding as the measured
+prompts' will), and then, for each request rate, sent the same ``--requests`` streamed
+``/v1/completions`` requests: token-id prompts cut from a text source
 (`jaxspec.bench.make_prompts`; random tokens for a model without a tokenizer), lengths from
 ``--prompt`` (``16384``, or a range ``8192-32768`` drawn per request with ``--seed``),
 ``max_tokens=--new``, greedy. Arrivals: all at once (rate ``inf``) or a Poisson process of that
@@ -370,7 +371,7 @@ def warmup_lengths(lo: int, hi: int) -> list[int]:
     return sorted(out)
 
 
-#: Seconds between the arrivals of a mixed-lengths workload's warm-up requests.
+#: Seconds between the arrivals of the warm-up requests (all but the shared-document workload).
 WARMUP_SPACING_S = 0.25
 
 
@@ -1295,7 +1296,7 @@ def add_arguments(sub) -> None:
                         "jaxspec.generate's (0: none)")
     s.add_argument("--warmup", type=int, default=4,
                    help="warm-up requests per server (at least one per prefill length bucket; "
-                        "of mixed lengths, they arrive 0.25 s apart, shortest first)")
+                        "they arrive 0.25 s apart, shortest first, but for shared-doc)")
     s.add_argument("--point-timeout-s", type=float, default=600.0,
                    help="a point's requests still running after this long are cancelled")
     s.add_argument("--time-budget-s", type=float, default=None,

@@ -533,7 +533,7 @@ def test_serving_engine_tokens_equal_generate_alone(model, texts, paged):
                            prefill_chunk=16,
                            speculation=Speculation(gamma=3, sink=4, window=16, retrieve=0),
                            page_size=16 if paged else None, warmup_prefill=0,
-                           batch_invariant=True).start()
+                           batch_invariant=True).start(variants=[(True, False)])
     try:
         seqs = [Sequence(q, SamplingOptions(max_tokens=NEW, temperature=0)) for q in prompts]
         if paged:  # the last one arrives while the others decode (a free slot waits for it)

@@ -407,7 +407,8 @@ def test_the_server_with_retrieval_equals_generate(page_size):
     ref = jaxspec.generate(model, prompts, max_new_tokens=24).tokens
     spec = Speculation(draft="self", gamma=3, sink=0, window=6, adaptive=False, retrieve=64)
     e = ServingEngine(model, max_batch=2, max_len=96, rounds_per_chunk=2, prefill_chunk=16,
-                      page_size=page_size, speculation=spec).start()
+                      page_size=page_size, speculation=spec).start(
+        variants=[(True, False)])  # greedy requests only
     try:
         seqs = [Sequence(p, SamplingOptions(max_tokens=24, temperature=0)) for p in prompts]
         e.submit(seqs)

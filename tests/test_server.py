@@ -573,7 +573,8 @@ def test_acceptance_per_draft_position(model):
 def test_plain_engine_greedy_and_bucketed_prefill(model):
     # no speculation, shared rng; prompts of many lengths reuse a few prefill shapes
     engine = ServingEngine(model, max_batch=3, max_len=MAX_LEN, rounds_per_chunk=3,
-                           prefill_chunk=32, per_row=False, warmup_prefill=64).start()
+                           prefill_chunk=32, per_row=False, warmup_prefill=64).start(
+                               variants=[(True, False)])  # greedy requests only
     try:
         rng = np.random.default_rng(9)
         prompts = [rng.integers(2, 60, size=n).tolist() for n in (1, 2, 17, 33, 70, 100)]

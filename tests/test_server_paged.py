@@ -66,7 +66,8 @@ def test_paged_engine_equals_generate(model, spec, mixed):
     # a pool short of three full sequences: admissions wait for blocks and running ones are
     # preempted, then resumed from their prompt and tokens (admission reserving room for the
     # next two chunks only: with the budgets' growth reserved, nothing would be preempted)
-    e = ServingEngine(model, kv_blocks=one + 3, growth_reserve=0, **kw).start()
+    e = ServingEngine(model, kv_blocks=one + 3, growth_reserve=0, **kw).start(
+        variants=[(True, False)])  # greedy requests only: the greedy chunks compiled
     try:
         opts = SamplingOptions(max_tokens=new, temperature=0)
         seqs = [Sequence(p, opts) for p in prompts]
@@ -493,7 +494,7 @@ def test_the_text_of_a_last_unfinished_character_is_kept(page_size):
     rng = np.random.default_rng(random.randrange(1 << 30))
     prompts = [rng.integers(0, 256, size=int(rng.integers(2, 8))).tolist() for _ in range(24)]
     e = ServingEngine(m, max_batch=4, max_len=64, rounds_per_chunk=3, prefill_chunk=16,
-                      page_size=page_size).start()
+                      page_size=page_size).start(variants=[(True, False)])  # greedy only
     try:
         seqs = [Sequence(p, SamplingOptions(max_tokens=int(rng.integers(1, 9)), temperature=0))
                 for p in prompts]
@@ -640,7 +641,7 @@ def test_a_sequence_the_engine_cannot_run_is_refused_at_submit(model, page_size)
     the engine goes on serving, and nothing is queued of a refused batch."""
     ref = jaxspec.generate(model, [[7, 8, 9]], max_new_tokens=6).tokens[0]
     e = ServingEngine(model, max_batch=2, max_len=64, rounds_per_chunk=2, prefill_chunk=16,
-                      page_size=page_size).start()
+                      page_size=page_size).start(variants=[(True, False)])  # runs greedy only
     try:
         good = Sequence([7, 8, 9], SamplingOptions(max_tokens=6, temperature=0))
         for prompt, kw, msg in BAD_SEQUENCES:

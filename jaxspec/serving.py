@@ -261,6 +261,7 @@ class Sequence:
         self._sent = 0  # chars of text already emitted
         self._sent_tokens = 0  # tokens already reported in a delta's n_tokens
         self._pieces: list[tuple[int, bool]] = []  # (end char, from draft) of each decoded piece
+        self._piece_at = 0  # the first of _pieces not wholly emitted
         self._po = 0  # detokenizer: prefix offset
         self._ro = 0  # detokenizer: read offset
         self.slot: int | None = None
@@ -1928,15 +1929,23 @@ class ServingEngine:
         finish, cut_here = None, False  # (cut_here: a stop string ended the text)
         if device_done:
             finish = "stop" if (new and new[-1] in self.stop_ids) else "length"
-        for t, f in zip(new, flags):
+        run = len(s.tokens)  # where the run of tokens of one source (draft or not) began
+        for i, (t, f) in enumerate(zip(new, flags)):
             s.tokens.append(t)
             s.draft_flags.append(f)
             if t in self.stop_ids:
                 break
             # (no tokenizer: token ids only, no text; no stop token in s.tokens here)
-            if self.tokenizer is not None and self._next_piece(s, s.tokens, f):
-                finish, cut_here = "stop", True
-                break
+            if self.tokenizer is None:
+                continue
+            # a run's text is decoded once at its end (two decodes per run, not per token),
+            # unless stop strings must be looked for token by token (a run that a stop token
+            # ends is decoded below, as a finished sequence's last text)
+            if s.options.stop or i + 1 == len(new) or flags[i + 1] != f:
+                if self._run_text(s, run, f):
+                    finish, cut_here = "stop", True
+                    break
+                run = len(s.tokens)
         if finish is not None and not cut_here and self.tokenizer is not None:
             # the text of its last tokens held back because it ended in the middle of a
             # character (bytes of a byte-level tokenizer) ends the text as the tokenizer decodes
@@ -1951,6 +1960,21 @@ class ServingEngine:
             self._finish(s, finish)
         else:
             self._flush(s, final=False)
+
+    def _run_text(self, s: Sequence, run: int, from_draft: bool) -> bool:
+        """Adds the text of ``s.tokens[run:]`` (tokens of one source) as decoding them one by one
+        would (`_next_piece` after each): at once, or where that ends in the middle of a
+        character, token by token (each whole character as soon as its last byte came). True
+        when a stop string ended the text."""
+        n = len(s.tokens)
+        if self._next_piece(s, s.tokens, from_draft):
+            return True
+        if s._ro == n or n - run <= 1:  # all of it added (or one token: as one by one)
+            return False
+        for k in range(run + 1, n + 1):
+            if self._next_piece(s, s.tokens[:k], from_draft):
+                return True
+        return False
 
     def _next_piece(self, s: Sequence, toks: list[int], from_draft: bool,
                     final: bool = False) -> bool:
@@ -1984,18 +2008,21 @@ class ServingEngine:
             return
         segs = []
         start = s._sent
-        for e, f in s._pieces:
-            if e <= start:
-                continue
-            seg_end = min(e, end)
-            if seg_end > start:
-                if segs and segs[-1][1] == f:
-                    segs[-1][0] += s.text[start:seg_end]
-                else:
-                    segs.append([s.text[start:seg_end], f])
-            start = seg_end
-            if start >= end:
-                break
+        i = s._piece_at  # (the pieces before it were emitted: a long stream's flush reads few)
+        while i < len(s._pieces):
+            e, f = s._pieces[i]
+            if e > start:
+                seg_end = min(e, end)
+                if seg_end > start:
+                    if segs and segs[-1][1] == f:
+                        segs[-1][0] += s.text[start:seg_end]
+                    else:
+                        segs.append([s.text[start:seg_end], f])
+                start = seg_end
+                if start >= end:
+                    break
+            i += 1
+        s._piece_at = i
         text = s.text[s._sent:end]
         s._sent = end
         self._emit_delta(s, text, segs)

@@ -26,7 +26,7 @@ def _spm_model(tmp_path):
 
 def _stream(engine, tokens, flags, cuts, stop=None):
     """Delivers ``tokens`` in chunks ending at ``cuts`` (the last one finishing the sequence):
-    ``(text emitted by each chunk's end, draft segments merged, final text)``."""
+    ``(text emitted by each chunk's end, draft segments merged, final text, finish reason)``."""
     s = Sequence([1, 2], SamplingOptions(max_tokens=len(tokens), stop=stop))
     events = []
     s._emit = events.append
@@ -63,7 +63,7 @@ def test_chunks_stream_the_text_of_tokens_one_by_one(kind, tmp_path):
     for trial in range(60):
         n = rng.randint(1, 40)
         encoded = kind != "words" and trial % 2
-        if encoded:  # a text's tokens: characters of several bytes (or pieces), cut anywhere
+        if encoded:  # a text's tokens: characters of several bytes (or pieces)
             text = "".join(rng.choice(["a", "é", "€", "😀", " ", " the", "ab"]) for _ in range(n))
             tokens = tok.encode(text, add_special_tokens=False)
             if kind == "byte":  # (SentencePiece's byte pieces: whole characters, see above)

@@ -5,8 +5,8 @@ For each speculation variant (``off``; ``default`` = ``jaxspec.Speculation()``; 
 ``g4-w496-fixed``) a server is started in this process (`jaxspec.serving.ServingEngine` behind
 `jaxspec.server.BackgroundServer`, listening on 127.0.0.1 only), warmed up with requests of the
 benchmark's shapes (so compilation is not measured; outside the shared-document workload
-they arrive one after another, so that their prefills overlap decoding as the measured
-prompts' will), and then, for each request rate, sent the same ``--requests`` streamed
+the shortest runs alone, then they arrive one after another, so that their prefills overlap
+decoding as the measured prompts' will), and then, for each request rate, sent the same ``--requests`` streamed
 ``/v1/completions`` requests: token-id prompts cut from a text source
 (`jaxspec.bench.make_prompts`; random tokens for a model without a tokenizer), lengths from
 ``--prompt`` (``16384``, or a range ``8192-32768`` drawn per request with ``--seed``),
@@ -728,9 +728,13 @@ def _workloads(args, model) -> list[dict]:
             lens = warmup_lengths(lo, hi)
             n_warm = max(args.warmup, len(lens))
             pool = plan_requests(model, max(B, n_warm), hi, hi, args.seed + 1000, args.source)
+            warm = [x[:lens[i % len(lens)]] for i, x in enumerate(pool[:n_warm])]
+            # the shortest alone first (the first runs of the prefill and decode programs), then
+            # all of them (`warmup_requests`): each later prefill then finds the earlier
+            # requests decoding, as the measured ones will (were the first still filling when
+            # the second came, fill-first would hold them to start together)
             w.update(prompts=prompts, ref_warm=[x[:len(p)] for x, p in zip(pool, prompts[:B])],
-                     warm=[x[:lens[i % len(lens)]] for i, x in enumerate(pool[:n_warm])],
-                     longest=hi, waves=[n_warm])
+                     warm=warm[:1] + warm, longest=hi, waves=[1, n_warm])
         out.append(w)
     return out
 
@@ -1296,7 +1300,8 @@ def add_arguments(sub) -> None:
                         "jaxspec.generate's (0: none)")
     s.add_argument("--warmup", type=int, default=4,
                    help="warm-up requests per server (at least one per prefill length bucket; "
-                        "they arrive 0.25 s apart, shortest first, but for shared-doc)")
+                        "but for shared-doc, the shortest runs alone first, then they all "
+                        "arrive 0.25 s apart, shortest first)")
     s.add_argument("--point-timeout-s", type=float, default=600.0,
                    help="a point's requests still running after this long are cancelled")
     s.add_argument("--time-budget-s", type=float, default=None,

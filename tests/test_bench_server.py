@@ -198,6 +198,20 @@ def test_arrivals_and_lengths():
         {"prompt": 4, "arrival": 0.0}, {"prompt": 5, "arrival": 0.0}]
 
 
+def test_warmup_plan_runs_the_shortest_alone_then_all_staggered():
+    """Independent prompts: the shortest warm-up prompt runs alone (the programs' first runs),
+    then one per prefill length bucket arrives `WARMUP_SPACING_S` apart, shortest first (each
+    later prefill finds the earlier ones decoding); shared-doc: the document once, then the rest
+    at once."""
+    args = _args(SHARED_ARGV)
+    bench_server.check_args(args, has_draft=False)
+    doc, ind = bench_server._workloads(args, served_model(seed=7, eos=False))
+    lens = bench_server.warmup_lengths(8, 40)
+    assert [len(p) for p in ind["warm"]] == [8] + lens and ind["warm"][0] == ind["warm"][1]
+    assert ind["waves"] == [1, len(lens)] and ind["prime"] is None
+    assert doc["waves"] == [1, len(doc["warm"]) - 1] and doc["prime"] is not None
+
+
 @pytest.mark.parametrize("extra, flag", [
     (["--rates", "inf,0"], "--rates"), (["--rates", "fast"], "--rates"),
     (["--prompt", "40-8"], "--prompt"), (["--prompt", "x"], "--prompt"),

@@ -1300,8 +1300,8 @@ def add_arguments(sub) -> None:
                         "jaxspec.generate's (0: none)")
     s.add_argument("--warmup", type=int, default=4,
                    help="warm-up requests per server (at least one per prefill length bucket; "
-                        "but for shared-doc, the shortest runs alone first, then they all "
-                        "arrive 0.25 s apart, shortest first)")
+                        "except for shared-doc, the shortest also runs alone first, then they "
+                        "all arrive 0.25 s apart, shortest first)")
     s.add_argument("--point-timeout-s", type=float, default=600.0,
                    help="a point's requests still running after this long are cancelled")
     s.add_argument("--time-budget-s", type=float, default=None,

@@ -54,16 +54,21 @@ def _mappings() -> int:
         return 0
 
 
+def _drop_compiled():
+    """Drops this process's compiled programs (with the objects that held them)."""
+    import jax
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _bounded_mappings():
     """After a test, the compiled programs are dropped if the process holds more than
     `MAX_MAPPINGS` memory mappings (an engine's own programs go with it)."""
     yield
     if _mappings() > MAX_MAPPINGS:
-        import jax
-        gc.collect()
-        jax.clear_caches()
-        gc.collect()
+        _drop_compiled()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -71,9 +76,7 @@ def _free_compiled_programs():
     """Each test module compiles many programs; drop them afterwards so a full run's memory stays
     flat (a full run on a 2-core / 24 GiB CI machine once aborted inside the XLA CPU compiler)."""
     yield
-    import jax
-    jax.clear_caches()
-    gc.collect()
+    _drop_compiled()
 
 
 # Worker-seconds per test file in the default run (2 pytest-xdist workers on the 2-core CI

@@ -206,7 +206,8 @@ class SelfDrafter:
             keys, sub = sampling.split_rows(keys)
             plan = self._plan(rd, state, cache, L + i, blocks)
             c = cache.replace(k=k, v=v)
-            logits, c = forward(rd.config, params, tok[:, None], (pos0 + i)[:, None], c, plan)
+            logits, c = forward(rd.config, params, tok[:, None], (pos0 + i)[:, None], c, plan,
+                                fast_linears=True)
             d, q = propose(rd, sub, logits[:, 0], sp)
             return (c.k, c.v, d, keys), (d, q)
 
@@ -233,7 +234,8 @@ class SelfDrafter:
             idx = jnp.broadcast_to(jnp.arange(a - lo, b - lo, dtype=jnp.int32), (B, b - a))
             logits, holder["cache"] = forward(rd.config, params, node_tok[:, lo:b],
                                               pos0[:, None] + depths[None, lo:b],
-                                              holder["cache"], plan, logits_at=idx)
+                                              holder["cache"], plan, logits_at=idx,
+                                              fast_linears=True)
             return logits
 
         node_tok = jnp.zeros((B, rd.tree.num_nodes), jnp.int32).at[:, 0].set(state.last)
@@ -299,7 +301,7 @@ class ModelDrafter:
         pos0 = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
         logits, dc = forward(self.config, dparams, two, pos0, dc,
                              AttentionPlan(lengths=base, impl=rd.impl, active=rd.active(state)),
-                             logits_at=(pending - 1)[:, None])
+                             logits_at=(pending - 1)[:, None], fast_linears=True)
         return logits, dc, start, base, pending
 
     def chain(self, rd, params, dparams, sp, state, keys):
@@ -315,7 +317,8 @@ class ModelDrafter:
             off = L + j - start  # slot offset of position L + j within this round's tokens
             plan = AttentionPlan(lengths=base + off, impl=rd.impl, active=rd.active(state))
             c = dc.replace(k=k, v=v)
-            lg, c = forward(self.config, dparams, tok[:, None], (L + j)[:, None], c, plan)
+            lg, c = forward(self.config, dparams, tok[:, None], (L + j)[:, None], c, plan,
+                            fast_linears=True)
             d, q = propose(rd, sub, lg[:, 0], sp)
             return (c.k, c.v, d, keys), (d, q)
 
@@ -344,7 +347,7 @@ class ModelDrafter:
             idx = jnp.broadcast_to(jnp.arange(a - lo, b - lo, dtype=jnp.int32), (B, b - a))
             logits, holder["cache"] = forward(self.config, dparams, node_tok[:, lo:b],
                                               L[:, None] + depths[None, lo:b], holder["cache"],
-                                              plan, logits_at=idx)
+                                              plan, logits_at=idx, fast_linears=True)
             return logits
 
         node_tok = jnp.zeros((B, rd.tree.num_nodes), jnp.int32).at[:, 0].set(state.last)

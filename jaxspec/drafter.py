@@ -206,8 +206,7 @@ class SelfDrafter:
             keys, sub = sampling.split_rows(keys)
             plan = self._plan(rd, state, cache, L + i, blocks)
             c = cache.replace(k=k, v=v)
-            logits, c = forward(rd.config, params, tok[:, None], (pos0 + i)[:, None], c, plan,
-                                fast_linears=True)
+            logits, c = forward(rd.config, params, tok[:, None], (pos0 + i)[:, None], c, plan)
             d, q = propose(rd, sub, logits[:, 0], sp)
             return (c.k, c.v, d, keys), (d, q)
 
@@ -234,8 +233,7 @@ class SelfDrafter:
             idx = jnp.broadcast_to(jnp.arange(a - lo, b - lo, dtype=jnp.int32), (B, b - a))
             logits, holder["cache"] = forward(rd.config, params, node_tok[:, lo:b],
                                               pos0[:, None] + depths[None, lo:b],
-                                              holder["cache"], plan, logits_at=idx,
-                                              fast_linears=True)
+                                              holder["cache"], plan, logits_at=idx)
             return logits
 
         node_tok = jnp.zeros((B, rd.tree.num_nodes), jnp.int32).at[:, 0].set(state.last)
@@ -301,7 +299,7 @@ class ModelDrafter:
         pos0 = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
         logits, dc = forward(self.config, dparams, two, pos0, dc,
                              AttentionPlan(lengths=base, impl=rd.impl, active=rd.active(state)),
-                             logits_at=(pending - 1)[:, None], fast_linears=True)
+                             logits_at=(pending - 1)[:, None])
         return logits, dc, start, base, pending
 
     def chain(self, rd, params, dparams, sp, state, keys):
@@ -317,8 +315,7 @@ class ModelDrafter:
             off = L + j - start  # slot offset of position L + j within this round's tokens
             plan = AttentionPlan(lengths=base + off, impl=rd.impl, active=rd.active(state))
             c = dc.replace(k=k, v=v)
-            lg, c = forward(self.config, dparams, tok[:, None], (L + j)[:, None], c, plan,
-                            fast_linears=True)
+            lg, c = forward(self.config, dparams, tok[:, None], (L + j)[:, None], c, plan)
             d, q = propose(rd, sub, lg[:, 0], sp)
             return (c.k, c.v, d, keys), (d, q)
 
@@ -347,7 +344,7 @@ class ModelDrafter:
             idx = jnp.broadcast_to(jnp.arange(a - lo, b - lo, dtype=jnp.int32), (B, b - a))
             logits, holder["cache"] = forward(self.config, dparams, node_tok[:, lo:b],
                                               L[:, None] + depths[None, lo:b], holder["cache"],
-                                              plan, logits_at=idx, fast_linears=True)
+                                              plan, logits_at=idx)
             return logits
 
         node_tok = jnp.zeros((B, rd.tree.num_nodes), jnp.int32).at[:, 0].set(state.last)

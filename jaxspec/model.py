@@ -33,7 +33,6 @@ from jaxspec.cache import KVCache, set_bits
 from jaxspec.config import ModelConfig, sliding_window_of  # noqa: F401 (re-exported)
 from jaxspec import invariant
 from jaxspec.paged import write_pages
-from pallas_kernels import decode_linear
 
 
 @dataclasses.dataclass
@@ -148,44 +147,16 @@ class Block(nn.Module):
         return layer_forward(c, p, carry, layer, rope, plan)
 
 
-def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPlan, *,
-                  fast_linears: bool = False):
+def layer_forward(c: ModelConfig, p: dict, carry, layer, rope, plan: AttentionPlan):
     """One decoder layer on ``carry = (x[B, T, D], k_cache, v_cache)`` -> ``(carry, scores)``.
     ``p`` holds the layer's weights, either as stored (wq, wk, wv, w_gate, w_up, ...) or fused by
     `fuse_layer_params` (wqkv / bqkv and w_gateup: one matmul each instead of three and two).
     ``scores``: with ``plan.score_block``, the layer's block scores
-    (`jaxspec.attention.context_scores`, [B, K, NB]), else None. ``fast_linears``: see
-    `fused_linears`."""
+    (`jaxspec.attention.context_scores`, [B, K, NB]), else None."""
     x, k_cache, v_cache = carry
     (x,), k_cache, v_cache, (scores,) = _layer(c, p, (x,), k_cache, v_cache, layer, (rope,),
-                                               (plan,), fast_linears=fast_linears)
+                                               (plan,))
     return (x, k_cache, v_cache), scores
-
-
-def fused_linears(impl: str, p: dict | None = None) -> str | None:
-    """How a forward asked for ``fast_linears`` runs its products: ``"pallas"`` (compiled) or
-    ``"interpret"`` (the Pallas interpreter) for `pallas_kernels.decode_linear`'s fused
-    kernels (the norms, biases, SiLU x up and residual adds folded into the products: 5 kernels
-    fewer per layer), None for XLA's products as in every other forward. The kernels serve the
-    attention implementations that run the Pallas kernels ("auto" and "pallas" on a GPU,
-    "interpret"; never a batch-invariant one) over a single device's fused per-layer weights
-    (`fuse_layer_params`) whose shapes they tile (layer ``p``, when given). They round
-    differently from XLA's products, so only forwards whose outputs are proposals ask for them:
-    the self-draft's steps (`jaxspec.drafter`)."""
-    if impl == "interpret":
-        mode = "interpret"
-    elif impl in ("auto", "pallas") and jax.default_backend() == "gpu":
-        mode = "pallas"
-    else:
-        return None
-    if p is not None:
-        if "wqkv" not in p or "w_gateup" not in p:
-            return None
-        ok = decode_linear.supported
-        if not (ok(*p["wqkv"].shape) and ok(*p["wo"].shape) and ok(*p["w_down"].shape)
-                and ok(*p["w_gateup"].shape, glu=True)):
-            return None
-    return mode
 
 
 def _join(xs):
@@ -206,22 +177,10 @@ def _parts(y, shapes):
     return out
 
 
-def _linear(mode: str, x, w, **kw):
-    """`decode_linear.fused_linear` over the rows of ``x[..., K]``."""
-    res = kw.get("residual")
-    if res is not None:
-        kw["residual"] = res.reshape(-1, res.shape[-1])
-    y = decode_linear.fused_linear(x.reshape(-1, x.shape[-1]), w,
-                                   interpret=mode == "interpret", **kw)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def _layer(c: ModelConfig, p: dict, xs, k_cache, v_cache, layer, ropes, plans, *,
-           fast_linears: bool = False):
+def _layer(c: ModelConfig, p: dict, xs, k_cache, v_cache, layer, ropes, plans):
     """One decoder layer over segments: ``xs[i]`` ``[B_i, T_i, D]`` attends by ``plans[i]`` with
     RoPE ``ropes[i]``; every projection and the MLP run once over all segments' tokens (one
     weight read), the attention (and the K/V writes, into the same cache) per segment.
-    ``fast_linears``: the products through the fused kernels where `fused_linears` allows.
     Returns ``(xs, k_cache, v_cache, scores per segment)``."""
     shapes = [x.shape[:2] for x in xs]
     H, K, Dh = c.num_heads, c.num_kv_heads, c.head_dim
@@ -231,20 +190,14 @@ def _layer(c: ModelConfig, p: dict, xs, k_cache, v_cache, layer, ropes, plans, *
     inv = invariant.is_invariant(impl)
     mm = invariant.matmul_for(impl)
     norm = invariant.rms_norm if inv else rms_norm
-    fl = fused_linears(impl, p) if fast_linears else None
-    eps = c.rms_norm_eps
     x = _join(xs)
-    if fl is not None:
-        qkv = _linear(fl, x, p["wqkv"], norm=p["attn_norm"], eps=eps, bias=p.get("bqkv"))
-        q, k, v = jnp.split(qkv, [H * Dh, (H + K) * Dh], axis=-1)
-    elif "wqkv" in p:
-        h = norm(x, p["attn_norm"], c.rms_norm_eps)
+    h = norm(x, p["attn_norm"], c.rms_norm_eps)
+    if "wqkv" in p:
         qkv = mm(h, p["wqkv"])
         if "bqkv" in p:
             qkv = qkv + p["bqkv"]
         q, k, v = jnp.split(qkv, [H * Dh, (H + K) * Dh], axis=-1)
     else:
-        h = norm(x, p["attn_norm"], c.rms_norm_eps)
         q, k, v = mm(h, p["wq"]), mm(h, p["wk"]), mm(h, p["wv"])
         if c.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
@@ -278,12 +231,6 @@ def _layer(c: ModelConfig, p: dict, xs, k_cache, v_cache, layer, ropes, plans, *
             attn, sc = attn
         attns.append(attn.reshape(B, T, H * Dh).astype(dt))
         scores.append(sc)
-    if fl is not None:
-        x = _linear(fl, _join(attns), p["wo"], bias=p.get("bo"), residual=x)
-        act = _linear(fl, x, p["w_gateup"], norm=p["mlp_norm"], eps=eps, glu=True,
-                      bias=p.get("b_gateup"))
-        x = _linear(fl, act, p["w_down"], bias=p.get("b_down"), residual=x)
-        return _parts(x, shapes), k_cache, v_cache, scores
     o = mm(_join(attns), p["wo"])
     x = x + (o + p["bo"] if "bo" in p else o)
     h = norm(x, p["mlp_norm"], c.rms_norm_eps)
@@ -375,18 +322,11 @@ class Transformer(nn.Module):
 
 
 def lm_logits(c: ModelConfig, x, final_norm, embed, lm_head, logits_at=None, *,
-              impl: str = "auto", fast_linears: bool = False):
+              impl: str = "auto"):
     """Final norm + LM head (tied or not) on the rows ``logits_at`` (all rows if None); an
-    invariant ``impl`` (`jaxspec.invariant`) computes both with the batch-invariant primitives;
-    ``fast_linears`` (`fused_linears`): one fused kernel for both."""
+    invariant ``impl`` (`jaxspec.invariant`) computes both with the batch-invariant primitives."""
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[..., None].astype(jnp.int32), axis=1)
-    fl = fused_linears(impl) if fast_linears else None
-    w = embed if c.tie_word_embeddings else lm_head
-    if fl is not None and decode_linear.supported(*w.shape[::-1] if c.tie_word_embeddings
-                                                  else w.shape):
-        return _linear(fl, x, w, norm=final_norm, eps=c.rms_norm_eps, out_dtype=jnp.float32,
-                       transpose_w=c.tie_word_embeddings)
     if invariant.is_invariant(impl):
         x = invariant.rms_norm(x, final_norm, c.rms_norm_eps)
         if c.tie_word_embeddings:  # the embedding [V, D] read in place
@@ -398,8 +338,7 @@ def lm_logits(c: ModelConfig, x, final_norm, embed, lm_head, logits_at=None, *,
     return jnp.einsum("btd,dv->btv", x, lm_head, preferred_element_type=jnp.float32)
 
 
-def _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logits_at, dtype,
-                      fast_linears=False):
+def _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logits_at, dtype):
     """The same model with per-layer weight arrays and a Python loop over layers.
 
     Why: XLA on GPU copies each layer's slice of stacked weights before its matmuls, so a scanned
@@ -409,14 +348,11 @@ def _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logi
     rope = rope_tables(config, positions_BT)
     k, v = cache.k, cache.v
     scores = []
-    # (fused per-layer weights: a single device's; a mesh's LM head stays XLA's too)
-    fast_linears = fast_linears and fused_linears(plan.impl, params["layers"][0]) is not None
     for layer, p in enumerate(params["layers"]):
-        (x, k, v), sc = layer_forward(config, p, (x, k, v), jnp.int32(layer), rope, plan,
-                                      fast_linears=fast_linears)
+        (x, k, v), sc = layer_forward(config, p, (x, k, v), jnp.int32(layer), rope, plan)
         scores.append(sc)
     logits = lm_logits(config, x, params["final_norm"], params["embed"], params.get("lm_head"),
-                       logits_at, impl=plan.impl, fast_linears=fast_linears)
+                       logits_at, impl=plan.impl)
     if plan.score_block is None:
         return logits, cache.replace(k=k, v=v)
     return logits, cache.replace(k=k, v=v), jnp.stack(scores)
@@ -458,15 +394,13 @@ def _unfuse(p):
 
 
 def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache,
-            plan: AttentionPlan, logits_at=None, *, dtype=None, fast_linears: bool = False):
+            plan: AttentionPlan, logits_at=None, *, dtype=None):
     """Functional entry point: ``(logits, cache)`` for params of ``config``; with
     ``plan.score_block`` ``(logits, cache, scores[L, B, K, NB])`` (`jaxspec.retrieval`).
 
     ``positions_BT`` are the tokens' RoPE positions; ``plan`` says which keys each token sees
     (its context in ``cache``, shared-prefix segments, a sparse view) and where the new K/V go.
-    The model's own sliding window (`sliding_window_of`) joins the plan. ``fast_linears``: the
-    products of per-layer weights through fused kernels where `fused_linears` allows (other
-    rounding: for forwards whose outputs are proposals)."""
+    The model's own sliding window (`sliding_window_of`) joins the plan."""
     if dtype is None:
         dtype = params["embed"].dtype
     if plan.sliding_window is None:
@@ -475,7 +409,7 @@ def forward(config: ModelConfig, params, tokens_BT, positions_BT, cache: KVCache
             plan = plan.replace(sliding_window=W)
     if isinstance(params["layers"], (list, tuple)):
         return _forward_unrolled(config, params, tokens_BT, positions_BT, cache, plan, logits_at,
-                                 dtype, fast_linears)
+                                 dtype)
     model = Transformer(config, dtype=dtype)
     return model.apply({"params": params}, tokens_BT, positions_BT, cache, plan, logits_at)
 

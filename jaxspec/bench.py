@@ -5,9 +5,11 @@
 one run, after a warm-up call per variant (compilation excluded), for several prompt seeds and text
 sources; decode time (``stats["decode_seconds"]``) and end-to-end time (``stats["seconds"]``,
 prefill included) both, rows stopping at EOS as they do (or ``--ignore-eos``: fixed length).
-Each point is also priced against its physical floor: a plain decode step reads every weight and
-every context key once, so ``steps x (weights + K/V) / measured copy bandwidth`` bounds plain
-decoding from below.
+Each point is also priced against its physical floor: a plain decode step reads every weight it
+uses (of an untied embedding table only the rows it looks up) and every context key once, so
+``steps x (weights + K/V) / measured read bandwidth`` bounds plain decoding from below (the read
+rate, `measure_read_bandwidth`, not the copy rate of the cost model's `DeviceRates`: a copy
+writes every byte it reads, a decode step writes next to nothing).
 
 ``steps`` (a diagnostic of internal costs, labelled so): the time of plain steps and of speculative
 rounds of each gamma, run through `jaxspec.Decoder.run` on one prefilled batch, against their
@@ -178,12 +180,97 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in str(s).split(",") if x]
 
 
-def _floor_seconds(model, B: int, P: float, new: int, rates) -> float:
-    """Plain decoding's byte floor: every step reads all weights and every context key once."""
-    from jaxspec.costs import CostModel
-    cm = CostModel(model, None, rates=rates)
-    ctx = np.full(B, P + new / 2.0)
-    return new * cm.plain_roofline(ctx)
+def measure_read_bandwidth(*, slices: int = 8) -> float:
+    """Bytes / s the device reads: one jitted loop sums ``slices`` different slices of a buffer
+    (2 GiB on an accelerator, 32 MiB on a CPU) in turn, so every pass reads new bytes and none
+    is hoisted out of the loop; the median of five calls after a warm-up. What bounds a decode
+    step, which reads the weights and the K/V and writes next to nothing."""
+    import jax
+    import jax.numpy as jnp
+    on_cpu = jax.default_backend() == "cpu"
+    per = (1 << 20) if on_cpu else (1 << 27)  # float32 on a CPU, bfloat16 elsewhere
+    dt = jnp.float32 if on_cpu else jnp.bfloat16
+    x = jnp.ones((slices, per), dt)
+
+    @jax.jit
+    def reads(x):
+        def body(i, acc):
+            return acc + jnp.sum(jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
+                                 dtype=jnp.float32)
+        return jax.lax.fori_loop(0, slices, body, jnp.float32(0))
+
+    jax.block_until_ready(reads(x))
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(reads(x))
+        ts.append(time.perf_counter() - t)
+    return x.size * x.dtype.itemsize / float(np.median(ts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Floors:
+    """The least time a forward can take: the bytes it must read over the measured read rate,
+    or its matrix FLOPs over the measured matmul rate, whichever is larger. A forward reads
+    every weight it uses once (of an untied embedding table only the rows it looks up: not
+    counted) and the K/V of every key it attends to."""
+
+    weight_bytes: float  # per forward
+    kv_bytes: float  # per key read
+    params: float  # parameters a token multiplies (2 FLOPs each)
+    read_bandwidth: float  # bytes / s
+    matmul: float  # FLOP / s
+
+    @classmethod
+    def of(cls, model, read_bandwidth: float, matmul: float) -> "Floors":
+        import jax
+
+        from jaxspec.cache import kv_bytes_per_token
+        params = dict(model.params)
+        if not model.config.tie_word_embeddings:  # looked up, not read whole nor multiplied
+            params.pop("embed")
+        leaves = jax.tree_util.tree_leaves(params)
+        return cls(weight_bytes=float(sum(x.size * x.dtype.itemsize for x in leaves)),
+                   kv_bytes=float(kv_bytes_per_token(model.config, model.dtype)),
+                   params=float(sum(x.size for x in leaves)),
+                   read_bandwidth=float(read_bandwidth), matmul=float(matmul))
+
+    def forward(self, rows: int, keys: float, tokens: int = 1) -> float:
+        """Seconds of one forward of ``tokens`` new tokens for each of ``rows`` rows that
+        attend to ``keys`` context keys in all."""
+        flops = 2.0 * self.params * rows * tokens
+        return max((self.weight_bytes + self.kv_bytes * keys) / self.read_bandwidth,
+                   flops / self.matmul)
+
+    def plain_step(self, ctx) -> float:
+        """A plain step over rows with contexts ``ctx``."""
+        ctx = np.asarray(ctx, np.float64)
+        return self.forward(len(ctx), float(ctx.sum()) + len(ctx))
+
+    def round(self, ctx, gamma: int, span: int | None) -> float:
+        """A chain round of ``gamma`` self-draft steps over ``span`` keys per row (None: all)
+        and one verification of ``gamma + 1`` tokens."""
+        ctx = np.asarray(ctx, np.float64)
+        n = len(ctx)
+        seen = ctx if span is None else np.minimum(ctx, span)
+        drafts = sum(self.forward(n, float(seen.sum()) + n * (i + 1)) for i in range(gamma))
+        return drafts + self.forward(n, float(ctx.sum()) + n * (gamma + 1), gamma + 1)
+
+
+def _floors(model, rates, mesh=None) -> Floors:
+    """`Floors` of ``model`` at the read rate measured now, or ``rates``' copy rate where that is
+    higher (on a CPU, where XLA's reduction runs on one thread: a floor is never set above what
+    the device was seen to move), times the devices of ``mesh`` (a sharded forward reads its
+    bytes on all of them at once); ``rates``' matmul rate."""
+    n = 1 if mesh is None else int(mesh.size)
+    bw = max(measure_read_bandwidth(), rates.bandwidth)
+    return Floors.of(model, n * bw, n * rates.matmul)
+
+
+def _floor_seconds(floors: Floors, B: int, P: float, new: int) -> float:
+    """Plain decoding's byte floor: ``new`` steps, each reading the weights and every context
+    key once (the contexts taken at their mean over the steps)."""
+    return new * floors.plain_step(np.full(B, P + new / 2.0))
 
 
 # ----------------------------------------------------------------------------- generate
@@ -203,9 +290,11 @@ def bench_generate(args) -> dict:
     seeds = _ints(args.seeds)
     sources = args.sources.split(",")
     rates = DeviceRates.measure(model.dtype)
+    floors = _floors(model, rates, mesh)
     out = {"env": environment(), "model": args.model, "draft": args.draft,
            "new_tokens": args.new, "ignore_eos": args.ignore_eos, "seeds": seeds,
-           "variants": variants, "rates": dataclasses.asdict(rates), "points": []}
+           "variants": variants, "rates": dataclasses.asdict(rates),
+           "read_bandwidth": floors.read_bandwidth, "points": []}
     t_budget = time.time() + args.time_budget_s if args.time_budget_s else None
     for B, P in _points(args):
         for source in sources:
@@ -249,7 +338,7 @@ def bench_generate(args) -> dict:
             runs = point["runs"]["plain"]
             if runs:
                 steps = np.mean([r["target_steps"] for r in runs])
-                point["plain_floor_seconds"] = _floor_seconds(model, B, P, int(steps), rates)
+                point["plain_floor_seconds"] = _floor_seconds(floors, B, P, int(steps))
             point["summary"] = _summary(point, variants)
             out["points"].append(point)
             print(_point_line(point, variants), flush=True)
@@ -309,12 +398,13 @@ def _generate_markdown(out) -> str:
              f"{'fixed length (EOS ignored)' if out['ignore_eos'] else 'rows stop at EOS'}; "
              f"seeds {out['seeds']}; each variant called once per seed on the same prompts "
              f"after a warm-up call (compilation excluded).",
-             f"- measured copy bandwidth {out['rates']['bandwidth'] / 1e9:.0f} GB/s, matmul "
+             f"- measured read bandwidth {out['read_bandwidth'] / 1e9:.0f} GB/s (copy "
+             f"{out['rates']['bandwidth'] / 1e9:.0f} GB/s), matmul "
              f"{out['rates']['matmul'] / 1e12:.0f} TFLOP/s",
              "- decode = `stats['decode_seconds']`; e2e = `stats['seconds']` (prefill included); "
              "speedup = plain / variant, means over seeds (min over seeds in brackets); floor = "
-             "plain decoding's byte floor (all weights + every context key per step, at the "
-             "measured bandwidth).", "",
+             "plain decoding's byte floor (per step the weights it reads and every context "
+             "key, at the measured read bandwidth).", "",
              "| B x P | source | variant | decode s | decode speedup | e2e speedup | new tokens |"
              " accept | tokens/step | plain steps | gamma | rows = plain |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -357,10 +447,12 @@ def bench_steps(args) -> dict:
 
     import jaxspec
     from jaxspec.costs import DeviceRates
-    model = load_model(args.model, args.dtype, mesh_of_args(args))
+    mesh = mesh_of_args(args)
+    model = load_model(args.model, args.dtype, mesh)
     rates = DeviceRates.measure(model.dtype)
+    floors = _floors(model, rates, mesh)
     out = {"env": environment(), "model": args.model, "rates": dataclasses.asdict(rates),
-           "points": []}
+           "read_bandwidth": floors.read_bandwidth, "points": []}
     gammas = _ints(args.gammas)
     for B, P in _points(args):
         spec = jaxspec.Speculation(sink=args.sink, window=args.window, adaptive=False,
@@ -369,8 +461,9 @@ def bench_steps(args) -> dict:
         budget = args.rounds * (max(gammas) + 1) * (args.repeats + 1) * (len(gammas) + 1) + 8
         batch = dec.prepare(make_prompts(model, B, P, 0, "random"), max_new_tokens=budget,
                             ignore_eos=True)
-        cm = dec.costs
-        point = {"batch": B, "prompt": P, "sink": args.sink, "window": args.window}
+        span = dec.drafter.span
+        point = {"batch": B, "prompt": P, "sink": args.sink, "window": args.window,
+                 "retrieve": dec.drafter.retrieve}
 
         def timed(rd):
             batch.state, _ = dec.run(rd, batch.sp, batch.state, 0)  # compile
@@ -385,14 +478,11 @@ def bench_steps(args) -> dict:
         ctx = np.full(B, float(P))
         plain = timed(dec.round(0))
         point["plain_ms"] = plain * 1e3
-        point["plain_floor_ms"] = cm.plain_roofline(ctx) * 1e3
+        point["plain_floor_ms"] = floors.plain_step(ctx) * 1e3
         point["rounds"] = {}
         for g in gammas:
-            rd = dec.round(g)
-            t = timed(rd)
-            levels, nodes = (1,) * g, g + 1
-            point["rounds"][g] = {"ms": t * 1e3,
-                                  "floor_ms": cm.round_roofline(ctx, levels, nodes) * 1e3}
+            t = timed(dec.round(g))
+            point["rounds"][g] = {"ms": t * 1e3, "floor_ms": floors.round(ctx, g, span) * 1e3}
         if len(gammas) > 1:  # a draft step: the slope of the round time over gamma
             xs = np.array(gammas, float)
             ys = np.array([point["rounds"][g]["ms"] for g in gammas])
@@ -425,11 +515,12 @@ def _steps_markdown(out) -> str:
     lines = [f"# Step costs against their floors ({env['device']}; diagnostic)", "",
              f"- device: {env['device']}, jax {env['jax']}, commit {env['commit']}, "
              f"{env['date']}", f"- command: `{env['command']}`",
-             f"- model: {out['model']}; measured copy bandwidth "
-             f"{out['rates']['bandwidth'] / 1e12:.2f} TB/s, matmul "
+             f"- model: {out['model']}; measured read bandwidth "
+             f"{out['read_bandwidth'] / 1e12:.2f} TB/s (copy "
+             f"{out['rates']['bandwidth'] / 1e12:.2f} TB/s), matmul "
              f"{out['rates']['matmul'] / 1e12:.0f} TFLOP/s",
              "- internal timing through `jaxspec.Decoder.run` (whole rounds inside one jitted "
-             "loop, every row at the prompt's context); floors: bytes / measured bandwidth or "
+             "loop, every row at the prompt's context); floors: bytes / measured read bandwidth or "
              "FLOPs / measured matmul rate, whichever is larger. The draft step is the slope of "
              "the round time over gamma.", "",
              "| B x P | plain ms (floor, x) | draft step ms (floor, x) | rounds ms by gamma |",

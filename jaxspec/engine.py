@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from jaxspec import compile_cache
 from jaxspec.model import Model
 from jaxspec.prefill import DEFAULT_PREFILL_CHUNK
-from jaxspec.session import Decoder, GenerationResult, stop_token_ids  # noqa: F401 (re-exported)
-from jaxspec.speculation import Speculation
+from jaxspec.session import (Decoder, GenerationResult, check_attn_impl,  # noqa: F401
+                             check_prefill_chunk, stop_token_ids)
+from jaxspec.speculation import Speculation, validate
 
 
 def _tree_key(tree):
@@ -32,34 +35,53 @@ def _tree_key(tree):
     return str(tree)
 
 
+def _weights(model: Model | None) -> tuple:
+    """The arrays of a model's weights as they are now (a decoder keeps a copy of them in its
+    own layout and dtype: it serves the model only while these are the same arrays)."""
+    return () if model is None else tuple(jax.tree_util.tree_leaves(model.params))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 def decoder_for(model: Model, speculation: Speculation | None = None, *,
                 attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                 batch_invariant: bool = False) -> Decoder:
     """The `Decoder` of ``model`` for these settings, made on first use and kept with the model
-    (``model.decoders``), so compiled loops and measured costs carry over between calls."""
+    (``model.decoders``), so compiled loops and measured costs carry over between calls. A kept
+    decoder serves only while the model's (and the draft's) weights are the arrays it was made
+    from: after ``model.params`` (or one of its arrays) is replaced, a new one is made."""
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
     if not isinstance(model, Model):
         raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), got {type(model).__name__}")
+    check_attn_impl(attn_impl)
+    check_prefill_chunk(prefill_chunk)
     spec_key = None
+    draft = None
     if speculation is not None:
         if not isinstance(speculation, Speculation):
             raise TypeError(f"speculation must be a jaxspec.Speculation, "
                             f"got {type(speculation).__name__}")
         s = speculation
-        draft = "self" if s.is_self else id(s.draft)
-        spec_key = (draft, _tree_key(s.tree), *((f.name, getattr(s, f.name))
-                                                 for f in dataclasses.fields(s)
-                                                 if f.name not in ("draft", "tree")))
-    key = (spec_key, attn_impl, int(prefill_chunk) if isinstance(prefill_chunk, int) else
-           prefill_chunk, id(model.params["embed"]), batch_invariant)
+        tree = validate(s, model)  # every setting checked (and a tree file read) first
+        draft = None if s.is_self else s.draft
+        spec_key = ("self" if s.is_self else id(s.draft), _tree_key(tree),
+                    *((f.name, getattr(s, f.name)) for f in dataclasses.fields(s)
+                      if f.name not in ("draft", "tree")))
+    key = (spec_key, attn_impl, int(prefill_chunk), batch_invariant)
+    weights = (_weights(model), _weights(draft))
     hit = model.decoders.get(key)
-    if hit is not None and (speculation is None or speculation.is_self
-                            or hit.speculation.draft is speculation.draft):
+    if hit is not None and (draft is None or hit.speculation.draft is draft) and all(
+            _same(a, b) for a, b in zip(hit.source_weights, weights)):
         return hit
     compile_cache.enable()  # compiled loops outlive the process (JAXSPEC_COMPILE_CACHE=0: off)
+    model.decoders.pop(key, None)  # a stale one's copy of the weights goes first
     dec = Decoder(model, speculation, attn_impl=attn_impl, prefill_chunk=prefill_chunk,
                   batch_invariant=batch_invariant)
+    # (the decoder may have laid the model's weights out anew: `jaxspec.sharding.decode_params`)
+    dec.source_weights = (_weights(model), _weights(draft))
     model.decoders[key] = dec
     return dec
 

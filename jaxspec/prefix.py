@@ -85,7 +85,11 @@ def plan_sharing(token_lists, shared_prefix, n: int = 1, *, min_tokens: int | No
     prompts = [list(t) for t in token_lists]
     rows = [p for p in prompts for _ in range(n)]
     cap = min(len(p) for p in prompts) - 1  # the last token of each prompt is decoded, not shared
-    if shared_prefix is None or shared_prefix == "auto":
+    auto = isinstance(shared_prefix, str) and shared_prefix == "auto"
+    if hasattr(shared_prefix, "__array__"):  # a numpy / jax array: its token ids (or an int)
+        shared_prefix = np.asarray(shared_prefix)
+        shared_prefix = shared_prefix.item() if shared_prefix.ndim == 0 else shared_prefix.tolist()
+    if shared_prefix is None or auto:
         n0 = min(_common_prefix_len(prompts), cap) if len(prompts) > 1 or n == 1 else 0
         if shared_prefix is None or n0 < min_tokens:
             n0 = 0
@@ -100,8 +104,9 @@ def plan_sharing(token_lists, shared_prefix, n: int = 1, *, min_tokens: int | No
         raise ValueError(f"shared_prefix must be None, 'auto', an int or a list of token ids, "
                          f"got {shared_prefix!r}")
     else:
+        from jaxspec.session import token_id  # (session imports this module)
         try:
-            toks = [int(t) for t in shared_prefix]
+            toks = [token_id(t) for t in shared_prefix]
         except (TypeError, ValueError):
             raise TypeError("shared_prefix must be None, 'auto', an int or a list of token "
                             "ids") from None
@@ -113,7 +118,7 @@ def plan_sharing(token_lists, shared_prefix, n: int = 1, *, min_tokens: int | No
         if bad:
             raise ValueError(f"prompt {bad[0]} does not start with shared_prefix")
     if sliding_window is not None:
-        if n0 > 0 and shared_prefix != "auto":
+        if n0 > 0 and not auto:
             raise ValueError(
                 f"shared_prefix is not supported for a model with sliding-window attention "
                 f"(window {sliding_window}): the shared-prefix attention has no window; "

@@ -221,7 +221,11 @@ def probs_from_logits(logits: Array, params: SamplingParams) -> Array:
     nd = x.ndim
     temp = _per_row(params.temperature, nd).astype(jnp.float32)
     greedy = temp <= 0
-    x = x / jnp.where(greedy, 1.0, temp)
+    # the row maximum subtracted before the temperature divides: the largest scaled logit is
+    # then exactly 0 however XLA rounds the division where it recomputes it (a tiny temperature
+    # scales logits past 1e9, where two roundings of ``x / temp`` differ by more than exp can
+    # take: exp(+ulp) = inf and the softmax NaN)
+    x = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.where(greedy, 1.0, temp)
     if params.filtering:
         keep = _filter_mask(
             x, _per_row(params.top_k, nd).astype(jnp.int32), _per_row(params.top_p, nd).astype(jnp.float32),

@@ -82,7 +82,7 @@ class GenerationResult:
 
 
 # ----------------------------------------------------------------------------- validation
-def _token_id(t) -> int:
+def token_id(t) -> int:
     """A token id from an int-like value (a float such as 1.5 is an error, not truncated)."""
     if isinstance(t, (int, np.integer)) and not isinstance(t, bool):
         return int(t)
@@ -96,6 +96,24 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def check_attn_impl(attn_impl) -> None:
+    """Raises ValueError unless ``attn_impl`` names an attention implementation."""
+    from jaxspec.attention import IMPLEMENTATIONS
+    if not isinstance(attn_impl, str) or attn_impl not in IMPLEMENTATIONS:
+        raise ValueError(f"attn_impl must be one of {IMPLEMENTATIONS}, got {attn_impl!r}")
+
+
+def check_prefill_chunk(prefill_chunk) -> None:
+    """Raises ValueError unless ``prefill_chunk`` is an int >= 1."""
+    if (not isinstance(prefill_chunk, (int, np.integer)) or isinstance(prefill_chunk, bool)
+            or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+
+
+# the largest top_k and seed the device's int32 settings hold
+_INT32_MAX = 2 ** 31 - 1
+
+
 def check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed=0,
                         prefill_chunk=1) -> None:
     """Raises TypeError / ValueError naming the first bad setting."""
@@ -105,8 +123,9 @@ def check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed=0,
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not (_is_real(temperature) and math.isfinite(temperature)) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if (not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 0
+            or top_k > _INT32_MAX):
+        raise ValueError(f"top_k must be an int in [0, 2**31) (0 = off), got {top_k!r}")
     if not _is_real(top_p) or not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     seeds = seed if isinstance(seed, (list, tuple)) else [seed]
@@ -114,15 +133,13 @@ def check_sampling_args(max_new_tokens, temperature, top_k, top_p, seed=0,
         if not isinstance(x, (int, np.integer)) or isinstance(x, bool):
             raise TypeError(f"seed must be an int or a list of ints (one per prompt), "
                             f"got {seed!r}")
-    if (not isinstance(prefill_chunk, (int, np.integer)) or isinstance(prefill_chunk, bool)
-            or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+    check_prefill_chunk(prefill_chunk)
 
 
 def encode_prompts(model: Model, prompts, chat: bool = False) -> list[list[int]]:
     """Token-id lists from a list of prompts (strings through the model's tokenizer, with its
     chat template when ``chat``; or token-id lists), checked against the vocabulary."""
-    if isinstance(prompts, (str, bytes)) or (
+    if isinstance(prompts, (str, bytes)) or getattr(prompts, "ndim", None) == 1 or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))):
         raise TypeError("prompts must be a list of prompts (strings or token-id lists), "
                         "not a single prompt; wrap it in a list")
@@ -144,9 +161,16 @@ def encode_prompts(model: Model, prompts, chat: bool = False) -> list[list[int]]
             else:
                 ids = tok(p)["input_ids"]
             ids = [int(t) for t in ids]
+        elif isinstance(p, (bytes, bytearray)):
+            raise TypeError(f"prompt {i} is bytes: decode it to a str, or give its token ids")
         else:
+            if hasattr(p, "__array__") and not isinstance(p, (list, tuple)):
+                p = np.asarray(p)  # a numpy or jax array of token ids
+                if p.ndim != 1:
+                    raise TypeError(f"prompt {i} is an array of shape {p.shape}: a prompt's "
+                                    f"token ids are one row")
             try:
-                ids = [_token_id(t) for t in p]
+                ids = [token_id(t) for t in p]
             except (TypeError, ValueError):
                 raise TypeError(f"prompt {i} is neither a string nor a list of token ids") from None
         if not ids:
@@ -168,27 +192,35 @@ def stop_token_ids(model: Model, stop_tokens, *, eos: bool = True) -> tuple[int,
         ids.add(int(tok.eos_token_id))
     if stop_tokens is None:
         stop_tokens = ()
-    elif isinstance(stop_tokens, (str, bytes, int, np.integer)):  # one stop token
+    elif isinstance(stop_tokens, (str, bytes, numbers.Number)):  # one stop token
         stop_tokens = [stop_tokens]
-    elif isinstance(stop_tokens, np.ndarray):
-        stop_tokens = stop_tokens.reshape(-1).tolist()
+    elif hasattr(stop_tokens, "__array__"):
+        stop_tokens = np.asarray(stop_tokens).reshape(-1).tolist()
+    V = model.config.vocab_size
     for s in stop_tokens:
         if isinstance(s, str):
             if tok is None:
                 raise ValueError("string stop tokens need a tokenizer")
+            unk = getattr(tok, "unk_token_id", None)
             t = tok.convert_tokens_to_ids(s)
-            if t is None or t == getattr(tok, "unk_token_id", -1):
+            if t is None or (unk is not None and t == unk):
                 enc = tok(s, add_special_tokens=False)["input_ids"]
                 if len(enc) != 1:
                     raise ValueError(f"stop token {s!r} is not a single token")
                 t = enc[0]
+                if unk is not None and t == unk and s != getattr(tok, "unk_token", None):
+                    raise ValueError(f"stop token {s!r} is not in the vocabulary (it encodes to "
+                                     f"the unknown token)")
             ids.add(int(t))
         else:
             try:
-                ids.add(_token_id(s))
+                t = token_id(s)
             except TypeError:
                 raise TypeError(f"stop tokens must be token ids or single-token strings, "
                                 f"got {s!r}") from None
+            if not 0 <= t < V:
+                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {V})")
+            ids.add(t)
     return tuple(sorted(ids))
 
 
@@ -259,6 +291,8 @@ class Decoder:
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), "
                             f"got {type(model).__name__}")
+        check_attn_impl(attn_impl)
+        check_prefill_chunk(prefill_chunk)
         mesh = model.mesh
         self.batch_invariant = bool(batch_invariant) or is_invariant(attn_impl)
         if self.batch_invariant:
@@ -322,6 +356,8 @@ class Decoder:
             self.costs.rates  # the device benchmark now, not inside a timed decode
         self._compiled: dict = {}
         self._weights_key = None  # ((params, draft params), their tree, their `_avals`)
+        # the arrays of the model's (and draft's) weights this decoder copied (`decoder_for`)
+        self.source_weights: tuple = ((), ())
 
     # ------------------------------------------------------------------ properties
     @property
@@ -519,7 +555,8 @@ class Decoder:
         B = len(token_lists)
         lens = np.array([len(t) for t in token_lists])
         extra = self.extra_slots
-        budget = np.minimum(max_new_tokens, ctx - lens)  # never past the model's context
+        # never past the model's context (nor past what an int64 holds)
+        budget = np.minimum(min(int(max_new_tokens), ctx), ctx - lens)
         budget[n_real:] = 0
         slot_lens = lens if share is None else lens - share.offsets  # suffix slots per row
         need = int((slot_lens + budget).max()) + extra
@@ -671,6 +708,8 @@ class Decoder:
         """Runs ``batch`` until every row is done (see the module docstring). ``progress(new
         tokens so far, total budget)`` is called between stretches of rounds."""
         state = batch.state
+        if state is None:  # nothing to generate (max_new_tokens=0)
+            return batch
         stats = batch.stats
         prefix_per_row = batch.prefix_tokens / max(len(batch.token_lists), 1)
         total = int(batch.budget.sum())
@@ -759,6 +798,12 @@ class Decoder:
             stats.update({"new_tokens": 0, "seconds": time.perf_counter() - batch.t0,
                           "prefill_seconds": 0.0, "compile_seconds": 0.0, "decode_seconds": 0.0,
                           "tokens_per_second": 0.0, "target_steps": 0})
+            spec = self.speculation
+            if spec is not None:  # no round ran (an "auto" gamma was never chosen: 0)
+                gamma = (self.tree.max_depth if self.tree is not None
+                         else 0 if spec.gamma == "auto" else int(spec.gamma))
+                stats.update({"gamma": gamma, "acceptance_rate": 0.0, "tokens_per_step": 0.0,
+                              "plain_steps": 0})
             return GenerationResult(tokens=[[] for _ in range(batch.n_real)],
                                     texts=None if self.model.tokenizer is None else
                                     ["" for _ in range(batch.n_real)], stats=stats)

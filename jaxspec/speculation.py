@@ -104,10 +104,13 @@ def resolve_tree(tree) -> TokenTree | None:
                              f"{{'parents': [...]}}): {e}") from None
         return TokenTree.from_parents(parents)
     try:
-        seq = [int(x) for x in tree]
-    except (TypeError, ValueError):
-        raise ValueError(f"tree must be an expansion config, a parents list, a TokenTree or a "
-                         f"file, got {tree!r}") from None
+        seq = list(tree)
+    except TypeError:
+        seq = None
+    if seq is None or not all(_is_int(x) for x in seq):
+        raise ValueError(f"tree must be an expansion config or a parents list of ints, a "
+                         f"TokenTree or a file, got {tree!r}")
+    seq = [int(x) for x in seq]
     if not seq:
         raise ValueError("tree is empty")
     if seq[0] == -1:

@@ -79,6 +79,94 @@ def test_bad_arguments_give_clear_errors(model):
         jaxspec.generate(model, PROMPTS, max_new_tokens=2, stop_tokens=[0.5])
 
 
+def test_tiny_temperature_samples_near_greedy(model):
+    """A temperature of 1e-10 scaled the logits past 1e9, where XLA's two roundings of the
+    scaled row max (one for the max, one inside exp(x - max)) differed: exp(+ulp) = inf, NaN
+    probabilities, and every draw returned the last token id. Plain, speculative, tree and
+    invariant sampling all went through it."""
+    greedy = jaxspec.generate(model, PROMPTS, max_new_tokens=6).tokens
+    for t in (1e-10, 1e-30):
+        assert jaxspec.generate(model, PROMPTS, max_new_tokens=6, temperature=t).tokens == greedy
+    spec = jaxspec.Speculation(gamma=2, sink=1, window=3, adaptive=False, retrieve=0)
+    res = jaxspec.generate(model, PROMPTS, max_new_tokens=6, temperature=1e-10, speculation=spec)
+    assert res.tokens == greedy
+
+
+def test_generate_follows_replaced_weights(model):
+    """generate kept a decoder per model keyed by the embedding table's id, with its own copy of
+    the weights: after model.params was replaced (other layers, the same embedding) it went on
+    decoding with the old weights."""
+    m = tiny_model(seed=1, vocab=97, scale=3.0, ctx=128)
+    other = tiny_model(seed=5, vocab=97, scale=3.0, ctx=128)
+    first = jaxspec.generate(m, PROMPTS, max_new_tokens=6).tokens
+    m.params = dict(other.params, embed=m.params["embed"])  # new layers, the same embedding
+    want = jaxspec.generate(jaxspec.Model(config=m.config, params=dict(m.params)), PROMPTS,
+                            max_new_tokens=6).tokens
+    assert want != first
+    assert jaxspec.generate(m, PROMPTS, max_new_tokens=6).tokens == want
+    n = len(m.decoders)
+    assert jaxspec.generate(m, PROMPTS, max_new_tokens=6).tokens == want  # kept now
+    assert len(m.decoders) == n
+
+
+def test_more_arguments_give_clear_errors(model, tmp_path):
+    """Each of these crashed deep inside jax or numpy, or was taken silently."""
+    gen = lambda **kw: jaxspec.generate(model, PROMPTS, **{"max_new_tokens": 2, **kw})  # noqa: E731
+    # unhashable settings reached the decoder cache's key before any check
+    with pytest.raises(ValueError, match="gamma"):
+        gen(speculation=jaxspec.Speculation(gamma=[4]))
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        gen(prefill_chunk=[16])
+    with pytest.raises(ValueError, match="prefill_chunk"):  # was truncated to 2
+        gen(prefill_chunk=2.5)
+    with pytest.raises(ValueError, match="attn_impl"):
+        gen(attn_impl=["xla"])
+    with pytest.raises(ValueError, match="top_k"):  # OverflowError inside jax
+        gen(top_k=2 ** 40)
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # stopping quietly off
+        gen(stop_tokens=[97])
+    with pytest.raises(TypeError, match="bytes"):  # read as token ids
+        jaxspec.generate(model, [b"\x01\x02"], max_new_tokens=2)
+    with pytest.raises(ValueError, match="tree"):  # quietly [2]
+        gen(speculation=jaxspec.Speculation(tree=[2.5]))
+    # taken as they mean now
+    want = gen().tokens
+    assert gen(max_new_tokens=10 ** 30).tokens[0][:2] == want[0]  # OverflowError: to the context
+    assert jaxspec.generate(model, [np.asarray(p) for p in PROMPTS], max_new_tokens=2).tokens == want
+    import jax.numpy as jnp
+    assert jaxspec.generate(model, [jnp.asarray(p) for p in PROMPTS], max_new_tokens=2).tokens == want
+    stop = want[1][0]
+    assert gen(stop_tokens=float(stop)).tokens == gen(stop_tokens=[stop]).tokens
+    two = [[7, 8, 9, 1], [7, 8, 9, 2]]
+    assert (jaxspec.generate(model, two, max_new_tokens=2, shared_prefix=np.array([7, 8, 9])).tokens
+            == jaxspec.generate(model, two, max_new_tokens=2).tokens)
+
+
+def test_tree_file_is_read_each_call(model, tmp_path):
+    """Speculation(tree=path) was kept by the path: a rewritten file was not read again."""
+    import json
+    f = tmp_path / "tree.json"
+    f.write_text(json.dumps([-1, 0]))
+    spec = jaxspec.Speculation(tree=str(f), sink=1, window=4, adaptive=False)
+    assert jaxspec.generate(model, PROMPTS, max_new_tokens=4, speculation=spec).stats[
+        "tree_nodes"] == 2
+    f.write_text(json.dumps([-1, 0, 0, 1]))
+    res = jaxspec.generate(model, PROMPTS, max_new_tokens=4, speculation=spec)
+    assert res.stats["tree_nodes"] == 4
+    assert res.tokens == jaxspec.generate(model, PROMPTS, max_new_tokens=4).tokens
+
+
+def test_nothing_to_generate(model):
+    """max_new_tokens=0: Decoder.decode (the prepare -> decode -> result flow) crashed on the
+    missing state, and generate's stats lacked the speculation keys the README lists."""
+    dec = jaxspec.Decoder(model, jaxspec.Speculation(gamma=3, sink=1, window=4))
+    res = dec.result(dec.decode(dec.prepare(PROMPTS, max_new_tokens=0)))
+    assert res.tokens == [[], [], []]
+    for k in ("gamma", "acceptance_rate", "tokens_per_step", "plain_steps"):
+        assert k in res.stats
+    assert res.stats["gamma"] == 3
+
+
 # ------------------------------------------------------------------ command line
 def test_cli_rejects_zero_tp_and_bad_gamma(model, tmp_path, capsys):
     """--tp 0 was silently ignored (a single-device run); --gamma foo said only "invalid literal

@@ -161,7 +161,7 @@ def check_tree(value: str | None, option: str = "--tree"):
             path = pathlib.Path(parsed)
             if not path.is_file():
                 raise ValueError(f"{parsed!r} is neither an expansion config (e.g. 2,2,1), a parents list "
-                                 f"(-1,0,0,1) nor a tree file")
+                                 f"(--tree=-1,0,0,1) nor a tree file")
             try:
                 data = json.loads(path.read_text())
                 parents = data["parents"] if isinstance(data, dict) else data
@@ -195,8 +195,17 @@ def check_checkpoint(path: str, option: str) -> pathlib.Path:
 
 
 def check_speculation(a) -> None:
-    """``--draft / --gamma / --sink / --window / --tree`` (when there is a ``--draft``)."""
+    """``--draft / --gamma / --sink / --window / --retrieve / --tree``: checked with a
+    ``--draft``, refused without one (speculation needs ``--draft self`` or a draft model)."""
     if getattr(a, "draft", None) is None:
+        from jaxspec.speculation import Speculation
+        given = [f"--{name}" for name, default in (
+            ("gamma", Speculation.gamma), ("sink", Speculation.sink),
+            ("window", Speculation.window), ("retrieve", Speculation.retrieve), ("tree", None))
+            if getattr(a, name, default) != default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: speculation options need --draft (self: the "
+                             f"model drafts for itself; or a draft checkpoint)")
         return
     if a.draft != "self":
         check_checkpoint(a.draft, "--draft")
@@ -235,6 +244,14 @@ def check_generate(a) -> None:
     _check_text_prompts(a)
     check_speculation(a)
     a.mesh = mesh_from_args(a)
+    _check_invariant_mesh(a)
+
+
+def _check_invariant_mesh(a) -> None:
+    if getattr(a, "batch_invariant", False) and getattr(a, "mesh", None) is not None:
+        raise ValueError("--batch-invariant does not support --tp / --dp yet (a tensor-parallel "
+                         "product reduces across devices in an order of its own): run on one "
+                         "device")
 
 
 def merge_model_path(a) -> None:
@@ -276,6 +293,14 @@ def check_serve(a) -> None:
         if a.mesh is not None and getattr(a, "max_batch", None) and a.max_batch % d:
             raise ValueError(f"--max-batch {a.max_batch}: with --dp {d} the slots are split over "
                              f"{d} data-parallel groups; give a multiple of {d}")
+        _check_invariant_mesh(a)
+    if getattr(a, "page_size", None) is None:  # options of a block pool, without one
+        given = [f"--{name.replace('_', '-')}" for name in (
+            "kv_blocks", "prefill_budget", "mixed_prefill", "fill_first")
+            if getattr(a, name, None) not in (None, 0)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: options of a paged K/V cache, which needs "
+                             f"--page-size (the default serves dense slots)")
     level = getattr(a, "log_level", "info")
     if level is not None and level.lower() not in LOG_LEVELS:
         raise ValueError(f"--log-level: must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
@@ -293,10 +318,11 @@ def check_convert(a) -> None:
         raise ValueError(f"src: {src} is a file but not a .gguf file; give a Hugging Face folder or a .gguf file")
     if src.is_dir() and not (src / "config.json").is_file():
         raise FileNotFoundError(f"src: {src} has no config.json: not a Hugging Face model folder")
-    if dst.exists() and not dst.is_dir():
-        raise FileExistsError(f"dst: {dst} is a file")
-    if dst.is_dir() and any(dst.iterdir()) and not a.overwrite:
-        raise FileExistsError(f"dst: {dst} exists and is not empty; pass --overwrite to replace it")
+    from jaxspec.checkpoint import check_destination
+    try:
+        check_destination(dst, a.overwrite, src=src)
+    except (OSError, ValueError) as e:
+        raise type(e)(f"dst: {e}") from None
 
 
 def check_fetch(a) -> None:

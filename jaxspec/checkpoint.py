@@ -13,6 +13,7 @@ at ``dst`` is only replaced with ``overwrite=True``, after the new one is comple
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -293,9 +294,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfl
         raise ValueError(f"unknown dtype {dtype!r} (use bfloat16, float16 or float32)")
     if not src.exists():
         raise FileNotFoundError(f"conversion source {src} does not exist")
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise FileExistsError(f"{dst} exists and is not empty; pass overwrite=True "
-                              f"(--overwrite) to replace it")
+    dst = check_destination(dst, overwrite, src=src)  # before the weights are read
     want_tokenizer, tokenizer = tokenizer, None
     if src.is_file():
         if src.suffix != ".gguf":
@@ -322,14 +321,55 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfl
         warnings.warn(f"{src} has no tokenizer: the checkpoint takes token-id prompts only", stacklevel=2)
     params = params_from_hf_tensors(config, tensors, dtype=np_dtype, progress=progress)
 
+    meta = {"format": FORMAT_VERSION, "config": config.to_hf_dict(), "dtype": np_dtype.name,
+            "source": source}
+    return _write(dst, params, tokenizer, meta)
+
+
+def check_destination(dst, overwrite: bool, *, src=None) -> pathlib.Path:
+    """Where a checkpoint may be written (returned as an absolute path), checked before any work:
+    a new or empty folder; with ``overwrite`` an existing jaxspec checkpoint too (replaced), never
+    another folder (its files would be deleted), nor the source ``src`` or a folder holding it;
+    a folder this process can create and write into."""
+    dst = pathlib.Path(dst).absolute()
+    if src is not None:
+        s, d = pathlib.Path(src).resolve(), dst.resolve()
+        if d == s or d in s.parents:
+            raise ValueError(f"{dst} is the conversion source {src} or holds it: write the "
+                             f"checkpoint to another folder")
+    if dst.exists():
+        if not dst.is_dir():
+            raise FileExistsError(f"{dst} is a file")
+        if any(dst.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{dst} exists and is not empty; pass overwrite=True "
+                                      f"(--overwrite) to replace the checkpoint there")
+            if not (dst / CONFIG_FILE).is_file():
+                raise FileExistsError(f"{dst} is not empty and not a jaxspec checkpoint (no "
+                                      f"{CONFIG_FILE}): overwrite replaces only a checkpoint; "
+                                      f"choose a new or empty folder")
+    parent = dst.parent
+    while not parent.exists():
+        parent = parent.parent
+    try:  # a real write (permissions alone do not tell for root, read-only mounts, ...)
+        os.rmdir(tempfile.mkdtemp(prefix=".jaxspec-probe-", dir=parent))
+    except OSError as e:
+        raise PermissionError(f"cannot write a checkpoint under {parent}: {e.strerror}") from None
+    return dst
+
+
+def _write(dst: pathlib.Path, params, tokenizer, meta) -> pathlib.Path:
+    """Writes a checkpoint into a temporary folder beside ``dst`` and moves it into place:
+    on any error (or Ctrl-C) nothing is left at ``dst`` and a checkpoint there is untouched."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # (mkdtemp makes it 0700)
         _save_params(tmp / PARAMS_DIR, params)
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
-        meta = {"format": FORMAT_VERSION, "config": config.to_hf_dict(), "dtype": np_dtype.name,
-                "source": source}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
         if dst.exists():
             old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
@@ -340,6 +380,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfl
             os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        # Orbax's background writes can outlive an interrupt and create files in ``tmp`` again;
+        # the process's exit joins their threads before it runs atexit hooks: remove it then too
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
         raise
     return dst
 
@@ -347,9 +390,22 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfl
 def _save_params(path: pathlib.Path, params):
     import orbax.checkpoint as ocp
     tree = jax.tree_util.tree_map(jnp.asarray, params)
-    with ocp.StandardCheckpointer() as ckptr:
+    ckptr = ocp.StandardCheckpointer()
+    try:
         ckptr.save(path.resolve(), tree)
         ckptr.wait_until_finished()
+    finally:
+        # after an interrupt in the wait above Orbax's threads are still writing: they must end
+        # before the caller removes the folder, or they would create it again
+        while True:
+            try:
+                ckptr.wait_until_finished()
+                ckptr.close()
+                break
+            except KeyboardInterrupt:  # a second Ctrl-C: the writes still end first
+                continue
+            except Exception:  # noqa: BLE001 - a failed write: the caller's error is the one
+                break
 
 
 def save(model_or_params, dst, config: ModelConfig | None = None, tokenizer=None,
@@ -363,26 +419,12 @@ def save(model_or_params, dst, config: ModelConfig | None = None, tokenizer=None
     params = stack_layers(params)
     if config is None:
         raise ValueError("save() needs the ModelConfig")
-    dst = pathlib.Path(dst)
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise FileExistsError(f"{dst} exists and is not empty")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        _save_params(tmp / PARAMS_DIR, params)
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, tmp)
-        dtype = jax.tree_util.tree_leaves(params)[0].dtype
-        meta = {"format": FORMAT_VERSION, "config": config.to_hf_dict(),
-                "dtype": jnp.dtype(dtype).name, "source": {"kind": "memory"}}
-        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dst
+    _check_shapes(config, params)  # (a checkpoint that `load` could not read is refused here)
+    dst = check_destination(dst, overwrite)
+    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    meta = {"format": FORMAT_VERSION, "config": config.to_hf_dict(),
+            "dtype": jnp.dtype(dtype).name, "source": {"kind": "memory"}}
+    return _write(dst, params, tokenizer, meta)
 
 
 # ------------------------------------------------------------------------- load
@@ -411,7 +453,15 @@ def load(path: str | os.PathLike, *, dtype=None, mesh=None) -> Model:
     params_dir = path / PARAMS_DIR
     if not params_dir.exists():
         raise CheckpointError(f"{path} is incomplete: {PARAMS_DIR}/ is missing")
-    target_dtype = jnp.dtype(dtype) if dtype is not None else stored_dtype
+    target_dtype = stored_dtype
+    if dtype is not None:
+        try:
+            target_dtype = jnp.dtype(dtype)
+        except TypeError:
+            target_dtype = None
+        if target_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                jnp.dtype(jnp.float32)):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}")
     from jaxspec import compile_cache
     abstract = compile_cache.cached("param_shapes", (config, str(stored_dtype)),
                                     lambda: param_shapes(config, stored_dtype))

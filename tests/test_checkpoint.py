@@ -112,6 +112,76 @@ def test_refuses_to_overwrite(tmp_path):
         jaxspec.convert(tmp_path / "hf", tmp_path / "ckpt", progress=False)
 
 
+def test_overwrite_replaces_only_a_checkpoint(tmp_path):
+    """overwrite=True deleted whatever folder it was given: the source itself, a folder holding
+    the source, or one that was no checkpoint at all (save() too)."""
+    from tiny import tiny_model
+    hf = make_hf_model("llama-gqa", seed=1)
+    src = tmp_path / "models" / "hf"
+    hf.save_pretrained(src)
+    files = sorted(p.name for p in src.iterdir())
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("mine")
+    for dst, err in ((src, ValueError), (src.parent, ValueError), (notes, FileExistsError)):
+        with pytest.raises(err, match="source|not a jaxspec checkpoint"):
+            jaxspec.convert(src, dst, overwrite=True, progress=False)
+    with pytest.raises(FileExistsError, match="not a jaxspec checkpoint"):
+        jaxspec.save(tiny_model(), notes, overwrite=True)
+    assert sorted(p.name for p in src.iterdir()) == files
+    assert (notes / "thesis.tex").read_text() == "mine"
+    ck = jaxspec.convert(src, tmp_path / "ck", progress=False)
+    jaxspec.convert(src, ck, overwrite=True, dtype="float32", progress=False)  # a checkpoint: yes
+    assert jaxspec.load(ck).dtype == np.float32
+    with pytest.raises(PermissionError, match="cannot write"):  # before any weight is read
+        jaxspec.convert(src, notes / "thesis.tex" / "ck", progress=False)
+
+
+def test_checkpoint_folders_follow_the_umask(tmp_path):
+    """mkdtemp's 0700 stayed the checkpoint's mode: another user (a server) could not read it."""
+    from tiny import tiny_model
+    old = os.umask(0o027)
+    try:
+        ck = jaxspec.save(tiny_model(), tmp_path / "ck")
+    finally:
+        os.umask(old)
+    assert ck.stat().st_mode & 0o777 == 0o750
+
+
+def test_save_and_load_check_what_they_are_given(tmp_path):
+    """save() wrote parameters whose shapes the config contradicts (a checkpoint load refused);
+    load(dtype="int8") cast every weight to 0."""
+    from tiny import tiny_model
+    m = tiny_model()
+    bad = dict(m.params, final_norm=m.params["final_norm"][:-1])
+    with pytest.raises(CheckpointError, match="final_norm"):
+        jaxspec.save(bad, tmp_path / "bad", config=m.config)
+    assert not (tmp_path / "bad").exists()
+    ck = jaxspec.save(m, tmp_path / "ck")
+    for dtype in ("int8", "float64", "nope"):
+        with pytest.raises(ValueError, match="dtype"):
+            jaxspec.load(ck, dtype=dtype)
+
+
+def test_config_errors_and_defaults(tmp_path):
+    """A config.json that is a list raised a raw AttributeError, a null field an int() error
+    that named no field; a Qwen3 config without head_dim took hidden / heads where transformers
+    takes 128."""
+    import transformers
+    from jaxspec.config import ConfigError, ModelConfig
+    with pytest.raises(ConfigError, match="JSON object"):
+        ModelConfig.from_hf_dict([1, 2])
+    d = make_hf_model("qwen3", seed=0).config.to_dict()
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        ModelConfig.from_hf_dict({**d, "num_attention_heads": None})
+    with pytest.raises(ConfigError, match="hidden_size"):
+        ModelConfig.from_hf_dict({**d, "hidden_size": "64"})
+    d.pop("head_dim")
+    want = transformers.Qwen3Config(**d).head_dim
+    assert want != d["hidden_size"] // d["num_attention_heads"]
+    assert ModelConfig.from_hf_dict(d).head_dim == want
+
+
 def test_bad_checkpoints_give_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         jaxspec.load(tmp_path / "nope")

@@ -100,6 +100,12 @@ def test_generate_arguments_checked_before_the_model_loads(ckpt: Path, tmp_path:
         "--dp": [m, *p, "--dp", "-2"],
         "model: no checkpoint": [str(tmp_path / "nowhere"), *p],
         "jaxspec convert": [str(hf_like), *p],
+        # speculation options without --draft were ignored (plain decoding, exit 0)
+        "--tree   ": [m, *p, "--tree", "2,1"],
+        "--gamma  ": [m, *p, "--gamma", "8", "--window", "64"],
+        # refused only after the model loaded (a NotImplementedError traceback)
+        "--batch-invariant": [m, *p, "--batch-invariant", "--tp", "2"] if len(jax.devices()) > 1
+        else [m, *p, "--batch-invariant", "--tp", "0"],
     }
     for option, argv in cases.items():
         err = fails(["generate", *argv], capsys)
@@ -152,6 +158,10 @@ def test_serve_convert_fetch_and_tree_search_arguments(ckpt: Path, tmp_path: Pat
         "--dp": [*m, "--dp", str(len(jax.devices()) + 1)],
         "--max-batch 3": [*m, "--dp", "2", "--max-batch", "3"] if len(jax.devices()) % 2 == 0
         else [*m, "--max-batch", "0"],
+        # options of a block pool without --page-size: refused after the load, or ignored
+        "--kv-blocks": [*m, "--kv-blocks", "100"],
+        "--fill-first": [*m, "--fill-first", "1"],
+        "--window": [*m, "--window", "64"],  # speculation options need --draft
     }
     for option, argv in serve.items():
         assert option.strip() in fails(["serve", *argv], capsys), argv
@@ -165,9 +175,16 @@ def test_serve_convert_fetch_and_tree_search_arguments(ckpt: Path, tmp_path: Pat
         "src ": [str(text_file), str(tmp_path / "out")],
         "--overwrite": [str(ckpt.parent / "tiny.gguf"), str(full)],
         "--dtype": [str(ckpt.parent / "tiny.gguf"), str(tmp_path / "out"), "--dtype", "int8"],
+        # --overwrite deleted any folder it was given: one that is no checkpoint, the folder
+        # holding the source
+        "not a jaxspec checkpoint": [str(ckpt.parent / "tiny.gguf"), str(full), "--overwrite"],
+        "holds it": [str(ckpt.parent / "tiny.gguf"), str(ckpt.parent), "--overwrite"],
+        # a destination that cannot be written failed after all the weights were read
+        "cannot write": [str(ckpt.parent / "tiny.gguf"), str(text_file / "sub")],
     }
     for option, argv in convert.items():
         assert option.strip() in fails(["convert", *argv], capsys), argv
+    assert (full / "x").read_text() == "x" and (ckpt.parent / "tiny.gguf").is_file()
     err = fails(["fetch", "no-such-model"], capsys)
     assert "name" in err and "smollm2-135m-instruct" in err
     assert "--dir" in fails(["fetch", "smollm2-135m-instruct", "--dir", str(text_file)], capsys)

@@ -194,17 +194,22 @@ def test_fetch_converts_and_skips_complete_checkpoint(env: Path, monkeypatch: py
                      progress: bool = True) -> Path:
         calls.append((Path(src), Path(dst), dtype, overwrite))
         Path(dst).mkdir(parents=True, exist_ok=True)
-        (Path(dst) / "jaxspec_config.json").write_text("{}")
+        (Path(dst) / "jaxspec_config.json").write_text(json.dumps({"dtype": dtype}))
         return Path(dst)
 
     monkeypatch.setattr(jaxspec.checkpoint, "convert", fake_convert)
     out = fetch_mod.fetch("c", env / "ckpt", dtype="float32", progress=False)
     assert out == env / "ckpt" / "c"
     assert calls == [(env / "cache" / "c.gguf", out, "float32", False)]
-    # complete checkpoint present: returned without download or conversion
+    # complete checkpoint present in the dtype asked: returned without download or conversion
     monkeypatch.setattr(fetch_mod, "_download", lambda *a: pytest.fail("downloaded"))
+    assert fetch_mod.fetch("c", env / "ckpt", dtype="float32", progress=False) == out
+    assert len(calls) == 1
+    # in another dtype: converted again (it was returned as it was)
+    assert fetch_mod.fetch("c", env / "ckpt", dtype="bfloat16", progress=False) == out
+    assert calls[-1][2:] == ("bfloat16", True) and len(calls) == 2
     (env / "cache" / "c.gguf").unlink()
-    assert fetch_mod.fetch("c", env / "ckpt", progress=False) == out and len(calls) == 1
+    assert fetch_mod.fetch("c", env / "ckpt", progress=False) == out and len(calls) == 2
     # convert=False returns the verified GGUF
     monkeypatch.setattr(fetch_mod, "_download", index)
     assert fetch_mod.fetch("c", env / "ckpt", convert=False, progress=False) == env / "cache" / "c.gguf"

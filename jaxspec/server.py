@@ -1247,7 +1247,7 @@ def add_arguments(p: argparse.ArgumentParser):
                         "--prefill-chunk chunks)")
     p.add_argument("--mixed-prefill", type=int, default=None,
                    help="paged: while some requests decode and others wait for their prefill, "
-                        "the first rounds of a decode chunk (as many as add at most half its "
+                        "the first rounds of a decode chunk (as many as add at most 0.4 of its "
                         "time) also prefill this many prompt tokens each in the same forward "
                         "(running streams keep going; smaller: less added per round, slower "
                         "prefill); 0: off, whole prefill steps between decode "

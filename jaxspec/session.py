@@ -110,7 +110,7 @@ def check_prefill_chunk(prefill_chunk) -> None:
         raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
 
 
-# the largest top_k and seed the device's int32 settings hold
+# the largest top_k the device's int32 setting holds
 _INT32_MAX = 2 ** 31 - 1
 
 

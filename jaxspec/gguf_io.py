@@ -682,9 +682,14 @@ def build_backend(spec: dict[str, Any]):  # noqa: ANN202 - (tokenizers.Tokenizer
         raise TokenizerError(
             f"its tokenizer model {kind!r} (tokenizer.ggml.model) is not one this converter rebuilds "
             "(it rebuilds 'gpt2', byte-level BPE, and 'llama', SentencePiece BPE)")
-    # llama.cpp matches control and user-defined tokens whole in the text, before any splitting
-    added = [AddedToken(t, special=k == TOKEN_CONTROL, normalized=False)
-             for t, k in zip(tokens, types) if k in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+    # llama.cpp matches control and user-defined tokens whole in the text, before any splitting;
+    # a user-defined one that is the file's BOS / EOS / UNK / PAD is special too (skipped when
+    # decoding with skip_special_tokens, as transformers' reload of the checkpoint treats it)
+    roles = {spec.get(k) for k in ("bos_token_id", "eos_token_id", "unk_token_id",
+                                   "pad_token_id")}
+    added = [AddedToken(t, special=k == TOKEN_CONTROL or i in roles, normalized=False)
+             for i, (t, k) in enumerate(zip(tokens, types))
+             if k in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
     if added:
         backend.add_tokens(added)
     return backend, add_bos

@@ -25,6 +25,8 @@ import pathlib
 import threading
 from typing import Any
 
+import numpy as np
+
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
            "mask_token")
 _CHAT_KWARGS = {"tokenize", "add_generation_prompt", "return_dict", "tools", "documents"}
@@ -163,8 +165,10 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
 
-    def __call__(self, text, add_special_tokens: bool = True, **kw):
+    def __call__(self, text, text_pair=None, add_special_tokens: bool = True, **kw):
         kw.pop("verbose", None)
+        if text_pair is not None:
+            kw["text_pair"] = text_pair
         if kw or not (isinstance(text, str) or isinstance(text, list)
                       and all(isinstance(t, str) for t in text)):
             return self.hf(text, add_special_tokens=add_special_tokens, **kw)
@@ -175,7 +179,10 @@ class Tokenizer:
         return Encoding(input_ids=[e.ids for e in encs],
                         attention_mask=[[1] * len(e.ids) for e in encs])
 
-    def encode(self, text: str, add_special_tokens: bool = True, **kw) -> list[int]:
+    def encode(self, text: str, text_pair=None, add_special_tokens: bool = True,
+               **kw) -> list[int]:
+        if text_pair is not None:
+            kw["text_pair"] = text_pair
         if kw or not isinstance(text, str):
             return self.hf.encode(text, add_special_tokens=add_special_tokens, **kw)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -187,9 +194,13 @@ class Tokenizer:
         if kw or clean:
             return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens,
                                   clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kw)
-        if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        return self._backend.decode([int(t) for t in token_ids],
+        ids = np.asarray(token_ids)  # an int, a numpy / jax scalar, a list, an array
+        if ids.ndim == 0:
+            ids = ids.reshape(1)
+        if ids.ndim == 2:  # a batch: one text per row, as transformers 5 decodes it
+            return [self.decode(row, skip_special_tokens, clean_up_tokenization_spaces)
+                    for row in ids]
+        return self._backend.decode([int(t) for t in ids.reshape(-1)],
                                     skip_special_tokens=skip_special_tokens)
 
     def convert_tokens_to_ids(self, tokens):
@@ -228,14 +239,20 @@ class Tokenizer:
             out["additional_special_tokens"] = list(self._extra)
         return out
 
-    def apply_chat_template(self, conversation, add_generation_prompt: bool = False,
-                            tokenize: bool = True, return_dict: bool = False, **kw):
+    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None,
+                            add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True,
+                            *, return_dict: bool = False, **kw):
         """The chat template applied to one conversation of text messages (a list of
-        ``{"role": str, "content": str}``); other inputs and options go to transformers."""
+        ``{"role": str, "content": str}``); other inputs and options go to transformers (the
+        arguments in transformers' order)."""
         plain = (isinstance(conversation, list) and conversation
                  and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                          and isinstance(m.get("content"), str) for m in conversation))
-        tools, documents = kw.pop("tools", None), kw.pop("documents", None)
+        if chat_template is not None:
+            kw["chat_template"] = chat_template
+        if continue_final_message:
+            kw["continue_final_message"] = True
         if kw or tools is not None or documents is not None or not plain \
                 or not isinstance(self._chat_template, str):
             return self.hf.apply_chat_template(
@@ -268,6 +285,12 @@ def load_tokenizer(folder) -> Tokenizer | None:
         template = chat_template_of(folder, config)
     except Exception:  # noqa: BLE001 - unreadable files: transformers says what is wrong
         return None
+    # a tokenizer.json saved with truncation or padding switched on (fine-tuning scripts do):
+    # transformers encodes without them unless asked, and so do we (prompts would be cut)
+    backend.no_truncation()
+    backend.no_padding()
+    if config.get("split_special_tokens"):  # text such as "<|user|>" stays text
+        backend.encode_special_tokens = True
     for k, v in legacy.items():
         config.setdefault(k, v)
     if template is not None and not isinstance(template, str):

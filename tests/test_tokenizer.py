@@ -126,6 +126,55 @@ def test_the_same_as_transformers(tmp_path, bos, name):
             ours.apply_chat_template(bad, tokenize=False)
 
 
+def test_saved_truncation_padding_and_split_special_tokens(tmp_path):
+    """A tokenizer.json saved with truncation / padding on (fine-tuning scripts do) cut every
+    prompt: transformers encodes without them; split_special_tokens in tokenizer_config.json
+    was ignored (user text "<|user|>" became the control token)."""
+    from transformers import AutoTokenizer
+    build_tokenizer(tmp_path / "a", bos=True, template=TEMPLATES["roles"])
+    path = tmp_path / "a" / "tokenizer.json"
+    j = json.loads(path.read_text())
+    j["truncation"] = {"direction": "Right", "max_length": 5, "strategy": "LongestFirst",
+                       "stride": 0}
+    j["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                    "pad_id": 1, "pad_type_id": 0, "pad_token": "</s>"}
+    path.write_text(json.dumps(j))
+    ours, hf = load_tokenizer(tmp_path / "a"), AutoTokenizer.from_pretrained(str(tmp_path / "a"))
+    for text in CORPUS:
+        assert ours.encode(text) == hf.encode(text) and len(ours.encode(text)) > 5
+    assert ours(CORPUS[:2])["input_ids"] == hf(CORPUS[:2])["input_ids"]
+    conv = [{"role": "user", "content": CORPUS[0]}]
+    want = hf.apply_chat_template(conv, tokenize=False)
+    assert ours.apply_chat_template(conv) == hf(want, add_special_tokens=False)["input_ids"]
+    build_tokenizer(tmp_path / "b", bos=True, template=None, config={"split_special_tokens": True})
+    ours, hf = load_tokenizer(tmp_path / "b"), AutoTokenizer.from_pretrained(str(tmp_path / "b"))
+    text = "<|user|>hi</s>"
+    assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+    assert hf.convert_tokens_to_ids("<|user|>") not in ours.encode(text, add_special_tokens=False)
+
+
+def test_arguments_in_the_order_of_transformers(tmp_path):
+    """encode(text, pair) and tok(text, pair) raised; apply_chat_template(conversation, tools)
+    took the tools for add_generation_prompt; decode of a numpy scalar id raised, of a batch too."""
+    from transformers import AutoTokenizer
+    template = ("{% if tools %}[TOOLS]{{ tools | tojson }}\n{% endif %}{% for m in messages %}"
+                "<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    build_tokenizer(tmp_path, bos=True, template=template)
+    ours, hf = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours.encode("the dog", "a fox") == hf.encode("the dog", "a fox")
+    assert ours("the dog", "a fox")["input_ids"] == hf("the dog", "a fox")["input_ids"]
+    conv = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert ours.apply_chat_template(conv, tools, tokenize=False) == \
+        hf.apply_chat_template(conv, tools, tokenize=False)
+    assert ours.apply_chat_template(conv, None, None, None, True, tokenize=False) == \
+        hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    ids = ours.encode("the fox jumps")
+    assert ours.decode(np.int64(ids[1])) == hf.decode([ids[1]])
+    assert ours.decode(np.asarray([ids, ids])) == [hf.decode(ids)] * 2
+
+
 def test_everything_else_goes_to_transformers(tmp_path):
     build_tokenizer(tmp_path, bos=True, template=TEMPLATES["roles"])
     ours = load_tokenizer(tmp_path)

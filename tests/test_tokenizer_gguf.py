@@ -365,6 +365,12 @@ def test_special_tokens_flags_and_chat_template(tmp_path: Path, rng: np.random.G
     think = fields["tokens"].index("<think>")
     assert tok("a<think>b", add_special_tokens=False)["input_ids"].count(think) == 1
     assert tok.decode([1, think, 2], skip_special_tokens=True) == "<think>"
+    # ... unless the file names one its BOS / EOS / UNK / PAD: then special too (it was decoded
+    # with skip_special_tokens, where transformers' reload of the checkpoint skips it)
+    ud = dict(fields, token_type=[4 if i == 2 else k for i, k in enumerate(fields["token_type"])])
+    tok2 = gguf_io.load_tokenizer(write_tokenizer_gguf(tmp_path / "u.gguf", ud))
+    ids = tok2("a" + tok2.eos_token, add_special_tokens=False)["input_ids"]
+    assert ids[-1] == 2 and tok2.decode(ids, skip_special_tokens=True) == "a"
     messages = [{"role": "system", "content": random_text(rng, 5)}, {"role": "user", "content": random_text(rng, 5)}]
     want = jinja2.Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
     assert tok.chat_template == CHAT_TEMPLATE

@@ -667,22 +667,24 @@ def _dense(q, k_all, v_all, lengths, mask, layer, pre: SharedPrefix, rows, *bloc
         fn = functools.partial(prefix_attention, partials=True)
     for lv in pre.levels:
         n, ln = lv.groups, lv.lengths
-        n_loc = n
+        n_loc, straddle = n, False
         if sharded:  # this shard's rows: the groups they belong to (contiguous rows)
             gs = batch // n
-            if Bl % gs and gs % Bl:
-                raise ValueError(f"shared-prefix groups of {gs} rows do not align with "
-                                 f"{Bl} rows per data shard")
-            n_loc = max(1, Bl // gs)
-        if n_loc == n:  # every group: the kernel reads this layer of the stack in place
+            straddle = bool(Bl % gs and gs % Bl)  # groups that cross the shards' edges
+            n_loc = Bl if straddle else max(1, Bl // gs)
+        if n_loc == n and not straddle:  # every group: the kernel reads the stack in place
             o, lse = fn(q, lv.k, lv.v, ln, sm_scale=sm_scale, interpret=interpret, layer=layer)
         else:  # this shard's groups of this layer (a copy of them)
-            g0 = rows[0] // gs
             kp = jax.lax.dynamic_index_in_dim(lv.k, layer, axis=0, keepdims=False)  # [P, Lp, K, D]
             vp = jax.lax.dynamic_index_in_dim(lv.v, layer, axis=0, keepdims=False)
-            kp = jax.lax.dynamic_slice_in_dim(kp, g0, n_loc, axis=0)
-            vp = jax.lax.dynamic_slice_in_dim(vp, g0, n_loc, axis=0)
-            ln = jax.lax.dynamic_slice_in_dim(ln, g0, n_loc, axis=0)
+            if straddle:  # each row its own group (its group's prefix copied)
+                g = rows // gs
+                kp, vp, ln = kp[g], vp[g], ln[g]
+            else:
+                g0 = rows[0] // gs
+                kp = jax.lax.dynamic_slice_in_dim(kp, g0, n_loc, axis=0)
+                vp = jax.lax.dynamic_slice_in_dim(vp, g0, n_loc, axis=0)
+                ln = jax.lax.dynamic_slice_in_dim(ln, g0, n_loc, axis=0)
             o, lse = fn(q, kp, vp, ln, sm_scale=sm_scale, interpret=interpret)
         outs.append(o)
         lses.append(lse)

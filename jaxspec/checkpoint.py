@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.mesh import param_shardings
+from jaxspec.mesh import auto_axes, param_shardings
 from jaxspec.model import Model, param_shapes, stack_layers
 
 FORMAT_VERSION = 1
@@ -431,6 +431,8 @@ def save(model_or_params, dst, config: ModelConfig | None = None, tokenizer=None
 def load(path: str | os.PathLike, *, dtype=None, mesh=None) -> Model:
     """Loads a converted checkpoint. ``dtype`` casts the weights; ``mesh`` restores them sharded."""
     path = pathlib.Path(path)
+    if mesh is not None:
+        mesh = auto_axes(mesh)  # (`jax.make_mesh`'s Explicit axes do not trace a decode step)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path} (convert one with `jaxspec convert` "
                                 f"or fetch one with `jaxspec fetch`)")

@@ -91,6 +91,16 @@ def make_mesh(data: int = 1, model: int | None = None, *, devices=None) -> Mesh:
                          devices=devices[:data * model])
 
 
+def auto_axes(mesh):
+    """``mesh`` with ``AxisType.Auto`` axes (the compiler propagates the arrays' shardings,
+    which jaxspec's layers rely on): ``jax.make_mesh`` gives Explicit axes by default, on which
+    a decode step fails to trace; the same devices and axis names otherwise."""
+    types = getattr(mesh, "axis_types", None)
+    if not types or all(t == AxisType.Auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def axis_size(mesh, name) -> int:
     return int(dict(mesh.shape).get(name, 1)) if name is not None else 1
 

@@ -41,7 +41,7 @@ from jaxspec.decoding import (DecodeState, Pieces, Round, RoundStats, run_chunk,
 from jaxspec.drafter import (DraftState, ModelDrafter, RetrievalState, SelfDrafter, ring_cache_len,
                              ring_prefill)
 from jaxspec.invariant import invariant_impl, is_invariant
-from jaxspec.mesh import (ShardingError, cache_sharding, fetch, pad_batch, pool_sharding, put_batch,
+from jaxspec.mesh import (ShardingError, auto_axes, cache_sharding, fetch, pad_batch, pool_sharding, put_batch,
                           use_mesh)
 from jaxspec.model import Model
 from jaxspec.paged import PagedKVCache
@@ -293,7 +293,7 @@ class Decoder:
                             f"got {type(model).__name__}")
         check_attn_impl(attn_impl)
         check_prefill_chunk(prefill_chunk)
-        mesh = model.mesh
+        mesh = None if model.mesh is None else auto_axes(model.mesh)
         self.batch_invariant = bool(batch_invariant) or is_invariant(attn_impl)
         if self.batch_invariant:
             if mesh is not None:
@@ -311,13 +311,17 @@ class Decoder:
                 if mesh is None and draft.mesh is not None:
                     raise ShardingError("the draft model is sharded but the target is not: "
                                         "load both with the same mesh")
-                if mesh is not None and draft.mesh is not None and draft.mesh != mesh:
+                if (mesh is not None and draft.mesh is not None
+                        and auto_axes(draft.mesh) != mesh):
                     raise ShardingError("the draft model is sharded on a different mesh than "
                                         "the target")
         if mesh is not None:
             model = lay_out(model, mesh)
             if draft is not None:
-                draft = lay_out(draft, mesh)
+                try:
+                    draft = lay_out(draft, mesh)
+                except ShardingError as e:
+                    raise ShardingError(f"the draft model: {e}") from None
         self.model = model
         self.mesh = mesh
         self.config = model.config

@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: F401 (re-exp
 
 from jaxspec.config import ModelConfig
 from jaxspec.mesh import (AXES, CACHE_AXES, PARAM_AXES, RULES, ShardingError, active_mesh, leaf_name,  # noqa: F401
-                          axis_size, batch_sharding, cache_sharding, cache_sharding_like,
+                          auto_axes, axis_size, batch_sharding, cache_sharding, cache_sharding_like,
                           cache_spec, check_config, fetch, logical_spec, make_mesh, mesh_of,
                           pad_batch, param_shardings, param_specs, per_shard_attention, put_batch,
                           use_mesh)
@@ -82,6 +82,7 @@ def shard_model(model: Model, mesh) -> Model:
     returned config has ``num_kv_heads`` = model axis size (see the module docstring)."""
     if not isinstance(model, Model):
         raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
+    mesh = auto_axes(mesh)
     config = model.config
     check_config(config, mesh)
     m = axis_size(mesh, "model")
@@ -138,17 +139,25 @@ def stack_layers(config: ModelConfig, params, mesh=None):
                                         out_shardings=out_shardings)([dict(l) for l in layers])}
 
 
-_PREPARED: dict = {}  # id(model) -> (weakref(model), id(params), mesh, prepared model)
+_PREPARED: dict = {}  # id(model) -> (weakref(model), its weight arrays, mesh, prepared model)
+
+
+def _same_arrays(a, b) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def prepare(model: Model, mesh=None) -> Model:
-    """`shard_model` of ``model`` on ``mesh`` (default ``model.mesh``), cached per model object;
-    the model itself when it is already laid out."""
+    """`shard_model` of ``model`` on ``mesh`` (default ``model.mesh``), cached per model object
+    while its weights are the same arrays (a replaced array, or a replaced ``params``, lays it
+    out again); the model itself when it is already laid out."""
     mesh = mesh if mesh is not None else model.mesh
     if mesh is None:
         return model
+    mesh = auto_axes(mesh)
+    leaves = tuple(jax.tree_util.tree_leaves(model.params))
     hit = _PREPARED.get(id(model))
-    if hit is not None and hit[0]() is model and hit[1] == id(model.params) and hit[2] == mesh:
+    if (hit is not None and hit[0]() is model and _same_arrays(hit[1], leaves)
+            and hit[2] == mesh):
         return hit[3]
     m = axis_size(mesh, "model")
     if (model.mesh == mesh and model.config.num_kv_heads % m == 0
@@ -157,7 +166,7 @@ def prepare(model: Model, mesh=None) -> Model:
     out = shard_model(model, mesh)
     for k in [k for k, v in _PREPARED.items() if v[0]() is None]:
         del _PREPARED[k]
-    _PREPARED[id(model)] = (weakref.ref(model), id(model.params), mesh, out)
+    _PREPARED[id(model)] = (weakref.ref(model), leaves, mesh, out)
     return out
 
 

@@ -272,6 +272,54 @@ def test_unsharded_params_with_mesh_and_errors():
         jaxspec.generate(_target(), PROMPTS, max_new_tokens=4, speculation=spec)
 
 
+@need8
+def test_mesh_follows_replaced_weights_and_jax_meshes():
+    """On a mesh the laid-out copy was kept by id(params): after arrays of the same dict were
+    replaced, generate decoded with the old ones (single-device decoding made a new copy). A
+    mesh from jax.make_mesh (Explicit axes by default) was accepted, then a step failed to trace."""
+    m = jaxspec.Model(config=_gqa().config, params=dict(_gqa().params))
+    other = tiny_model(seed=7, heads=8, kv_heads=2, hidden=64, head_dim=8, vocab=64)
+    want = jaxspec.generate(other, PROMPTS, max_new_tokens=NEW).tokens
+    sm = shd.shard_model(m, jaxspec.make_mesh(2, 4))  # KV heads widened 2 -> 4
+    first = jaxspec.generate(sm, PROMPTS, max_new_tokens=NEW).tokens
+    assert first == jaxspec.generate(_gqa(), PROMPTS, max_new_tokens=NEW).tokens != want
+    lm = jaxspec.Model(config=m.config, params=m.params, mesh=jaxspec.make_mesh(2, 4))
+    assert jaxspec.generate(lm, PROMPTS, max_new_tokens=NEW).tokens == first
+    for k in other.params:  # new arrays in the same dict
+        lm.params[k] = other.params[k]
+    assert jaxspec.generate(lm, PROMPTS, max_new_tokens=NEW).tokens == want
+    explicit = jax.make_mesh((2, 4), ("data", "model"),
+                             axis_types=(AxisType.Explicit, AxisType.Explicit))
+    em = shd.shard_model(other, explicit)
+    assert jaxspec.generate(em, PROMPTS, max_new_tokens=NEW).tokens == want
+
+
+@need8
+def test_samples_whose_groups_cross_the_data_shards():
+    """n samples per prompt form groups of n rows; 3 prompts x n=2 on a data axis of 2 put 3
+    rows on each shard, so a group crossed two shards and generate raised after the prefill
+    (the README's 3 prompts x n=8 on 2 x 4 too). Each row now reads its group's prefix."""
+    m = _target()
+    rng = np.random.default_rng(5)
+    system = rng.integers(0, 64, size=40).tolist()
+    prompts = [system + rng.integers(0, 64, size=k).tolist() for k in (1, 5, 12)]
+    rows = [p for p in prompts for _ in range(2)]
+    want = jaxspec.generate(m, rows, max_new_tokens=5).tokens
+    sm = shd.shard_model(m, jaxspec.make_mesh(2, 2))
+    for share in (None, "auto"):
+        assert jaxspec.generate(sm, prompts, max_new_tokens=5, n=2,
+                                shared_prefix=share).tokens == want
+    spec = Speculation(draft="self", gamma=2, sink=2, window=6, adaptive=False)
+    assert jaxspec.generate(sm, prompts, max_new_tokens=5, n=2, shared_prefix="auto",
+                            speculation=spec).tokens == want
+    # a draft model the mesh cannot split is named as the draft
+    bad = Speculation(draft=tiny_model(seed=3, heads=4, kv_heads=4, hidden=32, head_dim=8,
+                                       vocab=64), gamma=2, window=None, adaptive=False)
+    with pytest.raises(shd.ShardingError, match="the draft model"):
+        jaxspec.generate(shd.shard_model(m, jaxspec.make_mesh(1, 8)), PROMPTS, max_new_tokens=2,
+                         speculation=bad)
+
+
 # ----------------------------------------------------------------------------- multi-process
 _WORKER = textwrap.dedent("""
     import json, os, sys

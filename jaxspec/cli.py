@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(Sequoia-style dynamic programming)")
     t.add_argument("--acceptance", required=True, type=probabilities_arg,
                    help="acceptance probability by sibling rank, e.g. 0.7,0.15,0.05")
-    t.add_argument("--budget", type=positive_int, default=32, help="node budget (drafted tokens)")
+    t.add_argument("--budget", type=positive_int, default=32, help="nodes of the tree, its root (the last committed token) included: a "
+                        "budget of N drafts N - 1 tokens")
     t.add_argument("--verify-ms", type=nonneg_float, default=10.0, help="verify step cost, fixed part")
     t.add_argument("--verify-ms-per-token", type=nonneg_float, default=0.05,
                    help="verify step cost per tree token")

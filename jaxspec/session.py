@@ -415,7 +415,16 @@ class Decoder:
 
     def run(self, rd: Round, sp, state: DecodeState, max_rounds: int) -> tuple[DecodeState, float]:
         """At most ``max_rounds`` rounds of ``rd`` on ``state`` (donated). Returns the new state and
-        the seconds spent compiling (0 when the loop was compiled before)."""
+        the seconds spent compiling (0 when the loop was compiled before). Make ``rd`` with the
+        batch's settings: ``round(gamma, greedy=batch.greedy, stop_ids=batch.stop_ids)``."""
+        if rd.speculative and rd.greedy and sp.stochastic:
+            raise ValueError("a greedy speculative round on a batch that samples would decode "
+                             "greedily: make the round with round(gamma, greedy=batch.greedy, "
+                             "stop_ids=batch.stop_ids)")
+        if rd.speculative and isinstance(self.drafter, ModelDrafter) and state.draft is None:
+            raise ValueError("a draft model's round needs its draft state (decode() builds it): "
+                             "state = state.replace(draft=decoder.draft_state("
+                             "batch.token_lists, state)) first")
         state, kept = self._loop_state(rd, state)
         args = (self.params, self.dparams, sp, state)
         key = (rd, self._key(sp, state))
@@ -644,9 +653,13 @@ class Decoder:
                 S = ring_cache_len(self.drafter.sink, self.drafter.window, self.extra_slots)
                 dc = KVCache.create(d.config, B, S, dtype=self.draft_cache_dtype, sharding=shd)
                 dc = ring_prefill(self.drafter, self.dparams, dc, rows, impl=self.impl)
-            else:
-                dc = KVCache.create(d.config, B, state.cache.max_len, dtype=self.draft_cache_dtype,
-                                    sharding=shd)
+            else:  # every position of the whole rows (the target's cache may hold suffixes only)
+                longest = max(len(t) for t in token_lists)
+                need = longest + int(np.max(_host(state.budget))) + self.extra_slots
+                if longest > 1:  # prefill writes whole chunks
+                    need = max(need, chunk_of(longest - 1, self.prefill_chunk)[1])
+                S = max(state.cache.max_len, round_up(need, SLOT_ALIGN))
+                dc = KVCache.create(d.config, B, S, dtype=self.draft_cache_dtype, sharding=shd)
                 dc = prefill(d.config, self.dparams, dc, rows, impl=self.impl,
                              chunk=self.prefill_chunk)
         prev = jnp.array(state.last, copy=True)

@@ -99,10 +99,12 @@ def resolve_tree(tree) -> TokenTree | None:
         try:
             data = json.loads(path.read_text())
             parents = data["parents"] if isinstance(data, dict) else data
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            if not isinstance(parents, list) or not all(_is_int(p) for p in parents):
+                raise TypeError(f"its parents must be a list of ints, got {parents!r}")
+            return TokenTree.from_parents(parents)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"tree file {str(tree)!r} is not a tree (a JSON list of parents or "
                              f"{{'parents': [...]}}): {e}") from None
-        return TokenTree.from_parents(parents)
     try:
         seq = list(tree)
     except TypeError:
@@ -144,6 +146,11 @@ def validate(spec: Speculation, model: Model) -> TokenTree | None:
     tree = resolve_tree(spec.tree)
     if tree is not None and g == "auto":
         raise ValueError("gamma='auto' picks a chain length; it cannot be combined with a tree")
+    if tree is not None:
+        wide = max(len(c) for c in tree.children)
+        if wide > model.config.vocab_size:
+            raise ValueError(f"the tree gives a node {wide} children, more than the "
+                             f"{model.config.vocab_size} tokens of the vocabulary")
     r = spec.retrieve
     if r != "auto" and (not _is_int(r) or r < 0 or r % RETRIEVE_BLOCK):
         raise ValueError(f"retrieve must be 'auto' or an int >= 0 and a multiple of "

@@ -59,6 +59,10 @@ class TokenTree:
     parents_tuple: tuple[int, ...]
 
     def __post_init__(self):
+        bad = [p for p in self.parents_tuple
+               if not isinstance(p, (int, np.integer)) or isinstance(p, (bool, np.bool_))]
+        if bad:
+            raise ValueError(f"parents must be ints, got {bad[0]!r}")
         par = tuple(int(p) for p in self.parents_tuple)
         object.__setattr__(self, "parents_tuple", par)
         if not par or par[0] != -1:
@@ -77,7 +81,7 @@ class TokenTree:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_parents(cls, parents: Sequence[int]) -> "TokenTree":
-        return cls(tuple(int(p) for p in parents))
+        return cls(tuple(parents))
 
     @classmethod
     def from_expansion(cls, expansion: Sequence[int]) -> "TokenTree":
@@ -381,7 +385,11 @@ def search_tree(
         G_next = np.where(m_idx == 0, 0.0, NEG)  # G(R, m)
         ch_d = [None] * R
         for r in range(R - 1, -1, -1):
-            A = P[r] * (1.0 + T_prev[1:n_max])  # value of a rank-r child of size s, [n_max-1]
+            # value of a rank-r child of size s, [n_max-1] (an infeasible size stays -inf: a
+            # zero acceptance times -inf would be NaN, which argmax would pick)
+            T_s = T_prev[1:n_max]
+            with np.errstate(invalid="ignore"):
+                A = np.where(T_s > NEG, P[r] * (1.0 + T_s), NEG)
             # cand[m, s] = A[s] + G_next[m - s] for 1 <= s <= m
             diff = m_idx[:, None] - s_idx[None, :]
             ok = diff >= 0

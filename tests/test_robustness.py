@@ -156,6 +156,47 @@ def test_tree_file_is_read_each_call(model, tmp_path):
     assert res.tokens == jaxspec.generate(model, PROMPTS, max_new_tokens=4).tokens
 
 
+def test_draft_model_with_samples_and_a_shared_prefix():
+    """A full-cache draft model's cache was sized from the target's suffix cache but filled with
+    whole prompts: with n > 1 or a shared prefix a long prompt raised after the prefill, a
+    shorter one wrote past the draft cache (clamped on the CPU, dropped on a GPU)."""
+    model = tiny_model(seed=1, vocab=97, scale=3.0, ctx=512)
+    rng = np.random.default_rng(3)
+    pre = rng.integers(0, 97, size=150).tolist()  # whole rows past the suffixes' 128 slots
+    prompts = [pre + rng.integers(0, 97, size=k).tolist() for k in (3, 10, 1)]
+    spec = jaxspec.Speculation(draft=model, gamma=3, window=None, adaptive=False)
+    want = jaxspec.generate(model, prompts, max_new_tokens=20).tokens
+    res = jaxspec.generate(model, prompts, max_new_tokens=20, shared_prefix="auto",
+                           speculation=spec)
+    assert res.stats["shared_prefix_tokens"] == 150
+    assert res.tokens == want and res.stats["acceptance_rate"] == 1.0  # the draft is the target
+    rows = [p for p in prompts for _ in range(2)]
+    res = jaxspec.generate(model, prompts, max_new_tokens=20, n=2, speculation=spec)
+    assert res.tokens == jaxspec.generate(model, rows, max_new_tokens=20).tokens
+    assert res.stats["acceptance_rate"] == 1.0
+
+
+def test_decoder_run_takes_rounds_made_for_the_batch(model):
+    """Decoder.run(dec.round(gamma), ...) as the README showed it decoded a sampling batch
+    greedily (a round is greedy by default); with a draft model it crashed on the missing draft
+    state. Both are now errors that say what to do; rounds made for the batch work."""
+    spec = jaxspec.Speculation(draft=model, gamma=3, window=None, adaptive=False)
+    dec = jaxspec.Decoder(model, spec)
+    b = dec.prepare(PROMPTS, max_new_tokens=6, temperature=1.0)
+    with pytest.raises(ValueError, match="greedy=batch.greedy"):
+        dec.run(dec.round(3), b.sp, b.state, 4)
+    b = dec.prepare(PROMPTS, max_new_tokens=6)
+    rd = dec.round(3, greedy=b.greedy, stop_ids=b.stop_ids)
+    with pytest.raises(ValueError, match="draft_state"):
+        dec.run(rd, b.sp, b.state, 4)
+    b.state = b.state.replace(draft=dec.draft_state(b.token_lists, b.state))
+    b.state, _ = dec.run(rd, b.sp, b.state, 10)
+    assert dec.result(b).tokens == jaxspec.generate(model, PROMPTS, max_new_tokens=6).tokens
+    with pytest.raises(ValueError, match="children"):  # top_k past the vocabulary, in jax
+        jaxspec.generate(model, PROMPTS, max_new_tokens=2,
+                         speculation=jaxspec.Speculation(tree=(98,), window=4, sink=1))
+
+
 def test_nothing_to_generate(model):
     """max_new_tokens=0: Decoder.decode (the prepare -> decode -> result flow) crashed on the
     missing state, and generate's stats lacked the speculation keys the README lists."""

@@ -76,6 +76,15 @@ def test_chain_hash_and_static_jit_argument():
     assert not big.parents.flags.writeable
 
 
+def test_parents_must_be_ints():
+    """A float or bool parent was truncated (1.7 -> 1, False -> 0): a tree file's typo changed
+    the tree silently."""
+    for bad in ([-1, 0, 1.7], [-1, 0, False]):
+        with pytest.raises(ValueError, match="ints"):
+            TokenTree.from_parents(bad)
+    assert TokenTree.from_parents(np.array([-1, 0, 1])).parents_tuple == (-1, 0, 1)
+
+
 @pytest.mark.parametrize(
     "parents", [[0], [-1, 1], [-1, 0, 3, 0], [-1, 0, 1, 0]]  # bad root, self-parent, child first, not level order
 )
@@ -241,7 +250,9 @@ def _to_parents(t):
     return parents
 
 
-@pytest.mark.parametrize("a,dcost", [([0.7, 0.4, 0.3], 0.05), ([0.9, 0.05], 0.0), ([0.3, 0.3, 0.3], 0.2)])
+# (a rank that never accepts: its zero times an infeasible -inf was NaN, which argmax picked)
+@pytest.mark.parametrize("a,dcost", [([0.7, 0.4, 0.3], 0.05), ([0.9, 0.05], 0.0), ([0.3, 0.3, 0.3], 0.2),
+                                     ([0.5, 0.0, 0.8], 0.1)])
 def test_optimizer_is_optimal_against_brute_force(a, dcost):
     budget = 8
     cost = lambda n: 1.0 + 0.04 * n  # noqa: E731

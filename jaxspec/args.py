@@ -165,7 +165,7 @@ def check_tree(value: str | None, option: str = "--tree"):
             try:
                 data = json.loads(path.read_text())
                 parents = data["parents"] if isinstance(data, dict) else data
-                return TokenTree.from_parents([int(p) for p in parents])
+                return TokenTree.from_parents(parents)
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"tree file {parsed!r} is not a tree (a JSON list of parents or "
                                  f"{{'parents': [...]}}): {e}") from None

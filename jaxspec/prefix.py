@@ -37,6 +37,7 @@ import numpy as np
 from jaxspec.cache import (SLOT_ALIGN, KVCache, PrefixedKVCache, PrefixLevel,  # noqa: F401
                            SharedPrefix, positions_of, round_up)
 from jaxspec.prefill import prefill
+from jaxspec.tokenizer import token_id
 
 AUTO_MIN_TOKENS = 32  # shared_prefix="auto": share a common prefix only from this length on
 
@@ -104,7 +105,6 @@ def plan_sharing(token_lists, shared_prefix, n: int = 1, *, min_tokens: int | No
         raise ValueError(f"shared_prefix must be None, 'auto', an int or a list of token ids, "
                          f"got {shared_prefix!r}")
     else:
-        from jaxspec.session import token_id  # (session imports this module)
         try:
             toks = [token_id(t) for t in shared_prefix]
         except (TypeError, ValueError):

@@ -50,6 +50,7 @@ from jaxspec.prefill import (DEFAULT_PREFILL_CHUNK, chunk_of, prefill, prefill_p
 from jaxspec.prefix import plan_sharing, prefill_shared
 from jaxspec.sharding import decode_params, prepare as lay_out
 from jaxspec.speculation import GAMMA_CANDIDATES, Speculation, validate
+from jaxspec.tokenizer import token_id
 from jaxspec.tree import TokenTree
 
 CHUNK_SECONDS = 0.25  # a stretch of speculative rounds between two decisions takes about this
@@ -82,15 +83,6 @@ class GenerationResult:
 
 
 # ----------------------------------------------------------------------------- validation
-def token_id(t) -> int:
-    """A token id from an int-like value (a float such as 1.5 is an error, not truncated)."""
-    if isinstance(t, (int, np.integer)) and not isinstance(t, bool):
-        return int(t)
-    if isinstance(t, (float, np.floating)) and float(t).is_integer():
-        return int(t)
-    raise TypeError(f"not a token id: {t!r}")
-
-
 def _is_real(x) -> bool:
     """A real number, numpy scalars included (np.float32 is not a Python float)."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -270,6 +270,15 @@ class Tokenizer:
         return Encoding(input_ids=ids, attention_mask=[1] * len(ids)) if return_dict else ids
 
 
+def token_id(t) -> int:
+    """A token id from an int-like value (a float such as 1.5 is an error, not truncated)."""
+    if isinstance(t, (int, np.integer)) and not isinstance(t, bool):
+        return int(t)
+    if isinstance(t, (float, np.floating)) and float(t).is_integer():
+        return int(t)
+    raise TypeError(f"not a token id: {t!r}")
+
+
 def load_tokenizer(folder) -> Tokenizer | None:
     """A `Tokenizer` over ``folder``'s tokenizer.json, or None where transformers must load it
     (no tokenizer.json, or a configuration `Tokenizer` does not reproduce)."""

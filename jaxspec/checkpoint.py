@@ -146,7 +146,10 @@ def _iter_safetensors(folder: pathlib.Path, progress: bool) -> Iterator[tuple[st
             raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
         files = sorted(set(weight_map.values()))
     else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        # as transformers: model*.safetensors only (Mistral repos also ship consolidated.safetensors
+        # in their own naming; a LoRA folder adapter_model.safetensors)
+        files = sorted(p.name for p in folder.glob("model*.safetensors")) or sorted(
+            p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {folder}")
     names = []
@@ -270,6 +273,20 @@ def save_tokenizer(tokenizer, folder: str | os.PathLike) -> None:
             config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
+def _with_generation_eos(config: ModelConfig, path: pathlib.Path) -> ModelConfig:
+    """``config`` with the EOS ids of a folder's generation_config.json added: transformers'
+    generate stops at those (Llama-3.x-Instruct, Qwen2.5 / Qwen3 list more there than config.json)."""
+    if not path.exists():
+        return config
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, OSError, AttributeError) as e:
+        raise CheckpointError(f"{path} is not a valid generation config: {e}") from None
+    eos = eos if isinstance(eos, (list, tuple)) else [eos]
+    ids = tuple(dict.fromkeys([*config.eos_token_ids, *(int(e) for e in eos if e is not None)]))
+    return dataclasses.replace(config, eos_token_ids=ids)
+
+
 # ------------------------------------------------------------------------- convert
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfloat16",
             overwrite: bool = False, progress: bool = True, tokenizer: bool = True) -> pathlib.Path:
@@ -312,6 +329,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfl
         if not cfg_path.exists():
             raise FileNotFoundError(f"{src} has no config.json: not a Hugging Face model folder")
         config = ModelConfig.from_json(cfg_path)
+        config = _with_generation_eos(config, src / "generation_config.json")
         if want_tokenizer:
             tokenizer = _load_hf_tokenizer(src, strict=True)
         tensors = _iter_safetensors(src, progress)

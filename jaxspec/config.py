@@ -28,6 +28,19 @@ _REFUSED_ROPE_TYPES = {
     "longrope": ": LongRoPE's per-frequency factors switch at the original context (Phi-3)",
 }
 _ACTIVATIONS = ("silu", "swish")
+# transformers' defaults (its config classes) for fields that change what jaxspec computes
+_HF_DEFAULTS = {"llama": {"max_position_embeddings": 2048},
+                "qwen2": {"max_position_embeddings": 32768},
+                "qwen3": {"max_position_embeddings": 32768},
+                "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096}}
+
+
+def _first_id(v):
+    if isinstance(v, (list, tuple)):
+        v = v[0] if v else None
+    if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)):
+        raise ConfigError(f"config field 'bos_token_id' must be a token id, got {v!r}")
+    return None if v is None else int(v)
 
 
 class ConfigError(ValueError):
@@ -257,7 +270,9 @@ class ModelConfig:
             rope_params = d.get("rope_parameters")  # transformers >= 5 spelling
             if isinstance(rope_params, dict):
                 rope_theta = rope_params.get("rope_theta", rope_theta)
-                if rope_params.get("rope_type", "default") not in ("default", None):
+                # transformers reads the legacy "type" key here too (standardize_rope_params)
+                if rope_params.get("rope_type", rope_params.get("type", "default")) not in (
+                        "default", None):
                     rope_scaling = rope_params
             if isinstance(rope_scaling, dict):
                 rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
@@ -274,7 +289,9 @@ class ModelConfig:
                 rope_scaling = None
             factors = d.get("rope_freq_factors")
             sliding = None
-            if (d.get("use_sliding_window", model_type == "mistral") and d.get("sliding_window")
+            # transformers' Mistral has no use_sliding_window field: it always slides
+            if ((model_type == "mistral" or d.get("use_sliding_window", False))
+                    and d.get("sliding_window")
                     and int(d["sliding_window"]) < int(d.get("max_position_embeddings", 4096))):
                 # (a window as long as the context never hides a key: full attention)
                 sliding = int(d["sliding_window"])
@@ -313,7 +330,8 @@ class ModelConfig:
                 attention_bias=(model_type == "qwen2" or model_type in ("llama", "qwen3")
                                 and bool(d.get("attention_bias", False))),
                 mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
-                bos_token_id=d.get("bos_token_id"),
+                # a list (a few configs) would make the config unhashable: keep its first id
+                bos_token_id=_first_id(d.get("bos_token_id")),
                 eos_token_ids=eos_ids,
                 sliding_window=int(sliding) if sliding else None,
             )
@@ -360,6 +378,11 @@ class ModelConfig:
             raise FileNotFoundError(f"no config file at {path}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if isinstance(d, dict) and d.get("model_type") in _HF_DEFAULTS:
+            # a Hugging Face config.json: the fields it leaves out take transformers' defaults
+            # (a Mistral without "sliding_window" slides over 4096 tokens there). Not in
+            # from_hf_dict: a jaxspec checkpoint's config writes no window when it has none.
+            d = {**_HF_DEFAULTS[d["model_type"]], **d}
         return cls.from_hf_dict(d)
 
 

@@ -563,6 +563,14 @@ class Decoder:
         # never past the model's context (nor past what an int64 holds)
         budget = np.minimum(min(int(max_new_tokens), ctx), ctx - lens)
         budget[n_real:] = 0
+        short = [i for i in range(n_real) if budget[i] < max_new_tokens]
+        if short:
+            warnings.warn(
+                f"prompt {short[0]} ({len(token_lists[short[0]])} tokens) gets only "
+                f"{int(budget[short[0]])} of max_new_tokens={max_new_tokens} new tokens: "
+                f"generation stops at the model's context of {ctx} tokens "
+                f"(max_position_embeddings){f'; {len(short)} prompts in all' if len(short) > 1 else ''}",
+                stacklevel=3)
         slot_lens = lens if share is None else lens - share.offsets  # suffix slots per row
         need = int((slot_lens + budget).max()) + extra
         why = (f"prompts of up to {int(slot_lens.max())} tokens"

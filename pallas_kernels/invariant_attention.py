@@ -64,6 +64,23 @@ class InvariantAttentionBlocks:
 
 DEFAULT_BLOCKS = InvariantAttentionBlocks()
 SPLIT_BELOW = 264  # mode "auto": a program per part while there are fewer tiles than this
+# Causal queries of more than 16 rows per sequence and KV head (a verification, a prefill chunk)
+# go in tiles of 32 rows, two per folding program: on an H200 a prefill chunk of 512 tokens
+# after 8192 takes 15.4 ms per layer against 18.1 with tiles of 16, a verification of 5 at 6
+# query heads per KV head 266 us against 301 (B = 64). Tiles of 16 and 32 rows give the same
+# bits (the same MMA instructions: Triton uses warpgroup MMAs from 64 rows on, and 64-row tiles
+# differ from 16-row ones in about one row in a hundred), checked on the GPU by
+# tests/test_invariant_kernels.py and scripts/probe_invariant_tiles.py.
+WIDE_BLOCKS = dataclasses.replace(DEFAULT_BLOCKS, block_rows=32, fold_tiles=2)
+
+
+def blocks_for(rows: int, same_slots: bool,
+               blocks: InvariantAttentionBlocks | None = None) -> InvariantAttentionBlocks:
+    """The tiling of ``rows`` query rows per sequence and KV head: ``blocks`` when given, else
+    `WIDE_BLOCKS` for causal tiles (``same_slots``) of more than 16 rows, else the default."""
+    if blocks is not None:
+        return blocks
+    return WIDE_BLOCKS if same_slots and rows > DEFAULT_BLOCKS.block_rows else DEFAULT_BLOCKS
 
 
 def supports(head_dim: int) -> bool:
@@ -77,10 +94,14 @@ def _tile_blocks(pos, lo, block_k: int):
 
 
 def _part(qs, poss, los, L, anc_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block_k: int,
-          sm_scale: float, num_new: int, num_slots: int):
+          sm_scale: float, num_new: int, num_slots: int, contiguous: bool):
     """The online softmax of each tile in ``qs`` (tiles whose rows read the same slots) over key
     blocks ``[i0, i1)`` from a fresh state: per tile ``(max [R], sum [R], acc [R, D])``, float32.
-    A key block is loaded once for all of them; each tile's arithmetic is that of a tile alone."""
+    A key block is loaded once for all of them; each tile's arithmetic is that of a tile alone.
+    ``contiguous``: position ``s`` is slot ``s`` (causal tiles: ``anc`` is the identity), so a
+    block is one contiguous load; else each key's slot is looked up (a gather: per-element
+    addresses, 64-bit ones once the stacked cache passes 2**31 elements, several times slower).
+    The values loaded are the same either way, and so are the bits."""
     R, D = qs[0].shape
     f32 = qs[0].dtype == jnp.float32
     prec = lax.Precision.HIGHEST if f32 else None
@@ -103,11 +124,16 @@ def _part(qs, poss, los, L, anc_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block
 
     def body(i, carry):
         s_abs = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        rel = s_abs - L
-        a = anc_ref[jnp.clip(rel, 0, num_new - 1)]  # [N]: the new token at each depth
-        slot = jnp.clip(jnp.where(rel < 0, s_abs, L + a), 0, num_slots - 1)
-        k = k_ref[layer, b, h, slot, :]  # [N, D]
-        v = v_ref[layer, b, h, slot, :]
+        if contiguous:  # keys past a row's position are masked below, whatever the slots hold
+            start = pl.multiple_of(i * block_k, block_k)
+            k = k_ref[layer, b, h, pl.ds(start, block_k), :]  # [N, D]
+            v = v_ref[layer, b, h, pl.ds(start, block_k), :]
+        else:
+            rel = s_abs - L
+            a = anc_ref[jnp.clip(rel, 0, num_new - 1)]  # [N]: the new token at each depth
+            slot = jnp.clip(jnp.where(rel < 0, s_abs, L + a), 0, num_slots - 1)
+            k = k_ref[layer, b, h, slot, :]  # [N, D]
+            v = v_ref[layer, b, h, slot, :]
         return tuple(one(q, pos, lo, s_abs, k, v, c)
                      for q, pos, lo, c in zip(qs, poss, los, carry))
 
@@ -238,8 +264,9 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     def full(shape):
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
+    # causal tiles read slot s for position s: contiguous blocks (whole blocks inside the cache)
     kw = dict(block_k=bs.block_k, chunk=bs.chunk, sm_scale=float(sm_scale), num_new=J,
-              num_slots=S)
+              num_slots=S, contiguous=bool(same_slots) and S % bs.block_k == 0)
     args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
             q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
             anc_BNJ.astype(jnp.int32), k_LBKSD, v_LBKSD)

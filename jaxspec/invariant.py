@@ -21,7 +21,7 @@ row (a token) with one fixed sequence of floating-point operations:
   as if they sat at consecutive slots (where a plain step finds them once they are committed);
   masked keys contribute exact zeros and blocks past a row's keys are exact no-ops. Scores and
   the weighted sum of values are elementwise products summed by `fixed_sum` in the `jnp` form
-  (fixed-shape products of tiles of 16 or 32 rows in the kernel, which give the same bits), so nothing depends on T, B, the
+  (fixed-shape products of tiles of 16 rows in the kernel), so nothing depends on T, B, the
   cache capacity or the other rows. The kernel also cuts the keys into parts of fixed absolute
   positions (2048 keys), each reduced from a fresh state and folded into the row's result in
   increasing order, whether one program folds them or a program per part runs and a merge
@@ -62,8 +62,10 @@ interpreter and lowered for CUDA here (``tests/test_invariant_kernels.py`` too);
 (jax 0.11.2) ``tests/test_batch_invariant.py::test_on_the_gpu`` passes and
 ``scripts/bench_invariant.py`` checks every tiling's bits. Speed there (random Qwen2.5-1.5B
 weights, 64 rows x 16384 prompt tokens, 128 new tokens through `jaxspec.generate`): decode
-1.34 s against 1.12 s by default (1.20x), prefill 23.3 s against 7.3 s (3.2x), before the
-32-row tiles of verifications and prefill chunks; per kernel, ``benchmarks/invariant_h200.md``.
+1.34 s against 1.12 s by default (1.20x), prefill 23.3 s against 7.3 s (3.2x); per kernel,
+``benchmarks/invariant_h200.md``. The tile of 16 query rows is part of the bits: on an H200,
+tiles of 32 rows gave other bits in float32 and at head dim 32, and 64-row tiles (warpgroup
+MMAs) in about one row in a hundred, so prefill chunks keep the decode step's tiles.
 """
 
 from __future__ import annotations
@@ -304,7 +306,7 @@ def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new:
     B, T, H, D = q_BTHD.shape
     K = k_LBKSD.shape[2]
     G = H // K
-    blocks = attention_kernel.blocks_for(T * G, mask is None, blocks)
+    blocks = attention_kernel.DEFAULT_BLOCKS if blocks is None else blocks
     R = blocks.block_rows
     T_new = int(num_new)
     if sm_scale is None:

@@ -64,23 +64,6 @@ class InvariantAttentionBlocks:
 
 DEFAULT_BLOCKS = InvariantAttentionBlocks()
 SPLIT_BELOW = 264  # mode "auto": a program per part while there are fewer tiles than this
-# Causal queries of more than 16 rows per sequence and KV head (a verification, a prefill chunk)
-# go in tiles of 32 rows, two per folding program: on an H200 a prefill chunk of 512 tokens
-# after 8192 takes 15.4 ms per layer against 18.1 with tiles of 16, a verification of 5 at 6
-# query heads per KV head 266 us against 301 (B = 64). Tiles of 16 and 32 rows give the same
-# bits (the same MMA instructions: Triton uses warpgroup MMAs from 64 rows on, and 64-row tiles
-# differ from 16-row ones in about one row in a hundred), checked on the GPU by
-# tests/test_invariant_kernels.py and scripts/probe_invariant_tiles.py.
-WIDE_BLOCKS = dataclasses.replace(DEFAULT_BLOCKS, block_rows=32, fold_tiles=2)
-
-
-def blocks_for(rows: int, same_slots: bool,
-               blocks: InvariantAttentionBlocks | None = None) -> InvariantAttentionBlocks:
-    """The tiling of ``rows`` query rows per sequence and KV head: ``blocks`` when given, else
-    `WIDE_BLOCKS` for causal tiles (``same_slots``) of more than 16 rows, else the default."""
-    if blocks is not None:
-        return blocks
-    return WIDE_BLOCKS if same_slots and rows > DEFAULT_BLOCKS.block_rows else DEFAULT_BLOCKS
 
 
 def supports(head_dim: int) -> bool:

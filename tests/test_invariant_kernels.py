@@ -138,35 +138,36 @@ def test_attention_kernels_lower_for_cuda_in_both_modes():
         assert ("invariant_attention_merge" in txt) == (mode == "split")
 
 
-def _wide_vs_narrow(interpret, B, D, S, T2=24):
-    """Causal queries of many rows (tiles of 32, `WIDE_BLOCKS`) against the same tokens as
-    one-token steps (tiles of 16) and against 16-row tiles: bit for bit."""
-    from pallas_kernels.invariant_attention import DEFAULT_BLOCKS, WIDE_BLOCKS, blocks_for
-    assert blocks_for(T2 * 6, True) == WIDE_BLOCKS and blocks_for(6, True) == DEFAULT_BLOCKS
-    assert blocks_for(T2 * 6, False) == DEFAULT_BLOCKS  # a tree's tiles: one node each
+
+def _contiguous_vs_gathered(interpret, B, D, S, T2=24):
+    """Causal tiles in a cache of whole 64-key blocks load contiguous blocks; in a cache of
+    another capacity every key is gathered by its slot. The same rows: the same bits, and the
+    same as one-token steps."""
     rng = np.random.default_rng(11)
-    L = jnp.asarray(rng.integers(S // 2, S - T2 - 8, size=B), jnp.int32)
+    S_odd = S - 40  # not a multiple of the 64-key block: the gathering loads
+    L = jnp.asarray(rng.integers(S_odd // 2, S_odd - T2 - 8, size=B), jnp.int32)
     q = jnp.asarray(rng.normal(size=(B, T2, 12, D)), BF16)
     k = jnp.asarray(rng.normal(size=(1, B, 2, S, D)), BF16)
     v = jnp.asarray(rng.normal(size=(1, B, 2, S, D)), BF16)
 
-    def run(q, L, T, blocks=None, mode="auto"):
+    def run(q, L, T, S_=S, mode="auto"):
         return np.asarray(invariant._attention_tiles(
-            q, k, v, 0, L, None, num_new=T, sm_scale=None, sliding_window=None,
-            interpret=interpret, blocks=blocks, mode=mode), np.float32)
-    steps = np.stack([run(q[:, t:t + 1], L + t, 1)[:, 0] for t in range(T2)], 1)
-    assert np.array_equal(run(q, L, T2), steps)  # a prefill chunk (wide tiles)
-    assert np.array_equal(run(q, L, T2, DEFAULT_BLOCKS), steps)
-    for mode in ("fold", "split"):  # a verification of 5 (30 rows: one wide tile)
-        assert np.array_equal(run(q[:, :5], L, 5, mode=mode), steps[:, :5]), mode
+            q, k[:, :, :, :S_], v[:, :, :, :S_], 0, L, None, num_new=T, sm_scale=None,
+            sliding_window=None, interpret=interpret, mode=mode), np.float32)
+    whole = run(q, L, T2)
+    assert np.array_equal(whole, run(q, L, T2, S_odd))
+    steps = np.stack([run(q[:, t:t + 1], L + t, 1, mode="split")[:, 0] for t in range(T2)], 1)
+    assert np.array_equal(whole, steps)
+    for mode in ("fold", "split"):
+        assert np.array_equal(run(q[:, :5], L, 5, S_odd, mode), steps[:, :5]), mode
 
 
-def test_wide_tiles_give_the_bits_of_narrow_ones():
-    _wide_vs_narrow(True, B=2, D=128, S=768)
+def test_contiguous_and_gathered_key_loads_give_the_same_bits():
+    _contiguous_vs_gathered(True, B=2, D=32, S=256)
 
 
 @pytest.mark.gpu
-def test_wide_tiles_give_the_bits_of_narrow_ones_on_the_gpu():
+def test_contiguous_and_gathered_key_loads_give_the_same_bits_on_the_gpu():
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    _wide_vs_narrow(False, B=6, D=128, S=5120)
+    _contiguous_vs_gathered(False, B=6, D=128, S=5120)

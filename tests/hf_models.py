@@ -93,3 +93,18 @@ def torch_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
                              max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                              pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def jax_logits(model, tokens: np.ndarray) -> np.ndarray:
+    """A converted model's logits of a whole prompt, one forward from an empty cache."""
+    import jax.numpy as jnp
+
+    from jaxspec.attention import AttentionPlan
+    from jaxspec.cache import KVCache
+    from jaxspec.model import forward
+    B, T = tokens.shape
+    cache = KVCache.create(model.config, B, T + 8, dtype=model.dtype)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    plan = AttentionPlan(lengths=jnp.zeros((B,), jnp.int32), impl="xla")
+    logits, _ = forward(model.config, model.params, jnp.asarray(tokens), pos, cache, plan)
+    return np.asarray(logits)

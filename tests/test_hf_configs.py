@@ -12,7 +12,7 @@ import pytest
 import jaxspec
 from jaxspec.config import ConfigError, ModelConfig
 
-from hf_models import make_hf_model, torch_greedy, torch_logits
+from hf_models import jax_logits, make_hf_model, torch_greedy, torch_logits
 
 torch = pytest.importorskip("torch")
 
@@ -30,20 +30,6 @@ def _save(model, tmp_path, edit=None):
 
 def _convert(src, tmp_path):
     return jaxspec.load(jaxspec.convert(src, tmp_path / "ckpt", dtype="float32", progress=False))
-
-
-def _jax_logits(model, tokens):
-    import jax.numpy as jnp
-
-    from jaxspec.attention import AttentionPlan
-    from jaxspec.cache import KVCache
-    from jaxspec.model import forward
-    B, T = tokens.shape
-    cache = KVCache.create(model.config, B, T + 8, dtype=model.dtype)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    plan = AttentionPlan(lengths=jnp.zeros((B,), jnp.int32), impl="xla")
-    logits, _ = forward(model.config, model.params, jnp.asarray(tokens), pos, cache, plan)
-    return np.asarray(logits)
 
 
 def test_generation_config_eos_ids_stop_generation(tmp_path):
@@ -76,7 +62,7 @@ def test_rope_parameters_legacy_type_key(tmp_path):
     model = _convert(src, tmp_path)
     assert model.config.rope_scaling_dict
     toks = np.random.default_rng(4).integers(0, 101, size=(1, 40))
-    np.testing.assert_allclose(_jax_logits(model, toks), torch_logits(m, toks), atol=2e-4,
+    np.testing.assert_allclose(jax_logits(model, toks), torch_logits(m, toks), atol=2e-4,
                                rtol=2e-4)
 
 
@@ -126,7 +112,7 @@ def test_stray_safetensors_files_are_not_weights(tmp_path):
               str(src / "consolidated.safetensors"))
     model = _convert(src, tmp_path)
     toks = np.random.default_rng(5).integers(0, 101, size=(1, 12))
-    np.testing.assert_allclose(_jax_logits(model, toks), torch_logits(m, toks), atol=2e-4,
+    np.testing.assert_allclose(jax_logits(model, toks), torch_logits(m, toks), atol=2e-4,
                                rtol=2e-4)
 
 

@@ -10,16 +10,7 @@ from jaxspec.attention import AttentionPlan
 from jaxspec.cache import KVCache
 from jaxspec.model import forward
 
-from hf_models import VARIANTS, convert_hf, make_hf_model, torch_greedy, torch_logits
-
-
-def _full_logits(model, tokens):
-    B, T = tokens.shape
-    cache = KVCache.create(model.config, B, T + 8, dtype=model.dtype)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    plan = AttentionPlan(lengths=jnp.zeros((B,), jnp.int32), impl="xla")
-    logits, _ = forward(model.config, model.params, jnp.asarray(tokens), pos, cache, plan)
-    return np.asarray(logits)
+from hf_models import VARIANTS, convert_hf, jax_logits, make_hf_model, torch_greedy, torch_logits
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -28,7 +19,7 @@ def test_logits_match_transformers(variant, tmp_path):
     model = convert_hf(hf, tmp_path)
     rng = np.random.default_rng(len(variant))
     tokens = rng.integers(0, hf.config.vocab_size, size=(3, 40))
-    ours = _full_logits(model, tokens)
+    ours = jax_logits(model, tokens)
     ref = torch_logits(hf, tokens)
     assert ours.shape == ref.shape
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
@@ -110,7 +101,7 @@ def test_per_layer_and_fused_layouts_match_transformers(variant, tmp_path):
     assert "wqkv" in fused["layers"][0] and "wq" not in fused["layers"][0]
     assert ("bqkv" in fused["layers"][0]) == model.config.attention_bias
     for params in (per_layer, fused):
-        got = _full_logits(jaxspec.Model(config=model.config, params=params), tokens)
+        got = jax_logits(jaxspec.Model(config=model.config, params=params), tokens)
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
     back = stack_layers(fused)
     for name, leaf in model.params["layers"].items():

@@ -14,7 +14,6 @@ CPU: python scripts/probe_invariant_tiles.py --interpret --small
 """
 import argparse
 import json
-import statistics
 import time
 
 import jax
@@ -24,6 +23,8 @@ import numpy as np
 from jaxspec import invariant
 from jaxspec.attention import AttentionPlan, attend
 from pallas_kernels.invariant_attention import InvariantAttentionBlocks as IB
+
+from bench_invariant import median_time  # (scripts/: the same timer)
 
 BF16 = jnp.bfloat16
 T0 = time.time()
@@ -64,16 +65,6 @@ def bits(cfgs, interpret, B, ctx):
                  "max_abs": float(np.max(np.abs(whole - steps)))})
         except Exception as e:  # noqa: BLE001
             log({"bits": name, "err": repr(e)[:400]})
-
-
-def median_time(fn, args, reps=5):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def timed(kind, T, bs=None, mode="auto", n_layers=4, first_layer=0):

@@ -13,8 +13,7 @@ import pytest
 import jaxspec
 from jaxspec.checkpoint import CheckpointError
 
-from hf_models import convert_hf, make_hf_model, torch_logits
-from test_model_parity import _full_logits
+from hf_models import convert_hf, jax_logits, make_hf_model, torch_logits
 
 
 def test_gguf_converts_to_same_logits_as_transformers(tmp_path):
@@ -28,7 +27,7 @@ def test_gguf_converts_to_same_logits_as_transformers(tmp_path):
         model = jaxspec.load(jaxspec.convert(path, tmp_path / variant, dtype="float32",
                                              progress=False))
         tokens = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=(2, 19))
-        np.testing.assert_allclose(_full_logits(model, tokens), torch_logits(hf, tokens),
+        np.testing.assert_allclose(jax_logits(model, tokens), torch_logits(hf, tokens),
                                    atol=1e-4, rtol=0)
 
 
@@ -52,7 +51,7 @@ def test_gguf_rope_freqs_give_the_logits_of_transformers(tmp_path):
                            extra_tensors={"rope_freqs.weight": factors})
     model = jaxspec.load(jaxspec.convert(path, tmp_path / "l3", dtype="float32", progress=False))
     assert dict(model.config.rope_scaling)["rope_type"] == "llama3"
-    np.testing.assert_allclose(_full_logits(model, tokens), torch_logits(hf, tokens), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(jax_logits(model, tokens), torch_logits(hf, tokens), atol=1e-4, rtol=0)
 
     hf = make_hf_model("llama-gqa", seed=6)
     factors = np.random.default_rng(4).uniform(0.5, 6.0, size=8).astype(np.float32)
@@ -66,7 +65,7 @@ def test_gguf_rope_freqs_give_the_logits_of_transformers(tmp_path):
     rot.inv_freq = rot.inv_freq / torch.from_numpy(factors)
     want = torch_logits(hf, tokens)
     assert np.abs(want - want_plain).max() > 1e-2  # the factors matter at these positions
-    np.testing.assert_allclose(_full_logits(model, tokens), want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(jax_logits(model, tokens), want, atol=1e-4, rtol=0)
 
 
 def test_sharded_safetensors_and_dtype(tmp_path):
@@ -79,7 +78,7 @@ def test_sharded_safetensors_and_dtype(tmp_path):
     assert model.dtype == jax.numpy.bfloat16
     m32 = jaxspec.load(dst, dtype="float32")
     tokens = np.random.default_rng(1).integers(0, 101, size=(1, 12))
-    np.testing.assert_allclose(_full_logits(m32, tokens), torch_logits(hf, tokens), atol=0.15)
+    np.testing.assert_allclose(jax_logits(m32, tokens), torch_logits(hf, tokens), atol=0.15)
 
 
 def test_conversion_is_atomic(tmp_path, monkeypatch):
@@ -227,7 +226,7 @@ def test_gguf_yarn_gives_the_logits_of_transformers(tmp_path):
         path = write_tiny_gguf(tmp_path / f"y{attn_factor}.gguf", sd, plain, "qwen2", metadata=meta)
         model = jaxspec.load(jaxspec.convert(path, tmp_path / f"y{attn_factor}", dtype="float32",
                                              progress=False))
-        np.testing.assert_allclose(_full_logits(model, tokens), torch_logits(hf, tokens),
+        np.testing.assert_allclose(jax_logits(model, tokens), torch_logits(hf, tokens),
                                    atol=1e-4, rtol=0)
 
 

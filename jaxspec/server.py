@@ -159,6 +159,21 @@ def _opt(body: dict, name: str, kind: str, default=None, *, lo=None, hi=None, lo
     return v
 
 
+# sampling fields of vLLM's and SGLang's OpenAI servers (clients switching from them send these)
+# with their no-op values: any other value is refused, as OpenAI's own unimplemented fields are
+_EXTENSION_NO_OPS = {
+    "ignore_eos": (False,), "min_tokens": (0,), "stop_token_ids": ([],),
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "allowed_token_ids": ([],),
+    "bad_words": ([],), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": ([],), "guided_grammar": (),
+    "structural_tag": (), "regex": (), "json_schema": (), "ebnf": (), "min_new_tokens": (0,),
+    "no_stop_trim": (False,), "continue_final_message": (False,),
+    "add_generation_prompt": (True,), "chat_template": (), "chat_template_kwargs": ({},),
+}
+
+
 def _unsupported(body: dict, *, chat: bool) -> None:
     """A 400 for a field of the OpenAI API that this server does not implement, unless it is
     at its no-op value: answering as if it were honoured would give a client that relies on it
@@ -181,6 +196,10 @@ def _unsupported(body: dict, *, chat: bool) -> None:
             raise _bad("'response_format' must be an object", "response_format", "invalid_type")
         if fmt.get("type", "text") != "text":
             refuse("response_format")
+    for name, no_ops in _EXTENSION_NO_OPS.items():
+        v = body.get(name)
+        if v is not None and not any(type(v) is type(x) and v == x for x in no_ops):
+            refuse(name)
     if chat:
         for name in ("tools", "functions"):
             v = body.get(name)
@@ -204,7 +223,9 @@ def _options(body: dict, engine: ServingEngine, limits: ServerLimits, *,
     top_p = _opt(body, "top_p", "number", 1.0, lo=0.0, hi=1.0, lo_open=True)
     top_k = _opt(body, "top_k", "int", 0, lo=-1)
     seed = _opt(body, "seed", "int", None)
-    n = _opt(body, "n", "int", 1, lo=1, hi=engine.B)
+    # (OpenAI's limit; more samples than slots wait in the queue, as a list of prompts does,
+    # and `handle` refuses more sequences than the queue holds, naming --max-queue)
+    n = _opt(body, "n", "int", 1, lo=1, hi=128)
     stop = body.get("stop", None)
     if stop is None:
         stop = ()
@@ -924,11 +945,21 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec", *, api_key: s
         return {"status": "ok", "model": model_name, "slots_busy": m["slots_busy"],
                 "slots_total": m["slots_total"], "queue_depth": m["waiting"]}
 
+    def model_card():
+        return {"id": model_name, "object": "model", "created": int(engine.started_at),
+                "owned_by": "jaxspec", "max_model_len": engine.max_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(engine.started_at),
-            "owned_by": "jaxspec", "max_model_len": engine.max_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != model_name:
+            raise APIError(404, f"the model {_preview(model)} does not exist; this server "
+                                f"serves '{model_name}'", type="not_found_error",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
@@ -978,6 +1009,13 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec", *, api_key: s
         queue: asyncio.Queue = asyncio.Queue()
         seqs = [Sequence(ids, opts, index=j, loop=loop, queue=queue, tag=i * n + j)
                 for i, ids in enumerate(prompts) for j in range(n)]
+        if not chat and engine.tokenizer is not None:
+            # a completion continues its prompt's text: its first token is decoded after the
+            # prompt's last ones, so that SentencePiece's leading space is kept (as in vLLM)
+            for s in seqs:
+                tail = s.prompt_ids[-4:]
+                if not engine._decode(tail).endswith("\ufffd"):  # (not inside a character)
+                    s.text_context = tail
         try:
             engine.submit(seqs)
         except PromptTooLong as e:
@@ -1102,7 +1140,9 @@ async def _stream(engine, shutdown, entry, base, chat, include_usage, return_ids
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
     def chunk(choice):
-        return _sse({**base, "object": obj_name, "choices": [choice]})
+        # (with include_usage, OpenAI's other chunks carry "usage": null)
+        return _sse({**base, "object": obj_name, "choices": [choice],
+                     **({"usage": None} if include_usage else {})})
 
     try:
         if chat:  # the role first, as OpenAI does
@@ -1458,10 +1498,27 @@ class BackgroundServer:
         self.sock.close()
 
 
+def _listen_socket(host: str, port: int):
+    """The server's socket, bound before the model loads: a port in use fails at once, not
+    after minutes of loading and compiling."""
+    import socket
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                               flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"--host {host} --port {port}: cannot listen there: {e.strerror}") from None
+    return sock
+
+
 def run_from_args(a):
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     api_key = resolve_api_key(a.api_key)
     limits = ServerLimits.from_args(a)
+    sock = _listen_socket(a.host, a.port)
     engine, name = build_engine(a)
     log.info("compiling (warm-up) ...")
     engine.start()
@@ -1472,13 +1529,15 @@ def run_from_args(a):
         log.warning("serving on %s without an API key: anyone who can reach it can use it "
                     "(--api-key or $%s)", a.host, API_KEY_ENV)
     log.info("serving %s on http://%s:%d (slots=%d, max_len=%d, gamma=%d, auth=%s)", name, a.host,
-             a.port, engine.B, engine.max_len, engine.gamma, "on" if api_key else "off")
+             sock.getsockname()[1], engine.B, engine.max_len, engine.gamma,
+             "on" if api_key else "off")
     server = uvicorn_server(uvicorn_config(app, limits=limits, host=a.host, port=a.port,
                                            log_level=a.log_level), app.state.shutdown)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.stop()
+        sock.close()
 
 
 def main(argv=None):

@@ -264,6 +264,9 @@ class Sequence:
         self._piece_at = 0  # the first of _pieces not wholly emitted
         self._po = 0  # detokenizer: prefix offset
         self._ro = 0  # detokenizer: read offset
+        # tokens decoded before the first generated ones (a completion's prompt tail), so that
+        # a first token's leading space (SentencePiece's "\u2581") is kept, as vLLM keeps it
+        self.text_context: list[int] = []
         self.slot: int | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -1982,8 +1985,9 @@ class ServingEngine:
         so that the tokenizer joins them as it joins the whole), unless that ends in the middle of
         a character and it is not the ``final`` piece (then it waits for the next token). True
         when a stop string in it ends the text there."""
-        prefix = self._decode(toks[s._po:s._ro])
-        full = self._decode(toks[s._po:])
+        ctx = s.text_context if s._po == 0 else []
+        prefix = self._decode(ctx + toks[s._po:s._ro])
+        full = self._decode(ctx + toks[s._po:])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return False
         piece = full[len(prefix):]

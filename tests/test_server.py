@@ -149,6 +149,14 @@ def test_engine_describes_how_it_decodes(model):
     assert "token-tree speculation" in d and "paged K/V (pages of 16" in d, d
 
 
+def _continuation(model, prompt, body) -> str:
+    """The text ``body`` adds to ``prompt`` (a completion's text: its first space included)."""
+    ids = model.tokenizer(prompt)["input_ids"]
+    whole, head = (model.tokenizer.decode(x, skip_special_tokens=True) for x in (ids + body, ids))
+    assert whole.startswith(head)
+    return whole[len(head):]
+
+
 def test_completions_greedy_equal_offline_generate(model, client):
     prompts = _prompts(5, seed=1)
     ref = _reference(model, prompts, 24)
@@ -158,7 +166,7 @@ def test_completions_greedy_equal_offline_generate(model, client):
         c = r.choices[0]
         assert c.model_extra["token_ids"] == want
         body = want[:-1] if want and want[-1] == 1 else want
-        assert c.text == model.tokenizer.decode(body, skip_special_tokens=True)
+        assert c.text == _continuation(model, p, body)
         assert c.finish_reason == ("stop" if want[-1] == 1 else "length")
         assert r.usage.completion_tokens == len(want)
         assert r.usage.prompt_tokens == len(model.tokenizer(p)["input_ids"])
@@ -281,7 +289,7 @@ def test_64_concurrent_streaming_clients(model, server):
     for i, text, ids, finish in results:  # none mixed up
         assert ids == ref[i], i
         body = ids[:-1] if ids[-1] == 1 else ids
-        assert text == model.tokenizer.decode(body, skip_special_tokens=True)
+        assert text == _continuation(model, prompts[i], body)
     after = _metrics(server.url)
     new_tokens = sum(len(r) for r in ref)
     d = lambda k: after.get(k, 0) - before.get(k, 0)  # noqa: E731
@@ -328,7 +336,7 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "'top_p' must be > 0"),
     ("/v1/completions", {"prompt": "a", "top_k": 1.5}, 400, "'top_k' must be an integer"),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "'n' must be >= 1"),
-    ("/v1/completions", {"prompt": "a", "n": 99}, 400, "'n' must be <= 8"),
+    ("/v1/completions", {"prompt": "a", "n": 129}, 400, "'n' must be <= 128"),
     ("/v1/completions", {"prompt": "a", "stop": 3}, 400, "'stop' must be"),
     ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
     ("/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "'stream' must be a boolean"),

@@ -247,7 +247,7 @@ def test_sigterm_on_a_real_server_process(checkpoint, tmp_path):
     def read_log():
         for line in proc.stderr:
             log.append(line)
-            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            m = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", line)
             if m:
                 port.append(int(m.group(1)))
     threading.Thread(target=read_log, daemon=True).start()
@@ -259,7 +259,15 @@ def test_sigterm_on_a_real_server_process(checkpoint, tmp_path):
             time.sleep(0.1)
         url = f"http://127.0.0.1:{port[0]}"
         auth = {"Authorization": f"Bearer {KEY}"}
-        assert httpx.get(url + "/health").status_code == 200
+        # The port is bound before the model loads and accepts once uvicorn has started.
+        while True:
+            try:
+                assert httpx.get(url + "/health").status_code == 200
+                break
+            except httpx.ConnectError:
+                assert proc.poll() is None, "".join(log[-30:])
+                assert time.time() - t0 < 240, "the server did not start:\n" + "".join(log[-30:])
+                time.sleep(0.1)
         assert httpx.get(url + "/v1/models").status_code == 401  # the key from the environment
         # a long stream (8000 tokens: many seconds) and a short one (40 tokens)
         long = _Stream(url, {"prompt": "hello", "max_tokens": 8000, "temperature": 0,

@@ -467,21 +467,31 @@ def _decode(tok, ids):
     return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def cut(tok, tokens, max_tokens, stops, eos) -> tuple[str, list[int], str]:
+def _continuation(tok, prompt, out):
+    """The text ``out`` adds to the text of ``prompt`` (a completion continues its prompt: a
+    SentencePiece word's leading space is kept)."""
+    before = _decode(tok, prompt)
+    whole = _decode(tok, list(prompt) + out)
+    assert whole.startswith(before), (prompt, out)
+    return whole[len(before):]
+
+
+def cut(tok, tokens, max_tokens, stops, eos, prompt=()) -> tuple[str, list[int], str]:
     """What the server answers for a sequence whose model output (without limits) starts with
-    ``tokens``: (text, token ids, finish reason)."""
+    ``tokens``: (text, token ids, finish reason). ``prompt``: the completion's prompt ids (a chat
+    answer's text starts afresh: none)."""
     out = []
     for t in tokens[:max_tokens]:
         out.append(int(t))
         if t in eos:
-            return _decode(tok, out[:-1]), out, "stop"
+            return _continuation(tok, prompt, out[:-1]), out, "stop"
         if stops:
-            text = _decode(tok, out)
+            text = _continuation(tok, prompt, out)
             hits = [text.find(s) for s in stops if s in text]
             if hits:
                 return text[:min(hits)], out, "stop"
     assert len(out) == max_tokens, "the reference ended early"
-    return _decode(tok, out), out, "length"
+    return _continuation(tok, prompt, out), out, "length"
 
 
 def _stops(body) -> tuple:
@@ -713,9 +723,13 @@ def check_answers(model, server, plans, outs, tok, eos, independent: bool) -> di
         if i in alone:
             assert sorted(alone[i]) == list(range(k)), (where, alone[i])
             answers.append(alone[i])
+        def prompt_of(c):  # the text a completion continues
+            return () if p.chat else p.prompts[c // p.body["n"]]
+
         for ans in answers:  # each finished choice's text is its tokens decoded, cut at a stop
             for c, (text, ids, finish) in ans.items():
-                assert (text, ids, finish) == cut(tok, ids, len(ids), stops, eos), (where, c, ans)
+                assert (text, ids, finish) == cut(tok, ids, len(ids), stops, eos,
+                                                  prompt_of(c)), (where, c, ans)
                 assert 0 < len(ids) <= p.body["max_tokens"], (where, c, ans)
         if i not in alone:
             compared["other_choices"] += len(o.ids) if o.done else 0
@@ -734,7 +748,7 @@ def check_answers(model, server, plans, outs, tok, eos, independent: bool) -> di
                 compared["hung_up_prefixes"] += 1
             if p.greedy and independent:
                 gen = cut(tok, ref[tuple(p.prompts[c // p.body["n"]])], p.body["max_tokens"],
-                          stops, eos)
+                          stops, eos, prompt_of(c))
                 assert want == gen, (where, c, want, gen)
                 compared["generate_choices"] += 1
     return compared

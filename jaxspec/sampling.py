@@ -179,17 +179,22 @@ def _cumsum(x: Array, axis: int = -1, inv: bool = False) -> Array:
     return _inv.fixed_cumsum(x, axis) if inv else jnp.cumsum(x, axis=axis)
 
 
-def _filter_mask(x: Array, top_k: Array, top_p: Array, inv: bool = False) -> Array:
+def _filter_mask(x: Array, top_k: Array, top_p: Array, inv: bool = False,
+                 rank_by: Array | None = None) -> Array:
     """Tokens kept by top-k then top-p, for scaled logits ``x[..., V]`` (f32).
 
-    One stable sort by (-x, index). The kept set is a prefix of that order, so it is
-    described by its last element (value v*, index i*): token j is kept iff
-    ``x_j > v*`` or (``x_j == v*`` and ``j <= i*``); no scatter back is needed.
+    One stable sort by (-r, index), ``r = rank_by`` (the unscaled logits: dividing by a
+    large temperature can round distinct logits to one value, or flush them to zero, and the
+    ranking must not change with the temperature) or ``x``. The kept set is a prefix of that
+    order, so it is described by its last element (value v*, index i*): token j is kept iff
+    ``r_j > v*`` or (``r_j == v*`` and ``j <= i*``); no scatter back is needed.
     """
     V = x.shape[-1]
+    r = x if rank_by is None else rank_by
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    neg_sorted, perm = jax.lax.sort((-x, iota), dimension=x.ndim - 1, is_stable=True, num_keys=1)
-    xs = -neg_sorted  # non-increasing
+    neg_r, perm, xs = jax.lax.sort((-r, iota, x), dimension=x.ndim - 1, is_stable=True,
+                                   num_keys=1)
+    rs = -neg_r  # non-increasing, and so is xs (x is a non-decreasing function of r)
     if inv:
         lse = _inv.fixed_logsumexp(x, -1, keepdims=True)
     else:
@@ -203,9 +208,9 @@ def _filter_mask(x: Array, top_k: Array, top_p: Array, inv: bool = False) -> Arr
     keep_p = (top_p >= 1.0) | (excl < top_p * mass_k)
     keep_rank = (rank < k) & keep_p  # a prefix of the ranking
     n_keep = jnp.maximum(jnp.sum(keep_rank, axis=-1, keepdims=True), 1)
-    v_last = jnp.take_along_axis(xs, n_keep - 1, axis=-1)
+    v_last = jnp.take_along_axis(rs, n_keep - 1, axis=-1)
     i_last = jnp.take_along_axis(perm, n_keep - 1, axis=-1)
-    return (x > v_last) | ((x == v_last) & (iota <= i_last))
+    return (r > v_last) | ((r == v_last) & (iota <= i_last))
 
 
 def probs_from_logits(logits: Array, params: SamplingParams) -> Array:
@@ -225,11 +230,12 @@ def probs_from_logits(logits: Array, params: SamplingParams) -> Array:
     # then exactly 0 however XLA rounds the division where it recomputes it (a tiny temperature
     # scales logits past 1e9, where two roundings of ``x / temp`` differ by more than exp can
     # take: exp(+ulp) = inf and the softmax NaN)
-    x = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.where(greedy, 1.0, temp)
+    xr = x - jnp.max(x, axis=-1, keepdims=True)
+    x = xr / jnp.where(greedy, 1.0, temp)
     if params.filtering:
         keep = _filter_mask(
             x, _per_row(params.top_k, nd).astype(jnp.int32), _per_row(params.top_p, nd).astype(jnp.float32),
-            params.invariant,
+            params.invariant, rank_by=xr,
         )
         x = jnp.where(keep, x, -jnp.inf)
     probs = _inv.fixed_softmax(x, -1) if params.invariant else jax.nn.softmax(x, axis=-1)
@@ -261,30 +267,37 @@ def categorical(rng: Array, probs: Array, num: int | None = None, *,
     """Draws from (unnormalized, non-negative) ``probs[..., V]`` by inverse CDF.
 
     Returns ``[...]`` int32, or ``[..., num]`` independent draws (with replacement) when
-    ``num`` is given. One uniform per draw; exact for one-hot rows (the single positive
-    token is always returned); tokens of probability 0 are never returned. For large V the
-    CDF is two-level (blocks of 1024) so the float32 cumsum error stays ~1e-7. ``invariant``:
+    ``num`` is given. Exact for one-hot rows (the single positive token is always returned);
+    tokens of probability 0 are never returned. For large V the CDF is two-level (blocks of
+    1024, so the float32 cumsum error stays ~1e-7), with one uniform for the block and another
+    for the token inside it; up to 1024 tokens, one uniform per draw. ``invariant``:
     the sums and cumulative sums are fixed trees / scans of adds (`SamplingParams.invariant`).
     """
     probs = probs.astype(jnp.float32)
     V = probs.shape[-1]
     lead = probs.shape[:-1]
     S = 1 if num is None else num
-    u = jax.random.uniform(rng, lead + (S,), jnp.float32)
     if V <= _BLOCK:
+        u = jax.random.uniform(rng, lead + (S,), jnp.float32)
         cdf = _cumsum(probs, -1, invariant)
         out = _first_above(cdf, probs, u * cdf[..., -1:])
     else:
+        # one uniform picks the block, a second one (independent) the token inside it: a
+        # float32 uniform has only 2^23 values, so reusing the first one inside a block left
+        # every token below ~2^-23 of the total mass quantized (a third of a 152k
+        # vocabulary could never be drawn at T=1: TV ~3e-3 per token)
+        k_blk, k_in = jax.random.split(rng)
+        u = jax.random.uniform(k_blk, lead + (S,), jnp.float32)
         nb = -(-V // _BLOCK)
         pb = jnp.pad(probs, [(0, 0)] * len(lead) + [(0, nb * _BLOCK - V)]).reshape(lead + (nb, _BLOCK))
         bsum = row_sum(pb, -1, invariant=invariant)  # [..., nb]
         bcdf = _cumsum(bsum, -1, invariant)
         t = u * bcdf[..., -1:]  # [..., S]
         blk = _first_above(bcdf, bsum, t)  # [..., S]
-        start = jnp.take_along_axis(bcdf - bsum, blk, axis=-1)
         inner = jnp.take_along_axis(pb, blk[..., None], axis=-2)  # [..., S, BLOCK]
         icdf = _cumsum(inner, -1, invariant)
-        j = _first_above(icdf, inner, (t - start)[..., None])[..., 0]
+        u_in = jax.random.uniform(k_in, lead + (S,), jnp.float32)
+        j = _first_above(icdf, inner, (u_in * icdf[..., -1])[..., None])[..., 0]
         out = blk * _BLOCK + j
     return out[..., 0] if num is None else out
 

@@ -95,6 +95,33 @@ def test_probs_match_numpy_reference(V):
     np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_top_k_and_top_p_keep_the_same_tokens_at_any_temperature(invariant):
+    """Top-k ranks the logits, not the logits over the temperature: dividing by a huge
+    temperature rounds distinct logits to one value or flushes them to 0, and must not change
+    which tokens are kept (it only flattens the kept tokens' distribution)."""
+    rng = np.random.default_rng(7)
+    B, V = 12, 40
+    logits = rng.normal(0, 3, (B, V)).astype(np.float32)
+    k = rng.integers(1, 6, B).astype(np.int32)
+    t = np.array([1e38, 1e30, 3e7] * 4, np.float32)
+    sp = SamplingParams.make(B, t, k, 1.0, invariant=invariant)
+    got = np.asarray(jax.jit(probs_from_logits)(jnp.asarray(logits), sp))
+    for b in range(B):
+        want = set(np.argsort(-logits[b], kind="stable")[: k[b]].tolist())
+        assert set(np.flatnonzero(got[b] > 0).tolist()) == want, (b, t[b], k[b])
+        np.testing.assert_allclose(got[b][sorted(want)], 1.0 / k[b], rtol=1e-5)
+    # top-p over a flattened distribution: the kept prefix still follows the logits' order
+    sp = SamplingParams.make(B, t, 0, 0.3, invariant=invariant)
+    got = np.asarray(jax.jit(probs_from_logits)(jnp.asarray(logits), sp))
+    for b in range(B):
+        n = int(np.ceil(0.3 * V - 1e-6))  # near-uniform mass: the first ~30% of the ranking
+        kept = np.flatnonzero(got[b] > 0)
+        order = np.argsort(-logits[b], kind="stable")
+        assert set(kept.tolist()) == set(order[: len(kept)].tolist()), (b, t[b])
+        assert abs(len(kept) - n) <= 1, (b, len(kept), n)
+
+
 def test_greedy_rows_are_first_argmax_one_hot_and_leading_dims_broadcast():
     logits = jnp.array([[[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, -1.0, 2.0]], [[0.0, 1.0, 5.0, 5.0], [9.0, 1.0, 1.0, 1.0]]])
     sp = SamplingParams.make(2, temperature=[0.0, 1.0], top_k=[0, 2])
@@ -183,6 +210,37 @@ def test_categorical_exact_on_one_hot_and_never_draws_zero_prob(V):
     assert set(np.unique(draws)) <= set(support.tolist())
     counts = np.array([(draws == s).sum() for s in support])
     assert chi2_pvalue(counts, w[support] / w.sum()) > ALPHA
+
+
+def test_categorical_draws_tokens_far_below_float32_resolution(monkeypatch):
+    """A float32 uniform has 2^24 values at most: one uniform for both the block and the token
+    inside it would leave most tokens of a block holding ~1e-6 of the mass undrawable. With
+    the draw forced into such a block, the token inside it follows the block's probabilities."""
+    V = 2 * 1024
+    rng = np.random.default_rng(0)
+    w = np.zeros(V, np.float32)
+    w[0] = 1.0  # the first block holds all but ~1e-6 of the mass
+    tiny = rng.uniform(0.5, 1.5, 1024).astype(np.float32) * 1e-9
+    w[1024:] = tiny
+    real = jax.random.uniform
+    calls = []
+
+    def uniform(key, shape=(), dtype=jnp.float32, *a, **kw):
+        calls.append(shape)
+        if len(calls) == 1:  # the block draw: into the second block (t in [1, 1 + 1e-6))
+            return jnp.full(shape, 1.0 - 5e-7, dtype)
+        return real(key, shape, dtype, *a, **kw)
+
+    monkeypatch.setattr(jax.random, "uniform", uniform)
+    n = 20_000
+    draws = np.asarray(categorical(jax.random.key(1), jnp.asarray(w), n))
+    assert draws.min() >= 1024, "the forced block draw was not the first uniform"
+    counts = np.bincount(draws - 1024, minlength=1024)
+    # 1024 cells, ~20 draws each: pooled into 64 cells for the chi-square
+    pooled = counts.reshape(64, 16).sum(1)
+    want = tiny.reshape(64, 16).sum(1) / tiny.sum()
+    assert (counts > 0).sum() > 900, (counts > 0).sum()  # one shared uniform: ~17 tokens
+    assert chi2_pvalue(pooled, want) > ALPHA
 
 
 def test_categorical_many_draws_shape():

@@ -35,12 +35,17 @@ _HF_DEFAULTS = {"llama": {"max_position_embeddings": 2048},
                 "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096}}
 
 
+def _token_id(v, name: str) -> int:
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 0:
+        raise ConfigError(f"config field {name!r} must be a token id or a list of them, got "
+                          f"{v!r}")
+    return int(v)
+
+
 def _first_id(v):
     if isinstance(v, (list, tuple)):
         v = v[0] if v else None
-    if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)):
-        raise ConfigError(f"config field 'bos_token_id' must be a token id, got {v!r}")
-    return None if v is None else int(v)
+    return None if v is None else _token_id(v, "bos_token_id")
 
 
 class ConfigError(ValueError):
@@ -263,7 +268,8 @@ class ModelConfig:
             head_dim = int(d.get("head_dim") or (128 if model_type == "qwen3" else
                                                  hidden // heads))
             eos = d.get("eos_token_id")
-            eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])
+            eos_ids = tuple(_token_id(e, "eos_token_id")
+                            for e in (eos if isinstance(eos, (list, tuple)) else [eos])
                             if e is not None)
             rope_scaling = d.get("rope_scaling")
             rope_theta = d.get("rope_theta")
@@ -292,7 +298,7 @@ class ModelConfig:
             # transformers' Mistral has no use_sliding_window field: it always slides
             if ((model_type == "mistral" or d.get("use_sliding_window", False))
                     and d.get("sliding_window")
-                    and int(d["sliding_window"]) < int(d.get("max_position_embeddings", 4096))):
+                    and int(d["sliding_window"]) < int(d.get("max_position_embeddings") or 4096)):
                 # (a window as long as the context never hides a key: full attention)
                 sliding = int(d["sliding_window"])
                 # Qwen2 slides only in the layers from max_window_layers on (transformers 5:
@@ -324,7 +330,7 @@ class ModelConfig:
                 rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
                 rope_scaling=rope_scaling,
                 rope_freq_factors=tuple(float(f) for f in factors) if factors is not None else None,
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 # as transformers builds them: Qwen2 always has q/k/v biases, Mistral never
                 attention_bias=(model_type == "qwen2" or model_type in ("llama", "qwen3")
@@ -382,7 +388,10 @@ class ModelConfig:
             # a Hugging Face config.json: the fields it leaves out take transformers' defaults
             # (a Mistral without "sliding_window" slides over 4096 tokens there). Not in
             # from_hf_dict: a jaxspec checkpoint's config writes no window when it has none.
-            d = {**_HF_DEFAULTS[d["model_type"]], **d}
+            # A null context length is read as a missing one; a null window is no window.
+            d = {**_HF_DEFAULTS[d["model_type"]],
+                 **{k: v for k, v in d.items()
+                    if v is not None or k != "max_position_embeddings"}}
         return cls.from_hf_dict(d)
 
 

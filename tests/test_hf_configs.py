@@ -90,6 +90,10 @@ def test_mistral_config_json_defaults(tmp_path):
     assert c.sliding_window == 4096 and c.max_position_embeddings == 131072
     p.write_text(json.dumps({**d, "model_type": "llama"}))
     assert ModelConfig.from_json(p).max_position_embeddings == 2048
+    # null: the context length is the default, and a null window is no window (Mistral v0.2+)
+    p.write_text(json.dumps({**d, "max_position_embeddings": None, "sliding_window": None}))
+    c = ModelConfig.from_json(p)
+    assert c.sliding_window is None and c.max_position_embeddings == 131072
 
 
 def test_bos_token_id_list_and_bad_ids():
@@ -100,6 +104,12 @@ def test_bos_token_id_list_and_bad_ids():
     hash(c)  # a static jit argument
     with pytest.raises(ConfigError, match="bos_token_id"):
         ModelConfig.from_hf_dict({**base, "bos_token_id": "<s>"})
+    assert ModelConfig.from_hf_dict({**base, "eos_token_id": [2, 7]}).eos_token_ids == (2, 7)
+    for bad in ([[2, 7]], "</s>", [2, -1], True):  # a clear error, not a TypeError
+        with pytest.raises(ConfigError, match="eos_token_id"):
+            ModelConfig.from_hf_dict({**base, "eos_token_id": bad})
+    assert ModelConfig.from_hf_dict({**base, "max_position_embeddings": None}
+                                    ).max_position_embeddings == 4096
 
 
 def test_stray_safetensors_files_are_not_weights(tmp_path):

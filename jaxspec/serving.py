@@ -446,6 +446,10 @@ class ServingEngine:
         self.warmup_prefill = int(warmup_prefill)
         self.stop_ids = stop_token_ids(model, stop_tokens, eos=not ignore_eos)
         ctx = cfg.max_position_embeddings
+        if max_len is not None and (isinstance(max_len, bool) or int(max_len) != max_len
+                                    or max_len < 2):
+            raise ValueError(f"max_len must be an int >= 2 (prompt + completion) or None, got "
+                             f"{max_len!r}")
         self.max_len = int(min(max_len or min(ctx, 4096), ctx))
         self.speculation = speculation
         self.draft = dec.draft
@@ -484,15 +488,22 @@ class ServingEngine:
         self.out_len = self.max_chunk_rounds * self.tokens_per_round
         self.blocks = None
         if self.paged:
-            if int(page_size) < 1:
-                raise ValueError(f"page_size must be >= 1, got {page_size!r}")
+            if isinstance(page_size, bool) or int(page_size) != page_size or page_size < 1:
+                raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+            if kv_blocks is not None and (isinstance(kv_blocks, bool) or kv_blocks < 1):
+                raise ValueError(f"kv_blocks must be >= 1 or None (default), got {kv_blocks!r}")
+            if prefill_budget is not None and int(prefill_budget) < 1:
+                # (0 or less: `_prefill_step` would never prefill a prompt token: every request
+                # with a prompt of 2 or more tokens would wait for ever)
+                raise ValueError(f"prefill_budget must be >= 1 tokens or None, got "
+                                 f"{prefill_budget!r}")
             if speculation is not None and not speculation.is_self and speculation.window is None:
                 raise ValueError("a paged server speculates with draft='self' or a ring-buffer "
                                  "draft model (window=...), not a full-cache draft")
             self.page_size = int(page_size)
             # a sequence of max_len, the writes of one chunk ahead and the slot after them
             self.max_blocks = -(-(self.max_len + self.extra + self.out_len + 1) // self.page_size)
-            n_blocks = int(kv_blocks) if kv_blocks else self.B * self.max_blocks
+            n_blocks = int(kv_blocks) if kv_blocks is not None else self.B * self.max_blocks
             if n_blocks < self.max_blocks:
                 raise ValueError(f"kv_blocks={n_blocks} cannot hold one sequence of max_len "
                                  f"{self.max_len} ({self.max_blocks} blocks of "
@@ -771,6 +782,11 @@ class ServingEngine:
         `warmup`)."""
         if self._thread is not None:
             return self
+        if self._state is None:  # stopped before (`stop` let the slots' state go): start empty
+            self.state = self._fresh_state()
+            self.done[:] = True
+            self._started.clear()
+            self._stop_rows.clear()
         if warmup:
             self.warmup(variants)
         else:

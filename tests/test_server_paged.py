@@ -328,9 +328,41 @@ def test_growth_maps_what_the_chunk_in_flight_may_write(model):
     assert len(s.blocks) * 16 >= L + flight * 4 + rounds + e.extra + 1, (len(s.blocks), rounds)
 
 
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_an_engine_starts_again_after_stop(model, page_size):
+    """`stop` lets the slots' device state go; a second `start` serves from empty slots, the
+    same tokens as before."""
+    e = ServingEngine(model, max_batch=2, max_len=64, rounds_per_chunk=2, prefill_chunk=16,
+                      page_size=page_size)
+    opts = SamplingOptions(max_tokens=5, temperature=0)
+    e.start(variants=[(True, False)])
+    try:
+        first = e.generate([5, 6, 7] * 4, opts, timeout=60).tokens
+    finally:
+        e.stop()
+    e.start(variants=[(True, False)])
+    try:
+        assert e.generate([5, 6, 7] * 4, opts, timeout=60).tokens == first
+        assert e.generate([3, 4] * 5, opts, timeout=60).tokens == list(jaxspec.generate(
+            model, [[3, 4] * 5], max_new_tokens=5).tokens[0])
+    finally:
+        e.stop()
+
+
 def test_paged_engine_rejects_bad_sizes(model):
     with pytest.raises(ValueError, match="page_size"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=0)
+    with pytest.raises(ValueError, match="page_size"):
+        ServingEngine(model, max_batch=2, max_len=64, page_size=7.5)
+    for blocks in (0, -3):  # (0 is not "the default pool")
+        with pytest.raises(ValueError, match="kv_blocks"):
+            ServingEngine(model, max_batch=2, max_len=64, page_size=8, kv_blocks=blocks)
+    for budget in (0, -16):  # a budget that prefills nothing would leave prompts waiting
+        with pytest.raises(ValueError, match="prefill_budget"):
+            ServingEngine(model, max_batch=2, max_len=64, page_size=8, prefill_budget=budget)
+    for max_len in (0, 1, -5, 8.5, True):
+        with pytest.raises(ValueError, match="max_len"):
+            ServingEngine(model, max_batch=2, max_len=max_len, page_size=8)
     with pytest.raises(ValueError, match="kv_blocks"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, kv_blocks=2)
     with pytest.raises(ValueError, match="mixed_prefill"):

@@ -294,6 +294,12 @@ def check_serve(a) -> None:
             raise ValueError(f"--max-batch {a.max_batch}: with --dp {d} the slots are split over "
                              f"{d} data-parallel groups; give a multiple of {d}")
         _check_invariant_mesh(a)
+    blocks, page, max_len = (getattr(a, n, None) for n in ("kv_blocks", "page_size", "max_len"))
+    if blocks and page and max_len and blocks * page < max_len:
+        # (the engine checks the exact need after the load: max_len plus a chunk's writes)
+        raise ValueError(f"--kv-blocks {blocks}: {blocks} blocks of --page-size {page} hold "
+                         f"{blocks * page} tokens, less than one sequence of --max-len {max_len}; "
+                         f"give at least {-(-max_len // page)} blocks")
     if getattr(a, "page_size", None) is None:  # options of a block pool, without one
         given = [f"--{name.replace('_', '-')}" for name in (
             "kv_blocks", "prefill_budget", "mixed_prefill", "fill_first")

@@ -159,8 +159,10 @@ def test_serve_convert_fetch_and_tree_search_arguments(ckpt: Path, tmp_path: Pat
         # (with an even number of devices: 2 data shards do not divide 3 slots)
         **({"--max-batch 3": [*m, "--dp", "2", "--max-batch", "3"]}
            if len(jax.devices()) % 2 == 0 else {}),
-        # options of a block pool without --page-size: refused after the load, or ignored
+        # options of a block pool without --page-size
         "--kv-blocks": [*m, "--kv-blocks", "100"],
+        # a pool smaller than one sequence: refused before the load
+        "--kv-blocks 3": [*m, "--page-size", "16", "--kv-blocks", "3", "--max-len", "256"],
         "--fill-first": [*m, "--fill-first", "1"],
         "--window": [*m, "--window", "64"],  # speculation options need --draft
     }

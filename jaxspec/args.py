@@ -194,6 +194,19 @@ def check_checkpoint(path: str, option: str) -> pathlib.Path:
     return p
 
 
+def _checkpoint_context(path) -> int | None:
+    """The context length in a jaxspec checkpoint's config (read, not loaded), or None where
+    it cannot be read cheaply (no --model yet: the default checkpoint is fetched later)."""
+    if path is None:
+        return None
+    try:
+        d = json.loads((pathlib.Path(path) / "jaxspec_config.json").read_text())["config"]
+        v = d.get("max_position_embeddings")
+        return int(v) if v else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def check_speculation(a) -> None:
     """``--draft / --gamma / --sink / --window / --retrieve / --tree``: checked with a
     ``--draft``, refused without one (speculation needs ``--draft self`` or a draft model)."""
@@ -295,6 +308,10 @@ def check_serve(a) -> None:
                              f"{d} data-parallel groups; give a multiple of {d}")
         _check_invariant_mesh(a)
     blocks, page, max_len = (getattr(a, n, None) for n in ("kv_blocks", "page_size", "max_len"))
+    if blocks and page and max_len:
+        # the engine clamps max_len to the model's context: compare with what it will serve
+        ctx = _checkpoint_context(getattr(a, "model", None))
+        max_len = max_len if ctx is None else min(max_len, ctx)
     if blocks and page and max_len and blocks * page < max_len:
         # (the engine checks the exact need after the load: max_len plus a chunk's writes)
         raise ValueError(f"--kv-blocks {blocks}: {blocks} blocks of --page-size {page} hold "

@@ -1498,19 +1498,28 @@ class BackgroundServer:
         self.sock.close()
 
 
-def _listen_socket(host: str, port: int):
-    """The server's socket, bound before the model loads: a port in use fails at once, not
-    after minutes of loading and compiling."""
+def _listen_socket(host: str, port: int, backlog: int = 2048):
+    """The server's socket, bound and listening before the model loads: a port in use fails at
+    once, not after minutes of loading and compiling. The address family is uvicorn's own
+    choice (IPv6 for an address with a ':', else IPv4), so that ``--host localhost`` binds
+    127.0.0.1 as it did, whatever getaddrinfo lists first (``::1`` where /etc/hosts maps
+    ``localhost`` to it). It listens at once: with SO_REUSEADDR, Linux lets a second socket
+    bind a port that no socket listens on yet, so a server still loading would not hold its
+    port (connections made during the load wait in the backlog until the app serves)."""
     import socket
-    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                               flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        sock.bind(addr)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise OSError(f"--host {host}: cannot open a socket for it: {e.strerror}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
     except OSError as e:
         sock.close()
-        raise OSError(f"--host {host} --port {port}: cannot listen there: {e.strerror}") from None
+        raise OSError(f"--host {host} --port {port}: cannot listen there: "
+                      f"{e.strerror or e}") from None
     return sock
 
 
@@ -1519,24 +1528,27 @@ def run_from_args(a):
     api_key = resolve_api_key(a.api_key)
     limits = ServerLimits.from_args(a)
     sock = _listen_socket(a.host, a.port)
-    engine, name = build_engine(a)
-    log.info("compiling (warm-up) ...")
-    engine.start()
-    app = create_app(engine, name, api_key=api_key, limits=limits,
-                     metrics_public=a.metrics_public, page_public=a.page_public,
-                     shutdown_timeout=a.shutdown_timeout)
-    if api_key is None and a.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("serving on %s without an API key: anyone who can reach it can use it "
-                    "(--api-key or $%s)", a.host, API_KEY_ENV)
-    log.info("serving %s on http://%s:%d (slots=%d, max_len=%d, gamma=%d, auth=%s)", name, a.host,
-             sock.getsockname()[1], engine.B, engine.max_len, engine.gamma,
-             "on" if api_key else "off")
-    server = uvicorn_server(uvicorn_config(app, limits=limits, host=a.host, port=a.port,
-                                           log_level=a.log_level), app.state.shutdown)
+    engine = None
     try:
+        engine, name = build_engine(a)
+        log.info("compiling (warm-up) ...")
+        engine.start()
+        app = create_app(engine, name, api_key=api_key, limits=limits,
+                         metrics_public=a.metrics_public, page_public=a.page_public,
+                         shutdown_timeout=a.shutdown_timeout)
+        if api_key is None and a.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("serving on %s without an API key: anyone who can reach it can use it "
+                        "(--api-key or $%s)", a.host, API_KEY_ENV)
+        shown = f"[{a.host}]" if ":" in a.host else a.host  # (an IPv6 address in a URL)
+        log.info("serving %s on http://%s:%d (slots=%d, max_len=%d, gamma=%d, auth=%s)", name,
+                 shown, sock.getsockname()[1], engine.B, engine.max_len, engine.gamma,
+                 "on" if api_key else "off")
+        server = uvicorn_server(uvicorn_config(app, limits=limits, host=a.host, port=a.port,
+                                               log_level=a.log_level), app.state.shutdown)
         server.run(sockets=[sock])
-    finally:
-        engine.stop()
+    finally:  # (also when the load or the warm-up fails: the port is given back at once)
+        if engine is not None:
+            engine.stop()
         sock.close()
 
 

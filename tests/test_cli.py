@@ -196,6 +196,9 @@ def test_serve_convert_fetch_and_tree_search_arguments(ckpt: Path, tmp_path: Pat
         assert "--acceptance" in fails(["tree-search", *argv], capsys), argv
     assert "--budget" in fails(["tree-search", "--acceptance", "0.5", "--budget", "0"], capsys)
     assert no_load == []
+    # --max-len beyond the model's context (256) is cut to it: 16 blocks of 16 hold a sequence
+    with pytest.raises(Loaded):
+        cli.main(["serve", *m, "--page-size", "16", "--kv-blocks", "16", "--max-len", "8192"])
 
 
 def test_tree_search_runs_without_compiling(no_load: list[str], capsys: pytest.CaptureFixture) -> None:

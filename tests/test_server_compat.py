@@ -133,4 +133,24 @@ def test_a_taken_port_is_refused_before_loading():
             _listen_socket("127.0.0.1", port)
     free = _listen_socket("127.0.0.1", 0)
     assert free.getsockname()[1] > 0
+    # the port is held while the model loads: a second server on it is refused at once
+    with pytest.raises(OSError, match="cannot listen there"):
+        _listen_socket("127.0.0.1", free.getsockname()[1])
     free.close()
+    # a host name binds IPv4, as uvicorn does (not whatever getaddrinfo lists first: ::1 where
+    # /etc/hosts maps localhost to it, and then 127.0.0.1 refuses)
+    real = socket.getaddrinfo
+
+    def v6_first(host, *a, **kw):
+        v6 = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", a[0] if a else 0, 0, 0))]
+        return v6 + real(host, *a, **kw) if host == "localhost" else real(host, *a, **kw)
+
+    import unittest.mock
+    with unittest.mock.patch.object(socket, "getaddrinfo", v6_first):
+        local = _listen_socket("localhost", 0)
+    try:
+        assert local.family == socket.AF_INET
+        with socket.create_connection(("127.0.0.1", local.getsockname()[1]), timeout=5):
+            pass
+    finally:
+        local.close()

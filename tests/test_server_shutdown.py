@@ -259,12 +259,12 @@ def test_sigterm_on_a_real_server_process(checkpoint, tmp_path):
             time.sleep(0.1)
         url = f"http://127.0.0.1:{port[0]}"
         auth = {"Authorization": f"Bearer {KEY}"}
-        # The port is bound before the model loads and accepts once uvicorn has started.
+        # The port listens before the model loads; the app answers once uvicorn has started.
         while True:
             try:
-                assert httpx.get(url + "/health").status_code == 200
+                assert httpx.get(url + "/health", timeout=30).status_code == 200
                 break
-            except httpx.ConnectError:
+            except httpx.TransportError:
                 assert proc.poll() is None, "".join(log[-30:])
                 assert time.time() - t0 < 240, "the server did not start:\n" + "".join(log[-30:])
                 time.sleep(0.1)

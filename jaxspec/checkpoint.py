@@ -432,6 +432,11 @@ def save(model_or_params, dst, config: ModelConfig | None = None, tokenizer=None
     if isinstance(model_or_params, Model):
         params, config, tokenizer = (model_or_params.params, model_or_params.config,
                                      tokenizer or model_or_params.tokenizer)
+        if model_or_params.kv_replicas > 1:  # widened by shard_model: the original KV heads
+            from jaxspec.model import unfuse_layer_params
+            from jaxspec.sharding import narrow_kv
+            config, params = narrow_kv(config, unfuse_layer_params(params),
+                                       model_or_params.kv_replicas)
     else:
         params = model_or_params
     params = stack_layers(params)

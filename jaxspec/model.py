@@ -44,6 +44,9 @@ class Model:
     tokenizer: Any = None
     path: pathlib.Path | None = None
     mesh: Any = None
+    # copies of each of the checkpoint's KV heads in ``params`` (`jaxspec.shard_model` widens
+    # KV heads fewer than the model axis; `jaxspec.save` writes the original heads)
+    kv_replicas: int = 1
     # the decoders `jaxspec.generate` made for this model (compiled loops, measured costs)
     decoders: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                        compare=False)

@@ -15,8 +15,9 @@ widened to ``model`` heads (head ``j`` is a copy of original head ``j // (model 
 config says ``num_kv_heads = model``; each device then holds exactly the one KV head its query
 heads read, in weights and cache. This is exact: query head ``h`` reads widened head
 ``h // (H / model)``, a copy of original head ``h // (H / K)``. Checkpoints keep the original
-shapes (`param_shardings` replicates ``wk/wv`` over ``model`` in that case) and `shard_model`
-widens after loading. Any other non-dividing count (query heads, or KV heads neither a multiple nor
+shapes (`param_shardings` replicates ``wk/wv`` over ``model`` in that case), `shard_model`
+widens after loading, and `jaxspec.save` of a widened model writes the original heads again
+(``Model.kv_replicas``). Any other non-dividing count (query heads, or KV heads neither a multiple nor
 a divisor of the model axis, e.g. SmolLM2's 9/3 heads on 2, 4 or 8 devices) is refused with a
 `ShardingError` naming the numbers. MLP and vocabulary dimensions that do not divide are
 replicated (correct, just not split).
@@ -87,12 +88,31 @@ def shard_model(model: Model, mesh) -> Model:
     check_config(config, mesh)
     m = axis_size(mesh, "model")
     params = unfuse_layer_params(model.params)  # fused columns would not follow the heads
+    replicas = model.kv_replicas
     if config.num_kv_heads % m:  # K < m, m % K == 0: replicate KV heads
-        config, params = _widen_kv(config, params, m // config.num_kv_heads, mesh)
+        r = m // config.num_kv_heads
+        config, params = _widen_kv(config, params, r, mesh)
+        replicas *= r
     shardings = param_shardings(config, params, mesh)
     if not _has_shardings(params, shardings):
         params = jax.device_put(params, shardings)
-    return dataclasses.replace(model, config=config, params=params, mesh=mesh)
+    return dataclasses.replace(model, config=config, params=params, mesh=mesh,
+                               kv_replicas=replicas)
+
+
+def narrow_kv(config: ModelConfig, params, r: int):
+    """`shard_model`'s widening undone: ``(config, params)`` with the ``r`` copies of each KV
+    head back to one (the shapes of the checkpoint the model came from)."""
+    if r == 1:
+        return config, params
+    K, Dh = config.num_kv_heads, config.head_dim
+
+    def narrow(x):
+        lead = x.shape[:-1]
+        return x.reshape(*lead, K, Dh)[..., ::r, :].reshape(*lead, (K // r) * Dh)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: narrow(x) if leaf_name(p) in _KV_PARAMS else x, params)
+    return dataclasses.replace(config, num_kv_heads=K // r), params
 
 
 def _has_shardings(params, shardings) -> bool:

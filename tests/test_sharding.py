@@ -245,6 +245,12 @@ def test_kv_head_replication(tmp_path, monkeypatch):
         res = jaxspec.generate(model, PROMPTS, max_new_tokens=NEW, speculation=SPECS[name]())
         assert res.tokens == ref, name
         assert _spec5(spy.cache) == P(None, "data", "model", None, None)
+    # saving the widened model writes the checkpoint's 2 KV heads again
+    jaxspec.save(model, tmp_path / "saved")
+    again = jaxspec.load(tmp_path / "saved")
+    assert again.config == _gqa().config
+    for name, x in _gqa().params["layers"].items():
+        np.testing.assert_array_equal(np.asarray(again.params["layers"][name]), np.asarray(x))
     # checkpoints keep 2 KV heads: load() restores wk replicated over model, generate widens
     jaxspec.save(_gqa(), tmp_path / "ckpt")
     loaded = jaxspec.load(tmp_path / "ckpt", mesh=mesh)

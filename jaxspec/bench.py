@@ -152,6 +152,21 @@ def parse_variant(text: str, draft=None):
 INVARIANT = "inv:"  # a variant decoded with batch_invariant=True: "inv:plain", "inv:g4-fixed"
 
 
+def split_variants(text: str) -> list[str]:
+    """The variant names of a ``--variants`` list: split at commas, except inside a tree's
+    branching (``plain,t2,2,1,1,g4`` is ``plain``, ``t2,2,1,1`` and ``g4``: a bare number
+    continues the tree before it)."""
+    out: list[str] = []
+    for piece in (x.strip() for x in text.split(",")):
+        if not piece:
+            continue
+        if piece.isdigit() and out and out[-1].split("-")[-1][:1] == "t":
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
 def split_variant(text: str) -> tuple[bool, str]:
     """``(batch_invariant, speculation variant)`` of a variant name (`INVARIANT` prefix)."""
     if text.startswith(INVARIANT):
@@ -282,7 +297,7 @@ def bench_generate(args) -> dict:
     mesh = mesh_of_args(args)
     model = load_model(args.model, args.dtype, mesh)
     draft = load_model(args.draft, args.dtype, mesh) if args.draft else None
-    variants = args.variants.split(",")
+    variants = split_variants(args.variants)
     if "plain" not in variants:
         variants = ["plain"] + variants
     specs = {v: parse_variant(split_variant(v)[1], draft) for v in variants}

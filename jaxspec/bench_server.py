@@ -658,7 +658,8 @@ def check_args(a, has_draft: bool = False) -> None:
             raise ValueError(f"--question must be an integer >= 1, got {a.question!r}")
         if a.doc_cache not in ("warm", "cold"):
             raise ValueError(f"--doc-cache must be 'warm' or 'cold', got {a.doc_cache!r}")
-    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    from jaxspec.bench import split_variants
+    variants = split_variants(a.variants)
     if not variants or len(set(variants)) != len(variants):
         raise ValueError(f"--variants: give distinct variant names, got {a.variants!r}")
     a.variant_list = ["off"] + [v for v in variants if v not in ("off", "plain")]

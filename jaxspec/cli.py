@@ -1,4 +1,4 @@
-"""Command line: ``jaxspec {convert,fetch,generate,serve,tree-search}`` (also ``python -m jaxspec``).
+"""Command line: ``jaxspec {convert,fetch,generate,serve,tree-search,bench}`` (also ``python -m jaxspec``).
 
 Every command checks all its arguments before it loads a model (`jaxspec.args`), and the ones
 that compile turn on the persistent compilation cache first (`jaxspec.compile_cache`).

@@ -335,8 +335,8 @@ class ServingEngine:
         longest cached prefix (automatic prefix caching, `jaxspec.blocks`); prompts are prefilled
         in chunks between decode chunks (``prefill_budget`` tokens each time if given, else
         half a second's worth at the measured prefill rate while fewer sequences decode than
-        wait for their prefill, then as many as take half a decode chunk's time, at least four
-        prefill chunks); when
+        wait for their prefill, then as many as take half a decode chunk's time, at least
+        `PREFILL_MIN_TOKENS` (2048) tokens in whole prefill chunks); when
         blocks run out, the most recently admitted sequence is preempted (its cache recomputed
         later, from its prompt and the tokens it has generated: nothing is lost). None: one dense
         cache row of ``max_len`` slots per slot.

@@ -641,6 +641,16 @@ def test_bench_variants_name_invariant_decoding():
     assert parse_variant(split_variant("inv:plain")[1]) is None
 
 
+def test_bench_variant_lists_keep_trees_whole():
+    from jaxspec.bench import parse_variant, split_variant, split_variants
+    got = split_variants("plain, t2,2,1,1,g4,inv:g3-t3,1,w496-r512")
+    assert got == ["plain", "t2,2,1,1", "g4", "inv:g3-t3,1", "w496-r512"]
+    assert parse_variant(got[1]).tree == (2, 2, 1, 1)
+    assert parse_variant(split_variant(got[3])[1]).tree == (3, 1)
+    with pytest.raises(ValueError, match="unknown part"):
+        parse_variant(split_variants("g4,2")[1])  # a number after no tree is no variant
+
+
 def test_greedy_rounds_select_blocks_with_the_default_scores(monkeypatch):
     """The block scores only steer a retrieving self-draft: a greedy invariant round computes
     them (as its drafts) with the default numerics; a sampled one with the invariant ones (its

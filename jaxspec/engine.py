@@ -111,7 +111,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     ``n``: samples per prompt (results are prompt-major: prompt i's samples at ``i*n .. i*n+n-1``).
     ``shared_prefix`` (Hydragen, `jaxspec.prefix`): ``"auto"`` shares the longest prefix common
     to all prompts once it is long enough, an int shares that many leading tokens, a list of
-    token ids shares exactly those; with ``n > 1`` each prompt is also shared by its samples.
+    token ids shares exactly those (at most the shortest prompt's length - 1: each prompt keeps
+    its last token outside the prefix); with ``n > 1`` each prompt is also shared by its samples.
     The prefix is prefilled once and attended to once per group; tokens are the same as without
     sharing (greedy) and the distribution is the same (sampling). A model with a sliding attention
     window shares nothing (``"auto"`` and ``n`` then just repeat rows; an explicit prefix raises).

@@ -136,11 +136,14 @@ def _preview(v) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _opt(body: dict, name: str, kind: str, default=None, *, lo=None, hi=None, lo_open=False):
-    """A typed optional field: kind in {"int", "number", "bool", "str"}; null means default."""
+def _opt(body: dict, name: str, kind: str, default=None, *, lo=None, hi=None, lo_open=False,
+         where: str | None = None):
+    """A typed optional field: kind in {"int", "number", "bool", "str"}; null means default.
+    ``where``: the field's name in errors (a field inside an object: ``"a.b"``)."""
     v = body.get(name, None)
     if v is None:
         return default
+    name = where or name
     ok = {"int": isinstance(v, int) and not isinstance(v, bool),
           "number": isinstance(v, (int, float)) and not isinstance(v, bool),
           "bool": isinstance(v, bool),
@@ -201,6 +204,17 @@ def _unsupported(body: dict, *, chat: bool) -> None:
         if v is not None and not any(type(v) is type(x) and v == x for x in no_ops):
             refuse(name)
     if chat:
+        # output this server cannot produce: answering with plain text would look like success
+        mods = body.get("modalities")
+        if mods is not None and (not isinstance(mods, list) or
+                                 not all(isinstance(x, str) for x in mods)):
+            raise _bad("'modalities' must be a list of strings", "modalities", "invalid_type")
+        if mods and any(x != "text" for x in mods):
+            raise _bad("'modalities' other than [\"text\"] are not supported by this server "
+                       "(it generates text only)", "modalities", "unsupported")
+        for name in ("audio", "web_search_options"):
+            if body.get(name) is not None:
+                refuse(name)
         for name in ("tools", "functions"):
             v = body.get(name)
             if v is not None and not isinstance(v, list):
@@ -335,13 +349,22 @@ def _chat_messages(body: dict, limits: ServerLimits) -> list[dict]:
         c = m.get("content")
         if isinstance(c, list):  # content parts: text only
             parts = []
-            for part in c:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise _bad(f"messages[{i}].content: only text parts are supported",
-                               "messages", "invalid_type")
-                parts.append(part["text"])
-            c = "".join(parts)
+            for j, part in enumerate(c):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+                elif kind == "refusal" and m.get("role") == "assistant" \
+                        and isinstance(part.get("refusal"), str):
+                    parts.append(part["refusal"])  # (OpenAI: an assistant's refusal part)
+                else:
+                    got = f"a {_preview(kind)} part" if isinstance(kind, str) else \
+                        _preview(part)
+                    raise _bad(f"messages[{i}].content[{j}]: only text parts are supported by "
+                               f"this server (no images, audio or files), got {got}",
+                               "messages", "unsupported" if isinstance(kind, str)
+                               else "invalid_type")
+            # (as vLLM joins them: parts are separate pieces of text, not one word split)
+            c = "\n".join(parts)
         elif c is None:
             c = ""
         elif not isinstance(c, str):
@@ -355,7 +378,12 @@ def _chat_messages(body: dict, limits: ServerLimits) -> list[dict]:
             raise _bad(f"messages[{i}].role {_preview(m['role'])} is not one of system, user, "
                        f"assistant, developer, tool", "messages", "invalid_value")
         _check_text(c, "messages", f"messages[{i}].content")
-        clean.append({"role": m["role"], "content": c})
+        # OpenAI's "developer" role is its "system" role under a new name (for newer models);
+        # chat templates know only "system" (SmolLM2's, Llama 3's, Qwen's add their own default
+        # system prompt when the first message is not "system", and render "developer" as an
+        # unknown role the model was never trained on)
+        role = "system" if m["role"] == "developer" else m["role"]
+        clean.append({"role": role, "content": c})
     return clean
 
 
@@ -966,10 +994,10 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec", *, api_key: s
         return PlainTextResponse(prometheus_text(engine, http, model_name, shutdown),
                                  media_type="text/plain; version=0.0.4")
 
-    def too_many_tokens(total, detail):
+    def too_many_tokens(total, detail, param="max_tokens"):
         return _bad(f"this request asks for up to {total} completion tokens ({detail}); this "
                     f"server allows at most {limits.max_generation_tokens} per request",
-                    "max_tokens", "invalid_value")
+                    param, "invalid_value")
 
     async def handle(request: Request, chat: bool):
         body = await read_json(request)
@@ -980,14 +1008,18 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec", *, api_key: s
         if so is not None and not stream:  # (as OpenAI's API answers it)
             raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options",
                        "invalid_value")
-        include_usage = bool(so and _opt(so, "include_usage", "bool", False))
+        include_usage = bool(so and _opt(so, "include_usage", "bool", False,
+                                         where="stream_options.include_usage"))
         return_ids = _opt(body, "return_token_ids", "bool", False)
         opts, n = _options(body, engine, limits, chat=chat)
         what = _chat_messages(body, limits) if chat else _completion_items(body, limits)
         k = 1 if chat else len(what)
+        # the field the client sent (chat: max_completion_tokens wins over max_tokens)
+        mt = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+            else "max_tokens"
         if opts.max_tokens is not None and k * n * opts.max_tokens > limits.max_generation_tokens:
             raise too_many_tokens(k * n * opts.max_tokens,
-                                  f"{k} prompts x n={n} x max_tokens={opts.max_tokens}")
+                                  f"{k} prompts x n={n} x {mt}={opts.max_tokens}", mt)
         max_queue = getattr(engine, "max_queue", None)
         if max_queue is not None and k * n > max_queue:
             raise _bad(f"this request makes {k * n} sequences ({k} prompts x n={n}); this "
@@ -1002,7 +1034,8 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec", *, api_key: s
         try:
             budget = n * sum(engine.check(len(ids), opts.max_tokens) for ids in prompts)
         except PromptTooLong as e:
-            raise _bad(str(e), param, "context_length_exceeded") from None
+            raise _bad(str(e).replace("max_tokens", mt), param,
+                       "context_length_exceeded") from None
         if budget > limits.max_generation_tokens:
             raise too_many_tokens(budget, f"{k} prompts x n={n}, each up to the room its prompt "
                                           f"leaves in the context")
@@ -1028,7 +1061,9 @@ def create_app(engine: ServingEngine, model_name: str = "jaxspec", *, api_key: s
         entry = shutdown.track(queue, seqs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        base = {"id": rid, "created": created, "model": model_name}
+        # (OpenAI's responses and chunks always carry system_fingerprint, null where unknown;
+        # vLLM sends null too)
+        base = {"id": rid, "created": created, "model": model_name, "system_fingerprint": None}
         if stream:
             return StreamingResponse(
                 _stream(engine, shutdown, entry, base, chat, include_usage, return_ids),

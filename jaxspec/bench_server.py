@@ -9,7 +9,7 @@ the shortest runs alone, then they arrive one after another, so that their prefi
 decoding as the measured prompts' will), and then, for each request rate, sent the same ``--requests`` streamed
 ``/v1/completions`` requests: token-id prompts cut from a text source
 (`jaxspec.bench.make_prompts`; random tokens for a model without a tokenizer), lengths from
-``--prompt`` (``16384``, or a range ``8192-32768`` drawn per request with ``--seed``),
+``--prompt`` (``4096``, or a range ``8192-32768`` drawn per request with ``--seed``),
 ``max_tokens=--new``, greedy. Arrivals: all at once (rate ``inf``) or a Poisson process of that
 rate; every variant sees the same prompts and arrival times.
 
@@ -223,6 +223,8 @@ def parse_rates(text: str) -> list[float]:
         out.append(r)
     if not out:
         raise ValueError("--rates: give at least one rate")
+    if len(set(out)) != len(out):
+        raise ValueError(f"--rates: give distinct rates, got {text!r}")
     return out
 
 
@@ -632,6 +634,12 @@ def check_args(a, has_draft: bool = False) -> None:
         raise ValueError("--rounds-per-chunk and --prefill-chunk must be >= 1")
     if not a.point_timeout_s > 0:
         raise ValueError(f"--point-timeout-s must be > 0, got {a.point_timeout_s!r}")
+    budget = getattr(a, "time_budget_s", None)
+    if budget is not None and not budget > 0:
+        raise ValueError(f"--time-budget-s must be > 0 seconds, got {budget!r}")
+    if hasattr(a, "out"):
+        from jaxspec.bench import _check_out
+        _check_out(a)  # --out / --name: writable, before the model and the reference
     servers = getattr(a, "servers", None)
     a.setups_given = servers is not None
     a.setups = parse_servers(servers if a.setups_given else "dense")
@@ -742,7 +750,22 @@ def _workloads(args, model) -> list[dict]:
 
 def bench_server(args, model=None, draft=None) -> dict:
     """Runs the benchmark (``args`` from `add_arguments`); ``model`` / ``draft``: in-memory models
-    instead of ``--model`` / ``--draft``. Returns what it writes to ``NAME.json``."""
+    instead of ``--model`` / ``--draft``. Returns what it writes to ``NAME.json``, whose
+    ``status`` says ``complete``, or ``interrupted`` after a Ctrl-C (``running`` while it runs)."""
+    state = {}
+    try:
+        out = _bench_server(args, model, draft, state)
+    except KeyboardInterrupt:
+        if "out" in state:
+            state["out"]["status"] = "interrupted"
+            state["save"]()
+        raise
+    out["status"] = "complete"
+    state["save"]()
+    return out
+
+
+def _bench_server(args, model, draft, state) -> dict:
     check_args(args, has_draft=draft is not None)
     import jax
 
@@ -774,7 +797,7 @@ def bench_server(args, model=None, draft=None) -> dict:
                          f"({min(max_len, ctx)})")
     wls = _workloads(args, model)
     first_w = wls[0]["name"]
-    out = {"env": environment(), "model": label,
+    out = {"env": environment(), "status": "running", "model": label,
            "draft": args.draft, "max_batch": B, "max_len": max_len,
            "rounds_per_chunk": args.rounds_per_chunk, "prefill_chunk": args.prefill_chunk,
            "prompt": [lo, hi], "prompt_spread": args.spread, "workloads": args.workload_list,
@@ -792,6 +815,8 @@ def bench_server(args, model=None, draft=None) -> dict:
         _finish(out)
         if args.out:
             write_results(out, args.out, args.name, markdown)
+
+    state.update(out=out, save=save)
 
     def over_budget():
         return args.time_budget_s is not None and time.monotonic() - t_start > args.time_budget_s
@@ -854,7 +879,7 @@ def bench_server(args, model=None, draft=None) -> dict:
                                                       "error": error})
                 if over_budget():
                     info["error"] = "skipped: time budget spent"
-                    record_all("skipped", info["error"])
+                    record_all("skipped", "time budget spent")
                     save()
                     continue
                 engine = server = None
@@ -1113,7 +1138,11 @@ def markdown(out: dict) -> str:
     chunks = (", ".join(f"{c} ({s})" for s, c in sizes) if len({c for _, c in sizes}) > 1
               else str(sizes[0][1]) if sizes else "the server's default")
     lines = [f"# `jaxspec bench server`: the OpenAI-compatible server under load "
-             f"({env['device']})", "",
+             f"({env['device']})", ""]
+    if out.get("status") != "complete":
+        lines += [f"**{str(out.get('status', 'running')).upper()}: the points below are those "
+                  f"measured so far; the others have not run.**", ""]
+    lines += [
              f"- device: {env['device']} x{env['devices']} ({env['backend']}), jax {env['jax']}, "
              f"flax {env['flax']}, python {env['python']}, commit {env['commit']}, {env['date']}",
              f"- command: `{env['command']}`",

@@ -67,3 +67,68 @@ def test_bench_commands_run(tmp_path):
     assert 0 < s["plain_floor_ms"] < s["plain_ms"]
     assert all(0 < r["floor_ms"] < r["ms"] for r in s["rounds"].values())
     assert "draft_step_ms" in s and "| 2 x 48 |" in (tmp_path / "s.md").read_text()
+
+
+def test_bench_arguments_refused_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(bench, "load_model", refuse)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    base = ["--model", "tiny", "--points", "1x16", "--new", "2"]
+    cases = {"--points": ["--points", "64x"], "--points ": ["--points", "0x16"],
+             "--seeds": ["--seeds", ""], "--variants": ["--variants", "plain,g2,g2"],
+             "--variants ": ["--variants", "bogus"], "--sources": ["--sources", "nope"],
+             "--new": ["--new", "0"], "--time-budget-s": ["--time-budget-s", "0"],
+             "--out": ["--out", str(a_file)]}
+    for flag, extra in cases.items():
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "generate", *base, *extra])
+        assert e.value.code == 2 and flag.strip() in capsys.readouterr().err, extra
+    for extra in (["--gammas", ""], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            main(["bench", "steps", "--model", "tiny", "--points", "1x16", *extra])
+        assert extra[0] in capsys.readouterr().err
+
+
+def test_bench_generate_records_failures_skips_and_interrupts(monkeypatch, tmp_path):
+    """A variant that fails on a later seed: the speedups compare only the seeds every variant
+    finished, and the error is in the table; points past the time budget are listed as
+    skipped; a Ctrl-C leaves files that say the run was interrupted."""
+    import jaxspec
+    real = jaxspec.generate
+    calls = []
+
+    def flaky(model, prompts, **kw):
+        calls.append(kw.get("speculation"))
+        # warm-up: 2 calls, then seed 1: 2 calls; the speculative run of seed 2 fails
+        if len(calls) > 4 and kw.get("speculation") is not None:
+            raise RuntimeError("out of memory (test)")
+        return real(model, prompts, **kw)
+    monkeypatch.setattr(jaxspec, "generate", flaky)
+    argv = ["bench", "generate", "--model", "tiny", "--points", "2x16", "--new", "3",
+            "--seeds", "1,2", "--variants", "plain,g2-w8-fixed", "--sources", "random",
+            "--ignore-eos", "--out", str(tmp_path), "--name", "f"]
+    main(argv)
+    out = json.loads((tmp_path / "f.json").read_text())
+    p = out["points"][0]
+    assert out["status"] == "complete" and "out of memory" in p["error"]
+    assert p["summary_seeds"] == [1]
+    plain1 = next(r for r in p["runs"]["plain"] if r["seed"] == 1)
+    assert p["summary"]["plain"]["decode_seconds"] == pytest.approx(plain1["decode_seconds"])
+    assert "out of memory" in (tmp_path / "f.md").read_text()
+    monkeypatch.setattr(jaxspec, "generate", real)
+    main([*argv[:4], "--points", "2x16,2x24", *argv[6:-1], "skip", "--time-budget-s", "1e-9"])
+    out = json.loads((tmp_path / "skip.json").read_text())
+    assert {(k["batch"], k["prompt"]) for k in out["skipped"]} == {(2, 16), (2, 24)}
+    assert "skipped: time budget spent" in (tmp_path / "skip.md").read_text()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(jaxspec, "generate", interrupted)
+    with pytest.raises(SystemExit) as e:  # (the CLI exits 130 on a Ctrl-C)
+        main([*argv[:-1], "int"])
+    assert e.value.code == 130
+    out = json.loads((tmp_path / "int.json").read_text())
+    assert out["status"] == "interrupted"
+    assert "INTERRUPTED" in (tmp_path / "int.md").read_text()

@@ -46,6 +46,7 @@ def test_two_variants_over_http(tmp_path, monkeypatch):
 
     saved = json.loads((tmp_path / "server.json").read_text())
     md = (tmp_path / "server.md").read_text()
+    assert saved["status"] == out["status"] == "complete" and "INTERRUPTED" not in md
     assert saved["points"] == json.loads(json.dumps(out["points"]))
     for key in ("device", "devices", "backend", "jax", "flax", "python", "date", "command"):
         assert saved["env"][key] not in (None, ""), key
@@ -172,6 +173,9 @@ def test_arrivals_and_lengths():
     assert abs(np.median(gaps) - 0.25 * math.log(2)) < 0.01
     assert bench_server.arrival_times(50, 2.0, 7) == bench_server.arrival_times(50, 2.0, 7)
     assert bench_server.parse_rates("inf,4,0.5") == [math.inf, 4.0, 0.5]
+    for twice in ("inf,inf", "8,8.0"):  # (one of the two points was dropped from the speedups)
+        with pytest.raises(ValueError, match="distinct"):
+            bench_server.parse_rates(twice)
     assert bench_server.parse_lengths("16384") == (16384, 16384)
     assert bench_server.parse_lengths("8192-32768") == (8192, 32768)
     assert bench_server.parse_lengths("1024~32768") == (1024, 32768)

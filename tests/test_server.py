@@ -392,7 +392,7 @@ BAD = [
      "'stream_options' is only allowed with 'stream': true"),
     ("/v1/completions", {"prompt": "a", "stream": True,
                          "stream_options": {"include_usage": "false"}}, 400,
-     "'include_usage' must be a boolean"),
+     "'stream_options.include_usage' must be a boolean"),
 ]
 
 

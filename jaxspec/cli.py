@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--retrieve", type=retrieve_arg, default=Speculation.retrieve,
                    help="--draft self: context slots per draft step read in retrieved blocks "
                         "chosen by the verification's attention, or 'auto' (default: half "
-                        "of --window in generate, none in the server); 0: the window alone")
+                        "of --window; none for a sliding-window model); 0: the window alone")
     g.add_argument("--tree", default=None,
                    help="expansion config, e.g. 1,1,3,1, a parents list (written with '=': "
                         "--tree=-1,0,0,1) or a tree file")

@@ -1288,7 +1288,7 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--retrieve", type=retrieve_arg, default=Speculation.retrieve,
                    help="--draft self: context slots per draft step read in retrieved blocks "
                         "chosen by the verification's attention, or 'auto' (default: half "
-                        "of --window in generate, none in the server); 0: the window alone")
+                        "of --window; none for a sliding-window model); 0: the window alone")
     p.add_argument("--tree", default=None, help="token-tree expansion config, e.g. 1,1,3,1")
     p.add_argument("--tp", type=positive_int, default=None,
                    help="tensor-parallel devices (model axis; default: all the --dp leaves)")

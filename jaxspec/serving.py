@@ -422,7 +422,7 @@ class ServingEngine:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk(page_size is not None)
         self.decoder = dec = Decoder(model, speculation, attn_impl=attn_impl,
-                                     prefill_chunk=prefill_chunk, serving=True,
+                                     prefill_chunk=prefill_chunk,
                                      batch_invariant=batch_invariant)
         self.batch_invariant = dec.batch_invariant
         if self.batch_invariant and speculation is not None and (

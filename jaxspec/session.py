@@ -279,7 +279,7 @@ class Decoder:
 
     def __init__(self, model: Model, speculation: Speculation | None = None, *,
                  attn_impl: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 serving: bool = False, batch_invariant: bool = False):
+                 batch_invariant: bool = False):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model (from jaxspec.load), "
                             f"got {type(model).__name__}")
@@ -332,9 +332,8 @@ class Decoder:
         span = None
         if speculation is not None:
             if draft is None:
-                # the serving engine resolves retrieve="auto" to none (`Speculation`)
                 window, retrieve = speculation.resolved(
-                    serving=serving, sliding=sliding_window_of(model.config) is not None)
+                    sliding=sliding_window_of(model.config) is not None)
                 self.drafter = SelfDrafter(sink=int(speculation.sink),
                                            window=None if window is None else int(window),
                                            retrieve=retrieve)

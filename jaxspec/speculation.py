@@ -53,11 +53,10 @@ class Speculation:
         verification's queries put the largest logits, refreshed every round
         (`jaxspec.retrieval`). A multiple of 64, 0 (the sink and window alone), or ``"auto"``
         (the default): about half of ``window``'s keys go to retrieved blocks instead (window
-        1008 -> the last 496 positions + 512 retrieved slots: the same keys per draft step),
-        in ``generate``; the serving engine keeps the window alone (measured on an H200 at 64
-        x 16k, its adaptive rounds then ran plain steps only: retrieval in the server is
-        compiled and tested, dense and paged, but does not yet pay there; an explicit value
-        runs). Verification keeps the output lossless whatever the draft reads.
+        1008 -> the last 496 positions + 512 retrieved slots: the same keys per draft step), in
+        ``generate`` and the serving engine alike (dense slots or a block pool); models with a
+        sliding attention window keep the window alone. Verification keeps the output lossless
+        whatever the draft reads.
     """
 
     draft: Any = "self"
@@ -69,16 +68,15 @@ class Speculation:
     adaptive: bool = True
     retrieve: int | str = "auto"
 
-    def resolved(self, *, serving: bool = False,
-                 sliding: bool = False) -> tuple[int | None, int]:
+    def resolved(self, *, sliding: bool = False) -> tuple[int | None, int]:
         """``(window, retrieve)`` the self-draft reads with (`retrieve` above): "auto" splits
-        the window where it applies (``generate``, not the serving engine; a model without a
-        sliding window), an int is taken as given."""
+        the window where it applies (a self-draft with a window, a model without a sliding
+        window: ``sliding``), an int is taken as given."""
         r = self.retrieve
         if r != "auto":
             return self.window, int(r)
         w = self.window
-        if not self.is_self or w is None or serving or sliding:
+        if not self.is_self or w is None or sliding:
             return w, 0
         r = int(round(w / 2 / RETRIEVE_BLOCK)) * RETRIEVE_BLOCK
         return (w - r, r) if r and w - r > 0 else (w, 0)

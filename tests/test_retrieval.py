@@ -436,14 +436,24 @@ def test_retrieval_refuses_a_draft_model(target):
                          speculation=Speculation(draft=tiny_model(seed=3), retrieve=64))
 
 
-def test_auto_gives_half_the_window_to_retrieval_where_the_cache_is_dense():
+def test_auto_gives_half_the_window_to_retrieval():
     assert Speculation().resolved() == (496, 512)
     assert Speculation(window=200).resolved() == (72, 128)
-    assert Speculation().resolved(serving=True) == (1008, 0)
     assert Speculation().resolved(sliding=True) == (1008, 0)
     assert Speculation(window=6).resolved() == (6, 0)  # too small to split
     assert Speculation(window=None).resolved() == (None, 0)
-    assert Speculation(window=300, retrieve=128).resolved(serving=True) == (300, 128)
+    assert Speculation(window=300, retrieve=128).resolved(sliding=True) == (300, 128)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_the_serving_engine_retrieves_by_default_as_generate_does(target, page_size):
+    """`Speculation()` in the serving engine (dense slots or a block pool) reads what it reads in
+    `generate`: the last 496 positions and 512 retrieved slots, not the window alone."""
+    kw = {} if page_size is None else {"page_size": page_size}
+    e = ServingEngine(target, max_batch=2, max_len=1024, speculation=Speculation(), **kw)
+    gen = jaxspec.engine.decoder_for(target, Speculation())
+    for d in (e.decoder.drafter, gen.drafter):
+        assert (d.sink, d.window, d.retrieve) == (16, 496, 512)
 
 
 def test_retrieval_with_a_shared_prefix_is_lossless(target):

@@ -474,11 +474,21 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
 
 
 def _attend_scored(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
-    """``(out, scores)``: `attend` and `context_scores`. A dense attention over a dense cache on
-    the kernel path computes both in one kernel (it writes each key block's largest logit as it
-    reads the keys); elsewhere the scores are a pass of their own over the keys."""
+    """``(out, scores)``: `attend` and `context_scores`. A dense attention on the kernel path
+    (a dense cache or a block pool) computes both in one kernel (it writes each key block's
+    largest logit as it reads the keys); over a block pool's shared context every score is -inf
+    (nothing selected); elsewhere the scores are a pass of their own over the keys."""
     block = int(plan.score_block)
     plan = plan.replace(score_block=None)
+    if (plan.shared is not None and plan.block_table is not None
+            and not invariant.is_invariant(plan.impl)):
+        # rows over a shared context (a block pool): a pass of its own would gather every row's
+        # copy of the shared keys, which the attention reads once for all of them. No block is
+        # scored then, so nothing is selected and the next drafts read the blocks just before
+        # their window (`jaxspec.retrieval.with_recent`): as many keys, the most recent ones.
+        out = attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)
+        n = -(-plan.block_table.shape[1] * k_LBKSD.shape[3] // block)
+        return out, jnp.full((q_BTHD.shape[0], k_LBKSD.shape[2], n), -jnp.inf, jnp.float32)
     if (_use_kernel(plan.impl) and plan.prefix is None and plan.shared is None
             and not plan.sparse and plan.sliding_window is None):
         lengths = plan.lengths if plan.active is None else jnp.where(plan.active, plan.lengths, 0)

@@ -419,6 +419,32 @@ def test_the_server_with_retrieval_equals_generate(page_size):
         e.stop()
 
 
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_a_verification_over_a_shared_context_scores_no_block(impl):
+    """Over a block pool's shared context the verification's scores are all -inf (a pass of its
+    own would gather every row's copy of the shared keys, which the attention reads once), and
+    its output is the attention's; the same rows without the shared context are scored."""
+    from jaxspec.paged import shared_context
+    rng = np.random.default_rng(_seed())
+    L, NB, K, BS, D, G, T, B, MB = 2, 24, 2, 8, 16, 2, 3, 3, 8
+    kp, vp, q = (jnp.asarray(rng.normal(size=sh), jnp.float32)
+                 for sh in ((L, NB, K, BS, D), (L, NB, K, BS, D), (B, T, K * G, D)))
+    common = rng.choice(NB, size=3, replace=False)  # the first 3 blocks of every row
+    rest = rng.permutation([b for b in range(NB) if b not in common])
+    table = np.stack([np.concatenate([common, rest[5 * i:5 * i + 5]]) for i in range(B)])
+    table = jnp.asarray(table, jnp.int32)
+    lengths = jnp.asarray(rng.integers(3 * BS + T, MB * BS, size=B), jnp.int32)
+    plan = AttentionPlan(lengths=lengths, impl=impl, block_table=table, score_block=16)
+    sh = shared_context(kp, vp, table[0], jnp.int32(3 * BS), jnp.ones(B, bool))
+    out, scores = attend(q, kp, vp, 1, plan.replace(shared=sh))
+    assert scores.shape == (B, K, MB * BS // 16)
+    assert bool(jnp.all(scores == -jnp.inf))
+    want = attend(q, kp, vp, 1, plan.replace(shared=sh, score_block=None))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+    _, plain = attend(q, kp, vp, 1, plan)
+    assert plain.shape == scores.shape and bool(jnp.all(jnp.isfinite(plain[:, :, 0])))
+
+
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kw,msg", [
     (dict(retrieve=100), "multiple of 64"), (dict(retrieve=-64), "retrieve"),

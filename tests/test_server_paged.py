@@ -820,7 +820,7 @@ def test_block_manager_against_a_model():
         bm.release([0])
 
 
-@pytest.mark.parametrize("spec,mixed", [(None, 0), ("self", 0), ("self", 8)])
+@pytest.mark.parametrize("spec,mixed", [(None, 0), ("self", 0), ("self", 8), ("retrieve", 0)])
 def test_shared_context_rows_equal_generate(model, spec, mixed):
     """Requests about one document, running together on the paged engine with the shared
     context on (`share_min_tokens=0`): their common cached blocks are attended to once for all
@@ -837,7 +837,8 @@ def test_shared_context_rows_equal_generate(model, spec, mixed):
     ref = [r[:n] for r, n in zip(jaxspec.generate(model, prompts, max_new_tokens=max(news)).tokens,
                                  news)]  # (no EOS: each a prefix of the longer greedy text)
     speculation = None if spec is None else jaxspec.Speculation(
-        draft="self", gamma=3, sink=2, window=6, adaptive=False)
+        draft="self", gamma=3, sink=2, window=6, adaptive=False,
+        retrieve=64 if spec == "retrieve" else 0)
     e = ServingEngine(model, max_batch=4, max_len=96, rounds_per_chunk=2, prefill_chunk=16,
                       page_size=8, speculation=speculation,
                       prefill_budget=None if mixed else 64, mixed_prefill=mixed,

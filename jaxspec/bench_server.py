@@ -26,7 +26,13 @@ with speculation off. ``--workload`` (comma-separated, run in turn on each serve
 (the prompts above) or ``shared-doc``: every request is the same ``--doc``-token document followed
 by its own ``--question`` tokens (both cut from the text source); with ``--doc-cache warm`` one
 unmeasured request with the document and another question precedes each point, so a paged
-server holds the document in its prefix cache. Per point the report sums the responses'
+server holds the document in its prefix cache; ``short``: prompts of ``--short`` tokens with
+the same arrivals, whose streams' inter-token latency is the baseline of the others' (the report
+gives each point's ITL against it at the same rate and seed). ``--seed 5,6,7`` runs every
+workload at each seed in turn on each server (warmed up once). ``--timeline`` also writes
+``NAME.timeline.json``: each point's token events as the client stamped them and the server's
+decode chunks (`jaxspec.serving.ServingEngine.chunk_timeline`), on one clock, to tell what a slow
+token waited for. Per point the report sums the responses'
 ``usage.prompt_tokens_details.cached_tokens`` and, for a paged server, gives the prefix-cache hits
 over the point, its hit rate, preemptions and the most K/V blocks in use while the point ran.
 
@@ -80,7 +86,7 @@ import numpy as np
 WITHIN = 0.10  # the server's plain decode throughput should be within this of generate's
 SERVED_NAME = "jaxspec-bench"  # the model name the benchmark's server answers to
 IDLE_TIMEOUT_S = 120.0  # waiting for the server to finish what a point left running
-WORKLOADS = ("independent", "shared-doc")
+WORKLOADS = ("independent", "shared-doc", "short")
 
 
 # ============================================================================= the client process
@@ -106,6 +112,8 @@ async def _load(job: dict) -> list[dict]:
     headers = {"content-type": "application/json"}
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         t0 = time.perf_counter()
+        for rec in records:  # (perf_counter: on Linux one clock for every process)
+            rec["clock0"] = t0
 
         async def one(rec, body):
             wait = t0 + rec["arrival"] - time.perf_counter()
@@ -225,6 +233,22 @@ def parse_rates(text: str) -> list[float]:
         raise ValueError("--rates: give at least one rate")
     if len(set(out)) != len(out):
         raise ValueError(f"--rates: give distinct rates, got {text!r}")
+    return out
+
+
+def parse_seeds(text) -> list[int]:
+    """``5,6,7`` (or an int) -> [5, 6, 7]: distinct integer seeds, each a run of its own prompts,
+    lengths and arrivals."""
+    if isinstance(text, int):
+        return [text]
+    out = []
+    for part in str(text).split(","):
+        try:
+            out.append(int(part.strip()))
+        except ValueError:
+            raise ValueError(f"--seed: {part.strip()!r} is not an integer") from None
+    if len(set(out)) != len(out):
+        raise ValueError(f"--seed: give distinct seeds, got {text!r}")
     return out
 
 
@@ -621,6 +645,11 @@ def _speculation(name: str, draft):
 def check_args(a, has_draft: bool = False) -> None:
     """Every argument, before a model is loaded; ValueError naming the argument."""
     a.rate_list = parse_rates(a.rates)
+    a.seed_list = parse_seeds(getattr(a, "seed", 0))
+    a.seed = a.seed_list[0]
+    a.short = getattr(a, "short", 64)
+    if not isinstance(a.short, int) or a.short < 2:
+        raise ValueError(f"--short must be an integer >= 2 tokens, got {a.short!r}")
     a.lengths = parse_lengths(a.prompt)
     a.spread = length_spread(a.prompt)
     for name in ("requests", "new", "max_batch"):
@@ -709,43 +738,58 @@ def _reference(model, prompts, warm_prompts, new) -> dict:
 
 
 def _workloads(args, model) -> list[dict]:
-    """The measured prompts of each workload, the warm-up prompts of its shapes (other text) and,
-    for shared-doc, the priming prompt (the document with a question of its own)."""
+    """The measured prompts of each workload at each seed (seeds outer), the warm-up prompts of
+    its shapes (other text) and, for shared-doc, the priming prompt (the document with a question
+    of its own)."""
+    seeds = getattr(args, "seed_list", None) or [args.seed]
+    out = []
+    for seed in seeds:
+        for name in args.workload_list:
+            w = _workload(args, model, name, seed)
+            w.update(seed=seed, label=name if len(seeds) == 1 else f"{name}@{seed}")
+            out.append(w)
+    return out
+
+
+def _workload(args, model, name: str, seed: int) -> dict:
+    """One workload's prompts at ``seed`` (see `_workloads`). ``short``: ``--short`` tokens per
+    prompt, from a seed of their own (``seed + 4000``: no prefix of another workload's prompts),
+    the same arrivals as the others: the latency of the streams without long prefills."""
     lo, hi = args.lengths
     N, B = args.requests, args.max_batch
-    out = []
-    for name in args.workload_list:
-        w = {"name": name, "prime": None}
-        if name == "shared-doc":
-            L, Q = args.doc_len, args.question
-            # one document, a question per request; the last question primes the document
-            # (seeds of its own: no independent prompt starts with the document)
-            prompts = plan_shared_doc(model, max(N, B) + 1, L, Q, args.seed + 2000, args.source)
-            w["prime"] = prompts.pop()
-            n_warm = max(args.warmup, 2)
-            # warm-up: another document of the same length (the measured one stays new); the
-            # first request alone, then the others (a paged server then finds their document
-            # cached: the prefix-hit path is compiled before measuring)
-            pool = plan_shared_doc(model, max(B, n_warm), L, Q, args.seed + 3000, args.source)
-            w.update(prompts=prompts, ref_warm=pool[:B], warm=pool[:n_warm],
-                     longest=L + Q, waves=[1, n_warm - 1])
-        else:
-            prompts = plan_requests(model, max(N, B), lo, hi, args.seed, args.source,
-                                    args.spread)
-            # warm-up prompts: other text, the shapes of the measured ones (the reference's
-            # warm-up call: the same lengths; the servers': every prefill length bucket)
-            lens = warmup_lengths(lo, hi)
-            n_warm = max(args.warmup, len(lens))
-            pool = plan_requests(model, max(B, n_warm), hi, hi, args.seed + 1000, args.source)
-            warm = [x[:lens[i % len(lens)]] for i, x in enumerate(pool[:n_warm])]
-            # the shortest alone first (the first runs of the prefill and decode programs), then
-            # all of them (`warmup_requests`): each later prefill then finds the earlier
-            # requests decoding, as the measured ones will (were the first still filling when
-            # the second came, fill-first would hold them to start together)
-            w.update(prompts=prompts, ref_warm=[x[:len(p)] for x, p in zip(pool, prompts[:B])],
-                     warm=warm[:1] + warm, longest=hi, waves=[1, n_warm])
-        out.append(w)
-    return out
+    if name == "short":
+        lo = hi = args.short
+        seed += 4000
+    w = {"name": name, "prime": None}
+    if name == "shared-doc":
+        L, Q = args.doc_len, args.question
+        # one document, a question per request; the last question primes the document
+        # (seeds of its own: no independent prompt starts with the document)
+        prompts = plan_shared_doc(model, max(N, B) + 1, L, Q, seed + 2000, args.source)
+        w["prime"] = prompts.pop()
+        n_warm = max(args.warmup, 2)
+        # warm-up: another document of the same length (the measured one stays new); the
+        # first request alone, then the others (a paged server then finds their document
+        # cached: the prefix-hit path is compiled before measuring)
+        pool = plan_shared_doc(model, max(B, n_warm), L, Q, seed + 3000, args.source)
+        w.update(prompts=prompts, ref_warm=pool[:B], warm=pool[:n_warm],
+                 longest=L + Q, waves=[1, n_warm - 1])
+    else:
+        prompts = plan_requests(model, max(N, B), lo, hi, seed, args.source,
+                                args.spread)
+        # warm-up prompts: other text, the shapes of the measured ones (the reference's
+        # warm-up call: the same lengths; the servers': every prefill length bucket)
+        lens = warmup_lengths(lo, hi)
+        n_warm = max(args.warmup, len(lens))
+        pool = plan_requests(model, max(B, n_warm), hi, hi, seed + 1000, args.source)
+        warm = [x[:lens[i % len(lens)]] for i, x in enumerate(pool[:n_warm])]
+        # the shortest alone first (the first runs of the prefill and decode programs), then
+        # all of them (`warmup_requests`): each later prefill then finds the earlier
+        # requests decoding, as the measured ones will (were the first still filling when
+        # the second came, fill-first would hold them to start together)
+        w.update(prompts=prompts, ref_warm=[x[:len(p)] for x, p in zip(pool, prompts[:B])],
+                 warm=warm[:1] + warm, longest=hi, waves=[1, n_warm])
+    return w
 
 
 def bench_server(args, model=None, draft=None) -> dict:
@@ -805,7 +849,8 @@ def _bench_server(args, model, draft, state) -> dict:
            "question_tokens": args.question if shared else None,
            "doc_cache": args.doc_cache if shared else None,
            "source": args.source if model.tokenizer else "random",
-           "seed": args.seed, "new_tokens": new, "requests": N,
+           "seed": args.seed, "seeds": list(args.seed_list), "short_tokens": args.short
+           if "short" in args.workload_list else None, "new_tokens": new, "requests": N,
            "rates": [rate_label(r) for r in args.rate_list], "variants": args.variant_list,
            "setups": [dict(s) for s in args.setups], "setups_given": args.setups_given,
            "stop_tokens": list(stop_token_ids(model, None)), "reference": None, "check": None,
@@ -817,6 +862,12 @@ def _bench_server(args, model, draft, state) -> dict:
             write_results(out, args.out, args.name, markdown)
 
     state.update(out=out, save=save)
+    timeline = [] if getattr(args, "timeline", False) else None
+
+    def save_timeline():
+        if args.out:
+            path = pathlib.Path(args.out) / f"{args.name}.timeline.json"
+            path.write_text(json.dumps({"env": out["env"], "points": timeline}))
 
     def over_budget():
         return args.time_budget_s is not None and time.monotonic() - t_start > args.time_budget_s
@@ -836,7 +887,7 @@ def _bench_server(args, model, draft, state) -> dict:
             w["check"] = ref["tokens"][:K]  # no stop token: fixed-length rows are the outputs
         else:
             w["check"] = jaxspec.generate(model, w["prompts"][:K], max_new_tokens=new).tokens
-        out["check"]["outputs"][w["name"]] = w["check"]
+        out["check"]["outputs"][w["label"]] = w["check"]
     if len(wls) == 1:  # one workload: its outputs, as a list
         out["check"]["outputs"] = wls[0]["check"]
     if ref is not None:
@@ -854,7 +905,7 @@ def _bench_server(args, model, draft, state) -> dict:
             base = len(every)
             every += w["prompts"][:N] + w["warm"] + ([w["prime"]] if w["prime"] else [])
             w["plan"] = {r: [{"prompt": base + i, "arrival": a} for i, a in
-                             enumerate(arrival_times(N, r, args.seed + 1 + j))]
+                             enumerate(arrival_times(N, r, w["seed"] + 1 + j))]
                          for j, r in enumerate(args.rate_list)}
             warm = warmup_requests(base + N, len(w["warm"]), staggered=w["prime"] is None)
             k = w["waves"][0]
@@ -872,9 +923,9 @@ def _bench_server(args, model, draft, state) -> dict:
                 def record_all(status, error, done=()):
                     for w in wls:
                         for r in args.rate_list:
-                            if (w["name"], rate_label(r)) not in done:
+                            if (w["name"], w["seed"], rate_label(r)) not in done:
                                 out["points"].append({"setup": setup["name"], "variant": v,
-                                                      "workload": w["name"],
+                                                      "workload": w["name"], "seed": w["seed"],
                                                       "rate": rate_label(r), "status": status,
                                                       "error": error})
                 if over_budget():
@@ -913,7 +964,9 @@ def _bench_server(args, model, draft, state) -> dict:
                     server = BackgroundServer(engine, SERVED_NAME, limits=limits)
                     info["start_seconds"] = time.perf_counter() - t
                     t = time.perf_counter()
-                    for w in wls:
+                    for w in wls:  # (the first seed's: the others have the same shapes)
+                        if w["seed"] != wls[0]["seed"]:
+                            continue
                         for wave in w["warm_waves"]:
                             recs = run_client(server.url, prompts_file, wave, new,
                                               args.point_timeout_s, work)
@@ -933,21 +986,24 @@ def _bench_server(args, model, draft, state) -> dict:
                     for w in wls:
                         for r in args.rate_list:
                             point = {"setup": setup["name"], "variant": v,
-                                     "workload": w["name"], "rate": rate_label(r)}
+                                     "workload": w["name"], "seed": w["seed"],
+                                     "rate": rate_label(r)}
                             if over_budget():
                                 point.update(status="skipped", error="time budget spent")
                                 out["points"].append(point)
                                 continue
                             out["points"].append(_measure(
                                 point, server.url, engine, prompts_file, work, w, r, args,
-                                every, K))
+                                every, K, timeline))
+                            if timeline is not None:
+                                save_timeline()
                             print(_point_line(out["points"][-1]), flush=True)
                             save()
                 except Exception as e:  # noqa: BLE001 - a server that fails is recorded
                     info["error"] = f"{type(e).__name__}: {str(e)[:500]}"
                     print(f"{key}: {info['error']}", file=sys.stderr, flush=True)
                     record_all("error", info["error"], {
-                        (p["workload"], p["rate"]) for p in out["points"]
+                        (p["workload"], p["seed"], p["rate"]) for p in out["points"]
                         if p["variant"] == v and p.get("setup") == setup["name"]})
                 finally:
                     if server is not None:
@@ -961,9 +1017,11 @@ def _bench_server(args, model, draft, state) -> dict:
     return out
 
 
-def _measure(point, url, engine, prompts_file, work, w, rate, args, every, K) -> dict:
+def _measure(point, url, engine, prompts_file, work, w, rate, args, every, K,
+             timeline=None) -> dict:
     """One point: ``w``'s requests at ``rate`` (after the document's priming request for
-    shared-doc with ``--doc-cache warm``), with the server's counters before and after."""
+    shared-doc with ``--doc-cache warm``), with the server's counters before and after; with a
+    ``timeline`` list, the point's client records and engine chunks are appended to it."""
     N, new = args.requests, args.new
     if w["prime_req"] and args.doc_cache == "warm":  # the document, once, unmeasured
         recs = run_client(url, prompts_file, w["prime_req"], new, args.point_timeout_s, work)
@@ -971,10 +1029,19 @@ def _measure(point, url, engine, prompts_file, work, w, rate, args, every, K) ->
             raise RuntimeError(f"the priming request failed: {recs[0]['error']}")
     m0 = _wait_idle(url)
     kv0 = kv_metrics(m0, engine.metrics())
+    t0 = time.perf_counter()
     with _BlockPeak(engine) as peak:
         recs = run_client(url, prompts_file, w["plan"][rate], new, args.point_timeout_s, work)
         m1 = _wait_idle(url)
     kv1 = kv_metrics(m1, engine.metrics())
+    if timeline is not None:  # the client's stamps and the engine's chunks, on one clock
+        timeline.append({key: point[key] for key in ("setup", "variant", "workload", "seed",
+                                                    "rate")} | {
+            "requests": [{"clock0": r.get("clock0"), "t_send": r["t_send"],
+                          "t_done": r["t_done"], "events": r["events"],
+                          "prompt_tokens": len(every[r["prompt"]]), "status": r["status"]}
+                         for r in recs],
+            "chunks": engine.chunk_timeline(since=t0)})
     for rec in recs:
         rec["prompt_tokens"] = len(every[rec["prompt"]])
     point.update(summarize(recs))
@@ -1000,18 +1067,27 @@ def _finish(out: dict) -> None:
     verdict against the reference."""
     first = out["setups"][0]["name"] if out.get("setups") else "dense"
     w0 = (out.get("workloads") or ["independent"])[0]
-    ok = {(p.get("setup", first), p["variant"], p.get("workload", w0), p["rate"]): p
-          for p in out["points"] if p.get("status") == "ok"}
+    ok = {(p.get("setup", first), p["variant"], p.get("workload", w0), p["rate"],
+           p.get("seed")): p for p in out["points"] if p.get("status") == "ok"}
     out["speedups"] = []
-    for (st, v, w, r), p in ok.items():
-        base = ok.get((first, "off", w, r))
+    out["itl_vs_short"] = []
+    for (st, v, w, r, sd), p in ok.items():
+        short = ok.get((st, v, "short", r, sd))
+        if w != "short" and short is not None:  # the streams' latency against no long prefill
+            row = {"setup": st, "variant": v, "workload": w, "rate": r, "seed": sd}
+            for q in ("p50", "p90", "p99"):
+                a, b = p["itl_s"].get(q), short["itl_s"].get(q)
+                row[f"itl_{q}"] = a / b if a and b else None
+            out["itl_vs_short"].append(row)
+    for (st, v, w, r, sd), p in ok.items():
+        base = ok.get((first, "off", w, r, sd))
         if (st, v) == (first, "off") or base is None:
             continue
 
         def ratio(a, b):
             return a / b if a and b else None
         out["speedups"].append({
-            "setup": st, "variant": v, "workload": w, "rate": r,
+            "setup": st, "variant": v, "workload": w, "rate": r, "seed": sd,
             "output_tok_s": ratio(p["output_tok_s"], base["output_tok_s"]),
             "request_throughput": ratio(p["request_throughput"], base["request_throughput"]),
             "ttft_p50": ratio(base["ttft_s"]["p50"], p["ttft_s"]["p50"]),
@@ -1020,8 +1096,9 @@ def _finish(out: dict) -> None:
             "e2e_p50": ratio(base["e2e_s"]["p50"], p["e2e_s"]["p50"]),
             "decode_tok_s": ratio(p["server"]["decode_tok_s"], base["server"]["decode_tok_s"])})
     ref = out.get("reference")
-    offs = [p for (st, v, w, _), p in ok.items()
-            if (st, v) == (first, "off") and ref and w == ref.get("workload", w0)]
+    offs = [p for (st, v, w, _, sd), p in ok.items()
+            if (st, v) == (first, "off") and ref and w == ref.get("workload", w0)
+            and sd == out.get("seed", sd)]
     if ref and offs:  # the highest load: the point with the most requests per second offered
         top = max(offs, key=lambda p: math.inf if p["rate"] == "inf" else float(p["rate"]))
         dec = top["server"]["decode_tok_s"]
@@ -1055,6 +1132,8 @@ def _point_line(p: dict) -> str:
         head = f"{p['setup']}/{head}"
     if p.get("workload") is not None:
         head = f"{p['workload']}: {head}"
+    if p.get("seed") is not None:
+        head = f"seed {p['seed']}, {head}"
     if p.get("status") not in ("ok", "incomplete"):
         return f"{head}: {p.get('status')}: {p.get('error')}"
     s = p["server"]
@@ -1111,13 +1190,22 @@ def markdown(out: dict) -> str:
     workloads = out.get("workloads") or ["independent"]
     shared = "shared-doc" in workloads
     whats = []
+    seeds = out.get("seeds") or [out["seed"]]
+    multi_s = len(seeds) > 1
+
+    def plus(k):
+        return ", ".join(str(x + k) for x in seeds)
     for w in workloads:
-        if w == "shared-doc":
+        if w == "short":
+            whats.append(f"short: token-id prompts of {out['short_tokens']} tokens "
+                         f"({out['source']}, seed {plus(4000)}), the same arrivals: the "
+                         f"streams' latency without long prefills")
+        elif w == "shared-doc":
             whats.append(
                 f"shared-doc: one document of {out['doc_tokens']} tokens followed by a distinct "
                 f"{out['question_tokens']}-token question per request (token ids; document and "
-                f"questions from {out['source']}, seeds {out['seed'] + 2000} / "
-                f"{out['seed'] + 2001}); "
+                f"questions from {out['source']}, seeds {plus(2000)} / "
+                f"{plus(2001)}); "
                 + ("before each point one unmeasured request with the document and another "
                    "question (`--doc-cache warm`)" if out.get("doc_cache") == "warm" else
                    "no priming: the document is new to each server at its first point only "
@@ -1127,7 +1215,7 @@ def markdown(out: dict) -> str:
             lengths = f"{lo}" if lo == hi else f"{lo}-{hi} ({spread} per request)"
             whats.append(("independent: " if len(workloads) > 1 else "") +
                          f"token-id prompts of {lengths} tokens ({out['source']}, seed "
-                         f"{out['seed']})")
+                         f"{plus(0)})")
     what = "; ".join(whats)
     eos = (f"honoured (stop ids {out['stop_tokens']})" if out["stop_tokens"] else
            "none in this model")
@@ -1155,8 +1243,8 @@ def markdown(out: dict) -> str:
         lines.append(f"- server setups: {_setup_words(out)}")
     lines += [f"- load: {out['requests']} streamed `/v1/completions` requests per point, "
               f"{what}, max_tokens {out['new_tokens']}, greedy, EOS {eos}; "
-              f"arrivals all at once (inf) or Poisson; the same prompts and arrivals for every "
-              f"server; each server warmed up with requests of these shapes first (other "
+              f"arrivals all at once (inf) or Poisson (seed + 1 for the first rate, + 2 for the "
+              f"next, ...); the same prompts and arrivals for every server; each server warmed up with requests of these shapes first (other "
               f"text).",
               "- TTFT: sent -> first token event; ITL: gaps between token events split over their "
               "tokens; e2e: sent -> `[DONE]`; throughput: completed / (first send -> last "
@@ -1182,12 +1270,14 @@ def markdown(out: dict) -> str:
     for key, info in out["servers"].items():
         if info.get("error"):
             lines.append(f"- {key}: {info['error']}")
-    col = ("| setup " if multi else "") + ("| workload " if multi_w else "")
-    sep = "|---" * (multi + multi_w)
+    col = ("| setup " if multi else "") + ("| workload " if multi_w else "") + \
+        ("| seed " if multi_s else "")
+    sep = "|---" * (multi + multi_w + multi_s)
 
     def cells(p):
         return ((f"| {p.get('setup')} " if multi else "") +
-                (f"| {p.get('workload')} " if multi_w else "") + f"| {p['variant']} ")
+                (f"| {p.get('workload')} " if multi_w else "") +
+                (f"| {p.get('seed')} " if multi_s else "") + f"| {p['variant']} ")
     lines += ["", f"{col}| variant | gamma | rate req/s | done/sent | running at most | req/s | "
               "out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | ITL p99 after the "
               "last first token ms | e2e p50 / p99 s | server decode tok/s | accept | tok/step | "
@@ -1257,6 +1347,15 @@ def markdown(out: dict) -> str:
                 "output_tok_s", "request_throughput", "decode_tok_s", "ttft_p50", "ttft_p99",
                 "itl_p50", "e2e_p50")]
             lines.append(f"{cells(s)}| {s['rate']} | " + " | ".join(x) + " |")
+    if out.get("itl_vs_short"):
+        lines += ["", "Inter-token latency against the `short` workload (the same arrivals "
+                  "without long prompts) on the same server, rate and seed: point / short:", "",
+                  f"{col}| variant | rate req/s | ITL p50 | ITL p90 | ITL p99 |",
+                  f"{sep}|---|---|---|---|---|"]
+        for s in out["itl_vs_short"]:
+            x = [_f(s.get(k)) + ("x" if s.get(k) is not None else "")
+                 for k in ("itl_p50", "itl_p90", "itl_p99")]
+            lines.append(f"{cells(s)}| {s['rate']} | " + " | ".join(x) + " |")
     if out.get("check") and out["check"]["requests"]:
         lines += ["", f"= generate: of the first {out['check']['requests']} requests, those whose "
                   f"greedy tokens equal `jaxspec.generate`'s (plain, same prompts, same "
@@ -1298,7 +1397,8 @@ def add_arguments(sub) -> None:
                    help="comma-separated, run in this order on each server: independent (each "
                         "request its own prompt of --prompt tokens), shared-doc (every request "
                         "the same document of --doc tokens followed by its own --question "
-                        "tokens)")
+                        "tokens), short (prompts of --short tokens, the same arrivals: the "
+                        "baseline of the streams' latency without long prefills)")
     s.add_argument("--doc", type=int, default=None,
                    help="shared-doc: the document's tokens (default: --prompt, a single length)")
     s.add_argument("--question", type=int, default=32,
@@ -1321,7 +1421,15 @@ def add_arguments(sub) -> None:
                         "a paged one on GPU/TPU, else 512)")
     s.add_argument("--source", default="shakespeare",
                    help="text source of the prompts (jaxspec.textdata) or 'random' tokens")
-    s.add_argument("--seed", type=int, default=0, help="prompts, their lengths and arrivals")
+    s.add_argument("--seed", default="0",
+                   help="prompts, their lengths and arrivals; several, comma-separated (5,6,7): "
+                        "each server runs every workload at each seed in turn")
+    s.add_argument("--short", type=int, default=64,
+                   help="--workload short: tokens per prompt (default 64)")
+    s.add_argument("--timeline", action="store_true",
+                   help="also write NAME.timeline.json: per point every stream's token events "
+                        "as the client stamped them and the server's decode chunks "
+                        "(ServingEngine.chunk_timeline), on one clock")
     s.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                    help="measure jaxspec.generate's plain decoding at batch --max-batch on the "
                         "first workload's prompts (--no-reference: skip it, no verdict)")

@@ -119,6 +119,8 @@ MIX_NONE, MIX_PIECES, MIX_CALIBRATE = 0, 1, 2  # `ServingEngine._mixing`
 # ITL p99). Each early end costs the other streams one host turn between chunks (a few ms), so with
 # many streams, which end every few rounds, chunks run their full length.
 END_EARLY_MAX_ROWS = 8
+# `ServingEngine.chunk_timeline` keeps this many of the last decode chunks
+TIMELINE_CHUNKS = 8192
 # Paged (``fill_first``): while no sequence decodes, one whose prompt is in waits for the others
 # still filling or queued for a free slot, at most this long; then they start together. A burst
 # of long prompts fills at the full prefill rate and no stream sees another's prefill; the price
@@ -143,18 +145,39 @@ class PieceCost:
     let pieces at long offsets overrun the chunk's share. A least-squares fit of the chunks'
     added times to their pieces' count and summed keys, the older chunks' weight decaying by
     `DECAY` per chunk, coefficients kept non-negative (one of them dropped while the pieces
-    seen do not tell them apart, e.g. all at one offset)."""
+    seen do not tell them apart, e.g. all at one offset).
+
+    The fit is a mean, and pieces of one shape scatter around it (H200, Qwen2.5-1.5B, Poisson
+    arrivals: measured / fitted 0.5-0.95 at the 10th-50th percentile, 1.5-1.6 at the 90th), so
+    the chunks the fit under-predicts were the ones whose tokens set the streams' ITL p99.
+    `predict` therefore scales the fit by the `TAIL` quantile of the last `TAIL_WINDOW` chunks'
+    measured / fitted times (by the fit as it is now; at least 1, at most `TAIL_MAX`; 1 until
+    `TAIL_MIN` were seen): a chunk keeps its share for that quantile of pieces, not only on
+    average."""
 
     DECAY = 0.8
     KEYS = 1e4  # (the keys' unit: the two features of one scale)
+    TAIL = 0.9
+    TAIL_WINDOW = 32
+    TAIL_MIN = 8
+    TAIL_MAX = 3.0
 
     def __init__(self):
         self._xx = np.zeros((2, 2))
         self._xy = np.zeros(2)
         self.coef = None  # (seconds per piece, seconds per `KEYS` keys per piece)
+        self._seen = collections.deque(maxlen=self.TAIL_WINDOW)  # (keys, seconds) of chunks
+        self.margin = 1.0  # what `predict` scales the fit by
+
+    def mean(self, keys: float) -> float | None:
+        """The fit's seconds for a piece of ``keys`` mean attended keys (None before a chunk)."""
+        if self.coef is None:
+            return None
+        return float(self.coef[0] + self.coef[1] * keys / self.KEYS)
 
     def observe(self, keys, seconds: float):
         """A chunk whose pieces (mean attended keys each) added ``seconds`` to its rounds."""
+        self._seen.append((np.asarray(keys, np.float64), max(float(seconds), 0.0)))
         x = np.array([len(keys), float(np.sum(keys)) / self.KEYS])
         self._xx = self.DECAY * self._xx + np.outer(x, x)
         self._xy = self.DECAY * self._xy + x * max(float(seconds), 0.0)
@@ -174,12 +197,17 @@ class PieceCost:
         best = min(loss)
         tie = 1e-9 * (abs(best) + float(xy @ xy) + 1e-30)
         self.coef = next(c for c, v in zip(fits, loss) if v <= best + tie)
+        ratios = [t / f for k, t in self._seen
+                  if (f := len(k) * self.coef[0] + self.coef[1] * k.sum() / self.KEYS) > 0]
+        self.margin = 1.0 if len(ratios) < self.TAIL_MIN else float(
+            np.clip(np.quantile(ratios, self.TAIL), 1.0, self.TAIL_MAX))
 
     def predict(self, keys: float) -> float | None:
-        """Seconds a piece of ``keys`` mean attended keys adds (None until a chunk was seen)."""
+        """Seconds a piece of ``keys`` mean attended keys adds at the `TAIL` quantile (the fit
+        times ``margin``; None until a chunk was seen)."""
         if self.coef is None:
             return None
-        return float(self.coef[0] + self.coef[1] * keys / self.KEYS)
+        return self.mean(keys) * self.margin
 
 
 def default_prefill_chunk(paged: bool) -> int:
@@ -514,6 +542,7 @@ class ServingEngine:
             self._prefill_rate = None  # prompt tokens / s, measured
             self._chunk_s = 0.0  # device seconds of the last decode chunk
         self._mixed_run = 0  # mixed chunks dispatched since the last plain one
+        self._piece_skipped = False  # the last chunk that had pieces to carry went without
         self._piece_cost = PieceCost()  # the time pieces add to their chunk (`PIECE_SHARE`)
         self._programs_run = set()  # ids of the chunk programs run (`_run_chunk`'s first_run)
         if fill_first is None:
@@ -575,6 +604,8 @@ class ServingEngine:
         self.step_fault_hook = None  # tests: called before each decode chunk (may raise)
         # metrics counters; every key exists from the start (other threads read them while the
         # engine thread updates them)
+        # the last decode chunks, as `chunk_timeline` gives them
+        self._timeline = collections.deque(maxlen=TIMELINE_CHUNKS)
         self.m = collections.Counter({k: 0 for k in (
             "sequences_submitted", "sequences_admitted", "prompt_tokens", "prefill_tokens",
             "generation_tokens", "chunks", "rounds", "chunk_seconds", "busy_slot_rounds",
@@ -583,7 +614,8 @@ class ServingEngine:
             "finished_length", "finished_cancelled", "finished_error", "preemptions",
             "prefix_hit_tokens", "prefix_query_tokens", "shared_context_rows",
             "shared_context_tokens", "shared_context_copies", "shared_context_row_chunks",
-            "compact_chunks", "mixed_chunks", "mixed_prefill_tokens", "held_sequences")})
+            "compact_chunks", "mixed_chunks", "mixed_prefill_tokens", "held_sequences",
+            "pieces_deferred")})
         # acceptance per draft position i (a chain's i-th draft, a tree's depth i), over the
         # speculative rounds a sequence completed: rounds that proposed a draft there, rounds
         # that accepted it (`_count_positions`)
@@ -971,6 +1003,7 @@ class ServingEngine:
         (`jaxspec.decoding.run_mixed_chunk`): ``rounds`` rounds of ``rd`` over every slot, the
         first ``num_pieces`` each prefilling a piece. The future's ``first_run`` says whether its
         program ran for the first time (a first run's time is not learned from)."""
+        t_dispatch = time.perf_counter()
         sp = self._sampling(greedy, filtering)
         if self.decoder.mesh is not None:
             sp = put_batch(sp, self.decoder.mesh, self.B)
@@ -995,9 +1028,14 @@ class ServingEngine:
                 max_workers=1, thread_name_prefix="jaxspec-device")
         started = threading.Event()
         end_after = rounds - 1 if len(active) <= END_EARLY_MAX_ROWS else 0
+        rec = {"t_dispatch": t_dispatch, "kind": "speculative" if rd.speculative else "plain",
+               "rows": len(active), "batch": self.B if rows is None else len(rows),
+               "rounds": int(rounds), "pieces": int(num_pieces),
+               "first_run": id(program) not in self._programs_run}
         fut = self._device.submit(self._chunk_on_device, program, sp, state, rounds, t_compile,
-                                  started, rows, pieces, end_after, num_pieces)
-        fut.first_run = id(program) not in self._programs_run
+                                  started, rows, pieces, end_after, num_pieces, rec)
+        fut.first_run = rec["first_run"]
+        fut.rec = rec
         self._programs_run.add(id(program))
         del compact
         del state  # donated to the chunk
@@ -1009,10 +1047,10 @@ class ServingEngine:
         return fut
 
     def _chunk_on_device(self, program, sp, state, rounds, t_compile, started, rows=None,
-                         pieces=None, end_after=0, num_pieces=0):
+                         pieces=None, end_after=0, num_pieces=0, rec=None):
         """Runs a chunk on ``state`` (the slots', or with ``rows`` the state of those rows alone,
         whose outputs are spread over the slots; with ``pieces`` a mixed chunk; ``end_after`` as
-        `Decoder.call_chunk`'s)."""
+        `Decoder.call_chunk`'s); its start and end times go to ``rec`` (`chunk_timeline`)."""
         try:
             try:
                 max_rounds = jnp.int32(rounds)
@@ -1025,6 +1063,8 @@ class ServingEngine:
             if rows is not None:
                 outs = spread_outputs(outs, jnp.asarray(rows), batch=self.B)
             jax.block_until_ready(outs)
+            if rec is not None:
+                rec["t_start"], rec["t_end"] = t, time.perf_counter()
         except BaseException as e:
             # the error's traceback keeps the frames it passed: not the pool with them (an engine
             # that recovers makes a fresh pool, and a second one may not fit in the device)
@@ -1513,6 +1553,9 @@ class ServingEngine:
             rate = done / max(time.perf_counter() - t0, 1e-6)
             self._prefill_rate = rate if self._prefill_rate is None else \
                 0.5 * self._prefill_rate + 0.5 * rate
+        if done:  # (dispatched: the device may still run it)
+            self._timeline.append({"t_dispatch": t0, "kind": "prefill", "prompt_tokens": done,
+                                   "t_delivered": time.perf_counter()})
         self._start_filled()
 
     def _filling(self):
@@ -1748,6 +1791,26 @@ class ServingEngine:
             rounds = min(rounds, (room - flight) // tpr)
         return max(rounds, 0)
 
+    def _rounds_to_an_end(self, active, rd) -> int | None:
+        """The fewest rounds after which a decoding row may reach its token budget (counting what
+        the chunks in flight may have added, at most a round's tokens each round), when a chunk
+        ends where a stream ends (at most `END_EARLY_MAX_ROWS` decoding) and that is within
+        `max_chunk_rounds`; else None. Rows that may be done already are left out."""
+        if len(active) > END_EARLY_MAX_ROWS:
+            return None
+        def most(r):  # tokens a round of ``r`` may commit per row
+            return r.gamma + 1 if r.speculative else 1
+        flight = sum(f[4] * most(f[2]) for f in self._inflight)
+        soonest = None
+        for b in active:
+            s = self.slots[b]
+            left = s.budget - len(s.tokens) - flight
+            if left <= 0:
+                continue
+            k = -(-left // most(rd))
+            soonest = k if soonest is None else min(soonest, k)
+        return soonest if soonest is not None and soonest < self.max_chunk_rounds else None
+
     def _preempt(self, s: Sequence):
         """Gives back the blocks of a running sequence (its full prompt blocks stay cached) and
         puts it first in line: on readmission its cache is recomputed from its prompt and the
@@ -1807,7 +1870,21 @@ class ServingEngine:
                     # a first piece that adds more than the chunk's share: more plain rounds
                     need = 0 if extra is None else int(np.ceil(extra / (PIECE_SHARE * t_round)))
                     base = max(rounds, len(pieces))
-                    rounds = max(base, min(need, self.max_chunk_rounds))
+                    planned = max(base, min(need, self.max_chunk_rounds))
+                    cut = self._rounds_to_an_end(active, rd)
+                    if cut is not None and cut < planned and not self._piece_skipped and (
+                            extra is None or extra > PIECE_SHARE * cut * t_round):
+                        # a stream's budget ends within the chunk, which then ends there: the
+                        # pieces would weigh on those few rounds' tokens (the ending stream's
+                        # last ones), so they go in the next chunk (never two in a row without)
+                        # (plain rounds up to that end: the chunk after it carries them)
+                        pieces, base = None, None
+                        rounds = max(rounds, cut)
+                        self._piece_skipped = True
+                        self.m["pieces_deferred"] += 1
+                    else:
+                        rounds = planned
+                        self._piece_skipped = False
             if self.paged:
                 rounds = self._grow(active, rounds, rd, base)
                 if rounds <= 0:  # rows changed (a preemption) or wait for blocks: next time
@@ -1881,6 +1958,17 @@ class ServingEngine:
                                  and extra > -MIXED_NOISE * alone):
                     self._piece_cost.observe(mixed, max(extra, 0.0))
             self.m["chunk_seconds"] += dt
+        rec = getattr(chunk, "rec", None)
+        if rec is not None:
+            rec.update(ran=n, tokens=int(n_out.sum()), device_s=float(dt),
+                       t_result=time.perf_counter(),
+                       piece_keys=[float(k) for k in mixed], predicted_s=None,
+                       predicted_pieces_s=None)
+            if self.decoder.costs.fits:
+                rec["predicted_s"] = n * self._round_seconds(rd, ctx)
+                cost = [self._piece_cost.predict(k) for k in mixed]
+                if mixed and all(c is not None for c in cost):
+                    rec["predicted_pieces_s"] = float(sum(cost))
         self.m["chunks"] += 1
         self.m["speculative_chunks" if rd.speculative else "plain_chunks"] += 1
         self.m["rounds"] += n
@@ -1919,6 +2007,9 @@ class ServingEngine:
             except Exception as e:  # noqa: BLE001 - fail this request only
                 log.exception("delivering tokens of sequence %d failed", s.id)
                 self._fail(s, f"{type(e).__name__}: {e}")
+        if rec is not None:
+            rec["t_delivered"] = time.perf_counter()
+            self._timeline.append(rec)
 
     def _count_positions(self, flags, depth: int):
         """Per draft position, a row's speculative rounds in a chunk and the ones that accepted
@@ -2116,6 +2207,26 @@ class ServingEngine:
                 "prefix_cache_hit_rate": (m["prefix_hit_tokens"] / m["prefix_query_tokens"]
                                           if m["prefix_query_tokens"] else 0.0)}),
         }
+
+    def chunk_timeline(self, since: float | None = None) -> list[dict]:
+        """The last decode chunks (at most `TIMELINE_CHUNKS`), oldest first, each a dict of
+        `time.perf_counter` times (on Linux a clock all processes of the machine share):
+        ``t_dispatch`` (the engine thread began dispatching it), ``t_start`` / ``t_end`` (its run
+        on the device thread, after what was dispatched before it had finished), ``t_result``
+        (the engine thread took its outputs), ``t_delivered`` (its tokens were handed to the
+        streams); and ``kind`` (``plain`` / ``speculative``), ``rows`` (decoding rows),
+        ``batch`` (rows of the program: fewer than the slots for a compact chunk), ``rounds``
+        (at most) and ``ran``, ``pieces`` (prompt pieces prefilled in its rounds) and
+        ``piece_keys`` (their mean attended keys), ``tokens`` (generated), ``device_s``,
+        ``first_run`` (its program's first run), ``predicted_s`` (the cost model's time of the
+        rounds it ran, None before it has measured) and ``predicted_pieces_s`` (what its pieces
+        were predicted to add). Prefill steps between chunks are there too, as ``kind`` ``prefill``
+        with ``t_dispatch`` / ``t_delivered`` (the host's call) and ``prompt_tokens``.
+        ``since``: only what was dispatched at or after that time."""
+        out = [dict(r) for r in list(self._timeline)]
+        if since is not None:
+            out = [r for r in out if r["t_dispatch"] >= since]
+        return out
 
     # ------------------------------------------------------------------ blocking helper
     def generate(self, prompt_ids: list[int], options: SamplingOptions,

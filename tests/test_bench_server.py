@@ -380,3 +380,66 @@ def test_server_setups_and_kv_numbers():
     assert bench_server.kv_delta(held, dict(held, held_sequences=12), 3)["held_sequences"] == 7
     assert d["prefix_hit_rate"] == 0.6 and d["kv_blocks_peak"] == 31
     assert bench_server.kv_delta(None, None, None) is None
+
+
+def test_seeds_short_baseline_and_timeline(tmp_path):
+    """``--seed 3,4 --workload independent,short --timeline`` on one paged server: a point per
+    seed and workload, each seed's own prompts and arrivals (generate's tokens for them), short
+    prompts of ``--short`` tokens, the ITL against short computed from the points, and a
+    timeline whose client stamps and engine chunks share one clock (every token event comes
+    after the chunk that produced it was handed to the streams)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    model = served_model(seed=11, eos=False)
+    argv = ["--servers", "paged8", "--workload", "independent,short", "--variants", "off",
+            "--rates", "40", "--requests", "3", "--max-batch", "2", "--prompt", "20-36",
+            "--short", "5", "--new", "20", "--source", "random", "--seed", "3,4", "--check", "3",
+            "--warmup", "0", "--no-reference", "--timeline", "--out", str(tmp_path)]
+    out = bench_server.bench_server(_args(argv), model=model)
+    assert out["seeds"] == [3, 4] and out["short_tokens"] == 5
+    assert [(p["seed"], p["workload"]) for p in out["points"]] == \
+        [(3, "independent"), (3, "short"), (4, "independent"), (4, "short")]
+    V = model.config.vocab_size
+    for sd in (3, 4):
+        rows = np.random.default_rng(sd).integers(0, V, size=(3, 36)).tolist()
+        cut = np.random.default_rng(sd).integers(20, 37, size=3).tolist()
+        short = np.random.default_rng(sd + 4000).integers(0, V, size=(3, 5)).tolist()
+        for name, prompts in (("independent", [r[:n] for r, n in zip(rows, cut)]),
+                              ("short", short)):
+            ref = jaxspec.generate(model, prompts, max_new_tokens=20).tokens
+            assert out["check"]["outputs"][f"{name}@{sd}"] == ref
+            p = next(p for p in out["points"] if (p["seed"], p["workload"]) == (sd, name))
+            assert p["status"] == "ok" and p["outputs"] == ref, (sd, name)
+            assert [r["prompt_tokens"] for r in p["per_request"]] == [len(x) for x in prompts]
+    pts = {(p["seed"], p["workload"]): p for p in out["points"]}
+    assert [(s["seed"], s["workload"]) for s in out["itl_vs_short"]] == \
+        [(3, "independent"), (4, "independent")]
+    for s in out["itl_vs_short"]:
+        a, b = pts[s["seed"], "independent"]["itl_s"], pts[s["seed"], "short"]["itl_s"]
+        assert s["itl_p99"] == pytest.approx(a["p99"] / b["p99"])
+    md = (tmp_path / "server.md").read_text()
+    assert "| seed |" in md and "against the `short` workload" in md
+
+    tl = json.loads((tmp_path / "server.timeline.json").read_text())["points"]
+    assert [(t["seed"], t["workload"]) for t in tl] == list(pts)
+    arrivals = {}
+    for t in tl:
+        chunks = [c for c in t["chunks"] if c["kind"] != "prefill"]
+        assert chunks and sum(c["tokens"] for c in chunks) == 3 * 20
+        for c in chunks:
+            assert c["t_dispatch"] <= c["t_start"] <= c["t_end"] <= c["t_result"] \
+                <= c["t_delivered"], c
+            assert 1 <= c["rows"] <= c["batch"] <= 2 and 0 <= c["ran"] <= c["rounds"]
+        delivered = sorted(c["t_delivered"] for c in chunks)
+        for r in t["requests"]:
+            assert r["status"] == "ok" and r["events"][-1][1] == 20 and len(r["events"]) > 1
+            for when, _ in r["events"]:  # (client stamps: seconds from its clock0)
+                assert r["clock0"] + when >= delivered[0]
+        arrivals[t["seed"], t["workload"]] = [r["t_send"] for r in t["requests"]]
+    # the same arrivals for both workloads of a seed, others for the other seed
+    for sd in (3, 4):
+        assert np.allclose(arrivals[sd, "independent"], arrivals[sd, "short"], atol=0.05)
+    plan = bench_server.arrival_times(3, 40.0, 3 + 1)
+    assert np.allclose(arrivals[3, "short"], plan, atol=0.05)
+    assert not np.allclose(bench_server.arrival_times(3, 40.0, 5), plan)

@@ -220,6 +220,43 @@ def test_piece_cost_fits_a_fixed_and_a_per_key_part():
     assert np.all(falls.coef >= 0) and falls.predict(1e6) > 0
 
 
+def test_piece_cost_budgets_for_its_tail():
+    """`PieceCost.predict` is the fit scaled by the `TAIL` quantile of the last `TAIL_WINDOW`
+    chunks' measured / fitted times (1 before `TAIL_MIN` chunks, never below 1): over chunks
+    that scatter around their mean, at most about 1 - `TAIL` of them take longer than predicted,
+    where the mean alone is exceeded by about half."""
+    from jaxspec.serving import PieceCost
+
+    rng = np.random.default_rng()
+    fixed, per_key = rng.uniform(5e-3, 2e-2), rng.uniform(1e-7, 1e-6)
+    cost = PieceCost()
+    seen, over_mean, over_pred = [], 0, 0
+    for i in range(200):
+        keys = rng.uniform(0, 30000, size=int(rng.integers(1, 4)))
+        t = (len(keys) * fixed + per_key * keys.sum()) * rng.lognormal(0.0, 0.4)
+        if i >= 64:  # (once the window holds this spread)
+            over_mean += t > sum(cost.mean(k) for k in keys)
+            over_pred += t > sum(cost.predict(k) for k in keys)
+        cost.observe(keys, t)
+        seen.append((keys, t))
+        if i + 1 < PieceCost.TAIL_MIN:
+            assert cost.margin == 1.0 and cost.predict(1e4) == cost.mean(1e4)
+        else:
+            last = seen[-PieceCost.TAIL_WINDOW:]
+            ratios = [t / (len(k) * cost.coef[0] + cost.coef[1] * k.sum() / PieceCost.KEYS)
+                      for k, t in last]
+            want = min(max(np.quantile(ratios, PieceCost.TAIL), 1.0), PieceCost.TAIL_MAX)
+            assert cost.margin == pytest.approx(want, rel=1e-9)
+            assert cost.predict(1e4) == pytest.approx(cost.mean(1e4) * want, rel=1e-9)
+    n = 200 - 64
+    assert over_mean > 0.3 * n and over_pred < 0.2 * n, (over_mean, over_pred)
+    exact = PieceCost()  # chunks that take what the fit says: no margin
+    for _ in range(40):
+        k = rng.uniform(0, 30000, size=int(rng.integers(1, 4)))
+        exact.observe(k, len(k) * fixed + per_key * k.sum())
+    assert exact.margin == pytest.approx(1.0, abs=1e-9)
+
+
 def test_pieces_fill_the_chunks_share():
     """A mixed chunk takes its pieces in order (oldest sequence first, each prompt from where it
     is filled) while their predicted times fit the budget: at least one, at most
@@ -335,12 +372,12 @@ def test_piece_cost_is_learned_from_whole_mixed_chunks():
         keys = tuple(rng.uniform(0, 30000, size=int(rng.integers(1, 4))))
         e._process(chunk(8, 8 * t + len(keys) * fixed + per_key * sum(keys)), owners, rd, None,
                    8, keys)
-    assert e._piece_cost.predict(2500.0) == pytest.approx(fixed + per_key * 2500, rel=1e-6)
+    assert e._piece_cost.mean(2500.0) == pytest.approx(fixed + per_key * 2500, rel=1e-6)
     e._process(chunk(8, 0.5 * t), owners, rd, None, 8, (10.0,))  # faster than its rounds alone:
-    assert e._piece_cost.predict(2500.0) == pytest.approx(fixed + per_key * 2500, rel=1e-6)
-    before = e._piece_cost.predict(2500.0)
+    assert e._piece_cost.mean(2500.0) == pytest.approx(fixed + per_key * 2500, rel=1e-6)
+    before = e._piece_cost.mean(2500.0)
     e._process(chunk(8, 0.97 * 8 * t), owners, rd, None, 8, (2500.0,))  # within the noise: 0
-    assert e._piece_cost.predict(2500.0) < before * (1 - 1e-6)
+    assert e._piece_cost.mean(2500.0) < before * (1 - 1e-6)
 
 
 def test_a_costly_piece_gets_a_longer_chunk():
@@ -395,6 +432,46 @@ def test_a_costly_piece_gets_a_longer_chunk():
     assert all(k == 1 and m == want for k, m in mixed), (want, mixed)
     assert processed == [pytest.approx(k) for k in keys]
     assert (want, 2) in grows and all(u in (None, 2) for _, u in grows), grows
+
+
+def test_a_stream_ends_in_a_chunk_without_pieces():
+    """While a prompt fills in costly pieces (each stretching its chunk to more rounds), a stream
+    whose token budget ends sooner ends in a plain chunk that runs up to its end: the piece goes
+    in the chunk after it, and no mixed chunk is cut short by that end (its piece's time would
+    fall on those few rounds' tokens). Both sequences' tokens equal `generate`'s."""
+    from jaxspec.serving import PIECE_SHARE
+
+    model = served_model(eos=False)
+    rng = np.random.default_rng()
+    short, long_ = (rng.integers(5, 60, size=int(n)).tolist() for n in (6, 70))
+    e = ServingEngine(model, max_batch=2, max_len=320, rounds_per_chunk=4, page_size=8,
+                      prefill_chunk=8, mixed_prefill=8, fill_first=0)
+    want = int(rng.integers(4, 9))  # the rounds a mixed chunk stretches to for its one piece
+    e._round_seconds = lambda rd, ctx: 1.0
+    e.chunk_seconds = 2.0
+    e._piece_cost.coef = np.array([PIECE_SHARE * want - 0.01, 0.0])
+    e._piece_cost.observe = lambda keys, seconds: None
+    chunks = []
+    real = e.decoder.call_chunk
+
+    def spy(program, sp, state, max_rounds, pieces=None, end_after=0, num_pieces=0):
+        before = np.asarray(state.done)
+        st, outs = real(program, sp, state, max_rounds, pieces, end_after, num_pieces)
+        done = np.asarray(outs.done)
+        ended = np.flatnonzero(done & ~before[:len(done)])
+        chunks.append((num_pieces, int(max_rounds), int(outs.steps), ended.tolist(),
+                       bool(np.any(~before[:len(done)]))))
+        return st, outs
+    e.decoder.call_chunk = spy
+    tokens = int(rng.integers(12, 30))  # ends while the 9 pieces fill (each ~want rounds)
+    _serve_a_late_prompt(e, model, short, long_, tokens)
+    # mixed chunks over a decoding row (not those dispatched after its end, before the host
+    # saw it) carry one piece and run all their rounds: none is cut short by the stream's end
+    mixed = [c for c in chunks if c[0] > 0 and c[4]]
+    assert mixed and all(k == 1 and m == want and n == m for k, m, n, _, _ in mixed), chunks
+    ends = [c for c in chunks if c[3]]
+    assert ends and (ends[0][0] == 0 or ends[0][2] == want), chunks  # (the stream's end)
+    assert e.metrics()["pieces_deferred"] >= (ends[0][0] == 0 and ends[0][2] < ends[0][1])
 
 
 def test_warmup_runs_the_mixed_program_once():

@@ -452,6 +452,9 @@ def prometheus_text(engine: ServingEngine, http: HTTPStats, model_name: str,
            "pieces (mixed_prefill).", [({}, m.get("mixed_chunks", 0))])
     metric("mixed_prefill_tokens_total", "counter", "Prompt tokens prefilled inside decode "
            "rounds (mixed_prefill).", [({}, m.get("mixed_prefill_tokens", 0))])
+    metric("pieces_deferred_total", "counter", "Chunks that left their prompt pieces to the next "
+           "chunk because a stream's token budget ended within them.",
+           [({}, m.get("pieces_deferred", 0))])
     metric("held_sequences_total", "counter", "Sequences whose prompt was in but which waited "
            "for others' prompts to fill before decoding (fill_first).",
            [({}, m.get("held_sequences", 0))])

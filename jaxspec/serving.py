@@ -99,8 +99,8 @@ MIXED_ROUNDS = 8
 # pieces that add more (the first one always goes in) make the chunk run more plain rounds, up to
 # `MIXED_STRETCH` times ``rounds_per_chunk``, to keep the share. The clients of the running
 # streams get a chunk's tokens at once, so their inter-token latency grows by about this share
-# while prompts fill, whatever the piece size (a little more where the prediction is short: the
-# measured time was within 1.2-1.3x of the predicted for 90% of the chunks, H200); the price is the
+# while prompts fill, whatever the piece size (more in the chunks that take longer than
+# predicted: the prediction is the fit's 90th percentile, `PieceCost`); the price is the
 # filling prompts' time to first token (at most a share of 0.4 / 1.4 of the device's time goes to
 # prefill while streams decode)
 PIECE_SHARE = 0.4

@@ -402,7 +402,9 @@ class ServingEngine:
         decode chunks. A chunk carries pieces in as many of its first rounds as add at most
         `PIECE_SHARE` of its rounds' time (`PieceCost` predicts them from the measured chunks),
         then plain rounds, more of them (up to `MIXED_STRETCH` x ``rounds_per_chunk``) where
-        its one piece adds more (the streams get a chunk's tokens per host turn). Smaller pieces: less added per round, slower prefill (Qwen2.5-1.5B shape,
+        its one piece adds more (the streams get a chunk's tokens per host turn); a chunk in
+        which a stream's token budget would end carries none (plain rounds up to that end, the
+        piece next). Smaller pieces: less added per round, slower prefill (Qwen2.5-1.5B shape,
         H200: a 2048-token piece at a 30k offset adds ~45 ms to its round, a 128-token one ~3
         ms; `benchmarks/server_poisson_random_h200.md`). Default:
         ``prefill_chunk`` (at most ``max_len``) for a block pool (unless ``prefill_budget`` is

@@ -227,6 +227,7 @@ def test_warmup_plan_runs_the_shortest_alone_then_all_staggered():
     (["--workload", "shared-doc", "--question", "0"], "--question"),
     (["--workload", "shared-doc,bogus"], "--workload"), (["--workload", ""], "--workload"),
     (["--workload", "shared-doc", "--doc", "0"], "--doc"),
+    (["--seed", "5,5"], "--seed"), (["--seed", "5,x"], "--seed"), (["--short", "1"], "--short"),
 ])
 def test_bad_arguments_named(extra, flag):
     # refused by name before the (missing) model is loaded

@@ -1244,7 +1244,8 @@ def markdown(out: dict) -> str:
     lines += [f"- load: {out['requests']} streamed `/v1/completions` requests per point, "
               f"{what}, max_tokens {out['new_tokens']}, greedy, EOS {eos}; "
               f"arrivals all at once (inf) or Poisson (seed + 1 for the first rate, + 2 for the "
-              f"next, ...); the same prompts and arrivals for every server; each server warmed up with requests of these shapes first (other "
+              f"next, ...); the same prompts and arrivals for every server; each server warmed "
+              f"up with requests of these shapes first (other "
               f"text).",
               "- TTFT: sent -> first token event; ITL: gaps between token events split over their "
               "tokens; e2e: sent -> `[DONE]`; throughput: completed / (first send -> last "

@@ -604,10 +604,10 @@ class ServingEngine:
         self._paused = False
         self.fault_hook = None  # tests: called with each Sequence at admission (may raise)
         self.step_fault_hook = None  # tests: called before each decode chunk (may raise)
-        # metrics counters; every key exists from the start (other threads read them while the
-        # engine thread updates them)
         # the last decode chunks, as `chunk_timeline` gives them
         self._timeline = collections.deque(maxlen=TIMELINE_CHUNKS)
+        # metrics counters; every key exists from the start (other threads read them while the
+        # engine thread updates them)
         self.m = collections.Counter({k: 0 for k in (
             "sequences_submitted", "sequences_admitted", "prompt_tokens", "prefill_tokens",
             "generation_tokens", "chunks", "rounds", "chunk_seconds", "busy_slot_rounds",
@@ -1032,6 +1032,7 @@ class ServingEngine:
         end_after = rounds - 1 if len(active) <= END_EARLY_MAX_ROWS else 0
         rec = {"t_dispatch": t_dispatch, "kind": "speculative" if rd.speculative else "plain",
                "rows": len(active), "batch": self.B if rows is None else len(rows),
+               "compact": rows is not None,
                "rounds": int(rounds), "pieces": int(num_pieces),
                "first_run": id(program) not in self._programs_run}
         fut = self._device.submit(self._chunk_on_device, program, sp, state, rounds, t_compile,
@@ -1878,8 +1879,8 @@ class ServingEngine:
                             extra is None or extra > PIECE_SHARE * cut * t_round):
                         # a stream's budget ends within the chunk, which then ends there: the
                         # pieces would weigh on those few rounds' tokens (the ending stream's
-                        # last ones), so they go in the next chunk (never two in a row without)
-                        # (plain rounds up to that end: the chunk after it carries them)
+                        # last ones), so this chunk runs plain rounds up to that end and the next
+                        # one carries them (never two in a row without)
                         pieces, base = None, None
                         rounds = max(rounds, cut)
                         self._piece_skipped = True
@@ -1941,17 +1942,24 @@ class ServingEngine:
         # (and still own their slots: a slot that changed hands since holds another sequence)
         mine = [b for b in ran if self.slots[b] is owners[b]]
         self.lengths[mine] = np.asarray(lengths, np.int64)[mine]
+        # the rounds' predicted time (what the chunk was planned by)
+        alone = n * self._round_seconds(rd, ctx) if self.decoder.costs.fits else None
+        rec = getattr(chunk, "rec", None)
+        if rec is not None:
+            cost = [self._piece_cost.predict(k) for k in mixed]
+            rec.update(ran=n, tokens=int(n_out.sum()), device_s=float(dt),
+                       t_result=time.perf_counter(), piece_keys=[float(k) for k in mixed],
+                       predicted_s=alone, predicted_pieces_s=float(sum(cost))
+                       if mixed and alone is not None and None not in cost else None)
         if dt > 0:
             still = [b for b in ran if not done[b]]
             if not mixed:  # (a mixed chunk's time includes its prefill)
                 self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
                 if n == rounds:  # (a chunk that ended early is not a chunk's time)
                     self._chunk_s = dt
-            elif self.decoder.costs.fits and n == rounds and not getattr(chunk, "first_run",
-                                                                           False):
+            elif alone is not None and n == rounds and not getattr(chunk, "first_run", False):
                 # what the pieces added to the rounds' predicted time (only from chunks that ran
                 # all their rounds: in a cut one the host turn's share would land on the pieces)
-                alone = n * self._round_seconds(rd, ctx)
                 extra = dt - alone
                 # (a chunk well under its rounds' predicted time: that prediction is off, and
                 # the pieces' time unknown; within the noise it counts, as at least nothing,
@@ -1960,17 +1968,6 @@ class ServingEngine:
                                  and extra > -MIXED_NOISE * alone):
                     self._piece_cost.observe(mixed, max(extra, 0.0))
             self.m["chunk_seconds"] += dt
-        rec = getattr(chunk, "rec", None)
-        if rec is not None:
-            rec.update(ran=n, tokens=int(n_out.sum()), device_s=float(dt),
-                       t_result=time.perf_counter(),
-                       piece_keys=[float(k) for k in mixed], predicted_s=None,
-                       predicted_pieces_s=None)
-            if self.decoder.costs.fits:
-                rec["predicted_s"] = n * self._round_seconds(rd, ctx)
-                cost = [self._piece_cost.predict(k) for k in mixed]
-                if mixed and all(c is not None for c in cost):
-                    rec["predicted_pieces_s"] = float(sum(cost))
         self.m["chunks"] += 1
         self.m["speculative_chunks" if rd.speculative else "plain_chunks"] += 1
         self.m["rounds"] += n
@@ -2217,7 +2214,7 @@ class ServingEngine:
         on the device thread, after what was dispatched before it had finished), ``t_result``
         (the engine thread took its outputs), ``t_delivered`` (its tokens were handed to the
         streams); and ``kind`` (``plain`` / ``speculative``), ``rows`` (decoding rows),
-        ``batch`` (rows of the program: fewer than the slots for a compact chunk), ``rounds``
+        ``batch`` (rows of the program), ``compact`` (over those rows alone), ``rounds``
         (at most) and ``ran``, ``pieces`` (prompt pieces prefilled in its rounds) and
         ``piece_keys`` (their mean attended keys), ``tokens`` (generated), ``device_s``,
         ``first_run`` (its program's first run), ``predicted_s`` (the cost model's time of the

@@ -33,14 +33,11 @@ def _kind(c: dict) -> str:
     return c.get("kind", "plain")
 
 
-def analyze(point: dict, slots: int | None = None) -> dict:
+def analyze(point: dict) -> dict:
     """The slow-gap breakdown of one timeline point (see the module docstring)."""
     chunks = sorted((c for c in point["chunks"] if c.get("kind") != "prefill"),
                     key=lambda c: c["t_start"])
     prefills = [c for c in point["chunks"] if c.get("kind") == "prefill"]
-    batch = max((c["batch"] for c in chunks), default=0) if slots is None else slots
-    for c in chunks:
-        c["compact"] = c["batch"] < batch
     itl, gaps = [], []
     for r in point["requests"]:
         if r["status"] != "ok" or not r["events"]:

@@ -432,6 +432,8 @@ def test_seeds_short_baseline_and_timeline(tmp_path):
             assert c["t_dispatch"] <= c["t_start"] <= c["t_end"] <= c["t_result"] \
                 <= c["t_delivered"], c
             assert 1 <= c["rows"] <= c["batch"] <= 2 and 0 <= c["ran"] <= c["rounds"]
+            assert c["compact"] == (c["batch"] < 2)  # (compact: a power of two <= half the slots)
+            assert c["predicted_s"] is None or (c["predicted_s"] > 0) == (c["ran"] > 0)
         delivered = sorted(c["t_delivered"] for c in chunks)
         for r in t["requests"]:
             assert r["status"] == "ok" and r["events"][-1][1] == 20 and len(r["events"]) > 1

@@ -290,7 +290,7 @@ def check_serve(a) -> None:
                                ("rounds_per_chunk", 1, False), ("prefill_chunk", 1, True),
                                ("warmup_prefill", 0, False), ("page_size", 1, True),
                                ("kv_blocks", 1, True), ("prefill_budget", 1, True),
-                               ("mixed_prefill", 0, True)):
+                               ("mixed_prefill", 0, True), ("mixed_stretch", 1, True)):
         if not hasattr(a, attr):
             continue
         v = getattr(a, attr)
@@ -319,7 +319,7 @@ def check_serve(a) -> None:
                          f"give at least {-(-max_len // page)} blocks")
     if getattr(a, "page_size", None) is None:  # options of a block pool, without one
         given = [f"--{name.replace('_', '-')}" for name in (
-            "kv_blocks", "prefill_budget", "mixed_prefill", "fill_first")
+            "kv_blocks", "prefill_budget", "mixed_prefill", "mixed_stretch", "fill_first")
             if getattr(a, name, None) not in (None, 0)]
         if given:
             raise ValueError(f"{', '.join(given)}: options of a paged K/V cache, which needs "

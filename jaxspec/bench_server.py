@@ -327,8 +327,9 @@ def parse_servers(text: str) -> list[dict]:
     row per slot) or ``paged[N]`` (paged K/V, pages of N slots, default 16) with optional
     ``-blocksM`` (blocks in the pool), ``-budgetT`` (prefill tokens between decode chunks),
     ``-mixedC`` / ``-nomixed`` (``mixed_prefill=C`` / 0: prompt tokens prefilled inside each
-    decode round), ``-fillfirstS`` / ``-nofillfirst`` (``fill_first=S`` / 0) and ``-noshare`` (no shared-context attention: ``share_min_tokens=None``);
-    any setup takes
+    decode round), ``-stretchK`` (``mixed_stretch=K``), ``-fillfirstS`` / ``-nofillfirst``
+    (``fill_first=S`` / 0) and ``-noshare`` (no shared-context attention:
+    ``share_min_tokens=None``); any setup takes
     ``-slotsN`` (N slots instead of ``--max-batch``: a paged pool of the dense cache's size with
     more slots)."""
     out, seen = [], set()
@@ -340,7 +341,8 @@ def parse_servers(text: str) -> list[dict]:
         seen.add(name)
         head, *opts = name.split("-")
         setup = {"name": name, "page_size": None, "kv_blocks": None, "prefill_budget": None,
-                 "mixed_prefill": None, "share": True, "max_batch": None, "fill_first": None}
+                 "mixed_prefill": None, "share": True, "max_batch": None, "fill_first": None,
+                 "mixed_stretch": None}
         slots = [o for o in opts if o.startswith("slots") and o[5:].isdigit()]
         if slots:
             setup["max_batch"] = int(slots[-1][5:])
@@ -364,21 +366,24 @@ def parse_servers(text: str) -> list[dict]:
                     setup["fill_first"] = 0
                     continue
                 for key, word in (("kv_blocks", "blocks"), ("prefill_budget", "budget"),
-                                  ("mixed_prefill", "mixed"), ("fill_first", "fillfirst")):
+                                  ("mixed_prefill", "mixed"), ("fill_first", "fillfirst"),
+                                  ("mixed_stretch", "stretch")):
                     if o.startswith(word) and o[len(word):].isdigit():
                         setup[key] = int(o[len(word):])
                         break
                 else:
                     raise ValueError(f"--servers: {name!r}: unknown option {o!r} (blocksM, "
-                                     f"budgetT, mixedC, nomixed, fillfirstS, nofillfirst, "
-                                     f"noshare, slotsN)")
+                                     f"budgetT, mixedC, nomixed, stretchK, fillfirstS, "
+                                     f"nofillfirst, noshare, slotsN)")
             if min(v for v in (setup["page_size"], setup["kv_blocks"], setup["prefill_budget"])
                    if v is not None) < 1 \
-                    or any(o.startswith("mixed") and int(o[5:]) < 1 for o in opts):
+                    or any(o.startswith("mixed") and int(o[5:]) < 1 for o in opts) \
+                    or (setup["mixed_stretch"] is not None and setup["mixed_stretch"] < 1):
                 raise ValueError(f"--servers: {name!r}: sizes must be >= 1")
         else:
             raise ValueError(f"--servers: {name!r} is not 'dense' or 'paged[N][-blocksM]"
-                             f"[-budgetT][-mixedC|-nomixed][-fillfirstS|-nofillfirst][-noshare]'")
+                             f"[-budgetT][-mixedC|-nomixed][-stretchK][-fillfirstS|-nofillfirst]"
+                             f"[-noshare]'")
         out.append(setup)
     if not out:
         raise ValueError("--servers: give at least one server setup")
@@ -942,7 +947,8 @@ def _bench_server(args, model, draft, state) -> dict:
                                  "kv_blocks": setup["kv_blocks"],
                                  "prefill_budget": setup["prefill_budget"],
                                  "mixed_prefill": setup.get("mixed_prefill"),
-                                 "fill_first": setup.get("fill_first")}
+                                 "fill_first": setup.get("fill_first"),
+                                 "mixed_stretch": setup.get("mixed_stretch")}
                         if not setup.get("share", True):
                             paged["share_min_tokens"] = None
                     engine = ServingEngine(model, max_batch=setup.get("max_batch") or B,
@@ -958,6 +964,7 @@ def _bench_server(args, model, draft, state) -> dict:
                                     blocks_per_sequence=engine.max_blocks,
                                     prefill_budget=engine.prefill_budget,
                                     mixed_prefill=engine.mixed_prefill,
+                                    mixed_stretch=engine.mixed_stretch,
                                     fill_first=engine.fill_first,
                                     share_min_tokens=engine.share_min_tokens)
                     engine.start(variants=[(True, False)])  # greedy requests only
@@ -1158,7 +1165,7 @@ def _point_line(p: dict) -> str:
 
 
 def _setup_words(out: dict) -> str:
-    from jaxspec.serving import PIECE_SHARE
+    from jaxspec.serving import MIXED_STRETCH, PIECE_SHARE
 
     words = []
     for s in out.get("setups") or []:
@@ -1170,7 +1177,9 @@ def _setup_words(out: dict) -> str:
             budget = (f"prefill budget {info['prefill_budget']} tokens per chunk"
                       if info.get("prefill_budget") else
                       f"prompt pieces of {info['mixed_prefill']} tokens inside the decode rounds "
-                      f"while streams decode (at most {PIECE_SHARE} of a chunk's time), whole "
+                      f"while streams decode (at most {PIECE_SHARE} of a chunk's time; a chunk "
+                      f"stretched up to {info.get('mixed_stretch') or MIXED_STRETCH}x for a "
+                      f"costly piece), whole "
                       f"prefill chunks while none does" if info.get("mixed_prefill") else
                       "prefill budget adaptive (the batch fills first, then half a decode "
                       "chunk's time) per chunk")
@@ -1186,6 +1195,9 @@ def markdown(out: dict) -> str:
     from jaxspec.serving import MIXED_STRETCH
 
     env = out["env"]
+    stretch = "/".join(str(k) for k in sorted({i.get("mixed_stretch") or MIXED_STRETCH
+                                                for i in out["servers"].values()
+                                                if i.get("mixed_prefill")}) or [MIXED_STRETCH])
     lo, hi = out["prompt"]
     workloads = out.get("workloads") or ["independent"]
     shared = "shared-doc" in workloads
@@ -1237,7 +1249,7 @@ def markdown(out: dict) -> str:
              f"- model: {out['model']}" + (f", draft {out['draft']}" if out["draft"] else ""),
              f"- server: {out['max_batch']} slots, max_len {out['max_len']}, "
              f"{out['rounds_per_chunk']} rounds per chunk at most (a mixed chunk with a "
-             f"costly prompt piece: up to {MIXED_STRETCH}x), prefill chunk "
+             f"costly prompt piece: up to {stretch}x), prefill chunk "
              f"{out['prefill_chunk'] or chunks}; HTTP on 127.0.0.1, a client in its own process"]
     if multi:
         lines.append(f"- server setups: {_setup_words(out)}")

@@ -49,9 +49,9 @@ from typing import Any
 from jaxspec.args import (int_or_none_arg, merge_model_path, mesh_from_args, nonneg_float,
                           nonneg_int, parse_gamma, parse_tree, positive_int, retrieve_arg,
                           window_arg)
-from jaxspec.serving import (FILL_FIRST_SECONDS, GROWTH_RESERVE_TOKENS, SHARE_MIN_TOKENS,
-                             EngineStopped, PromptTooLong, QueueFull, SamplingOptions, Sequence,
-                             ServingEngine)
+from jaxspec.serving import (FILL_FIRST_SECONDS, GROWTH_RESERVE_TOKENS, MIXED_STRETCH,
+                             SHARE_MIN_TOKENS, EngineStopped, PromptTooLong, QueueFull,
+                             SamplingOptions, Sequence, ServingEngine)
 from jaxspec.speculation import Speculation
 
 log = logging.getLogger("jaxspec.server")
@@ -1331,6 +1331,12 @@ def add_arguments(p: argparse.ArgumentParser):
                         "prefill); 0: off, whole prefill steps between decode "
                         "chunks (default: --prefill-chunk with --page-size, unless "
                         "--prefill-budget is given)")
+    p.add_argument("--mixed-stretch", type=int, default=None,
+                   help="paged, with mixed prefill: a decode chunk whose one prompt piece adds "
+                        "more than 0.4 of its time (a piece at a long offset) runs up to this "
+                        "many times --rounds-per-chunk rounds to keep that share (more: running "
+                        "streams keep their inter-token latency for longer prompts, whose first "
+                        f"token comes later; 1: never; default {MIXED_STRETCH})")
     p.add_argument("--fill-first", type=nonneg_float, default=None,
                    help="paged: while no request decodes, a request whose prompt is in waits "
                         "(at most this many seconds) for the others being prefilled or queued "
@@ -1451,6 +1457,7 @@ def build_engine(a) -> tuple[ServingEngine, str]:
                            kv_blocks=getattr(a, "kv_blocks", None),
                            prefill_budget=getattr(a, "prefill_budget", None),
                            mixed_prefill=getattr(a, "mixed_prefill", None),
+                           mixed_stretch=getattr(a, "mixed_stretch", None),
                            fill_first=getattr(a, "fill_first", None),
                            growth_reserve=getattr(a, "growth_reserve", GROWTH_RESERVE_TOKENS),
                            share_min_tokens=getattr(a, "share_min_tokens", SHARE_MIN_TOKENS),

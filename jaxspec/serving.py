@@ -356,7 +356,7 @@ class ServingEngine:
     speculation: a `jaxspec.Speculation` (or None for plain decoding).
     chunk_seconds: the time a decode chunk aims at (the streaming granularity).
     rounds_per_chunk: the most rounds a chunk runs (a mixed chunk with a costly prompt piece:
-        up to `MIXED_STRETCH` times it, see ``mixed_prefill``).
+        up to ``mixed_stretch`` times it, see ``mixed_prefill``).
     max_queue: waiting sequences beyond which `submit` raises `QueueFull`.
     page_size: paged K/V (`jaxspec.paged`): blocks of this many slots shared by all slots, so
         memory follows the sequences' actual lengths; a request reuses the cached blocks of its
@@ -401,7 +401,7 @@ class ServingEngine:
         keep going while long prompts fill, instead of waiting for whole prefill steps between
         decode chunks. A chunk carries pieces in as many of its first rounds as add at most
         `PIECE_SHARE` of its rounds' time (`PieceCost` predicts them from the measured chunks),
-        then plain rounds, more of them (up to `MIXED_STRETCH` x ``rounds_per_chunk``) where
+        then plain rounds, more of them (up to ``mixed_stretch`` x ``rounds_per_chunk``) where
         its one piece adds more (the streams get a chunk's tokens per host turn); a chunk in
         which a stream's token budget would end carries none (plain rounds up to that end, the
         piece next). Smaller pieces: less added per round, slower prefill (Qwen2.5-1.5B shape,
@@ -427,6 +427,13 @@ class ServingEngine:
         computed again); 0: the next two chunks' only. A decoding sequence that needs a block
         takes this room at once while the pool holds every slot's (its block table is written
         again only when it is used up).
+    mixed_stretch: paged, with ``mixed_prefill``: a mixed chunk whose one piece adds more than
+        `PIECE_SHARE` of its ``rounds_per_chunk`` rounds' time runs up to this many times as many
+        rounds, to keep that share (a piece at a long offset attends to all the keys before it:
+        the longest prompts' last pieces cost the most). More: the running streams' inter-token
+        latency stays near its share for longer prompts, and those prompts take longer to fill
+        (their time to first token) while streams decode; 1: chunks never stretch. Default
+        `MIXED_STRETCH`.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -439,7 +446,8 @@ class ServingEngine:
                  share_min_tokens: int | None = SHARE_MIN_TOKENS, ignore_eos: bool = False,
                  compact_rows: bool | None = None, batch_invariant: bool = False,
                  mixed_prefill: int | None = None, fill_first: float | None = None,
-                 growth_reserve: int = GROWTH_RESERVE_TOKENS):
+                 growth_reserve: int = GROWTH_RESERVE_TOKENS,
+                 mixed_stretch: int | None = None):
         if not isinstance(model, Model):
             raise TypeError(f"model must be a jaxspec.Model, got {type(model).__name__}")
         compile_cache.enable()  # as generate: compiled chunks outlive the process
@@ -512,9 +520,16 @@ class ServingEngine:
             log.warning("mixed_prefill is off on a mesh: prompts fill between decode chunks")
         # (a mesh splits the slots over its data axis: a prompt piece is one row's)
         self.mixed_prefill = int(mixed_prefill) if dec.mesh is None else 0
-        # the most rounds a chunk runs: a mixed chunk with a costly piece up to `MIXED_STRETCH`
+        if mixed_stretch is None:
+            mixed_stretch = MIXED_STRETCH
+        if isinstance(mixed_stretch, bool) or int(mixed_stretch) != mixed_stretch \
+                or mixed_stretch < 1:
+            raise ValueError(f"mixed_stretch must be an int >= 1 or None (default "
+                             f"{MIXED_STRETCH}), got {mixed_stretch!r}")
+        self.mixed_stretch = int(mixed_stretch)
+        # the most rounds a chunk runs: a mixed chunk with a costly piece up to ``mixed_stretch``
         # times ``rounds_per_chunk``
-        self.max_chunk_rounds = self.rounds * (MIXED_STRETCH if self.mixed_prefill else 1)
+        self.max_chunk_rounds = self.rounds * (self.mixed_stretch if self.mixed_prefill else 1)
         self.out_len = self.max_chunk_rounds * self.tokens_per_round
         self.blocks = None
         if self.paged:
@@ -1747,7 +1762,7 @@ class ServingEngine:
         round + extra`` slots (each chunk at its own kind: a speculative chunk in flight may
         advance a round's nodes per round, a plain one that follows it one); when the pool is
         short the most recently admitted sequence is preempted, unless the chunk was stretched
-        for a costly piece (`MIXED_STRETCH`) and its ``unstretched`` rounds fit. A row that grows
+        for a costly piece (``mixed_stretch``) and its ``unstretched`` rounds fit. A row that grows
         takes at once the blocks admission keeps for its growth while the pool holds every
         slot's (`_growth_blocks`). Returns the rounds to run (0: the running rows changed)."""
         def per_round(r):  # slots a round of ``r`` may write ahead of a row's length
@@ -1848,7 +1863,7 @@ class ServingEngine:
         device never waits for detokenization and streaming). ``mix`` (`_mixing`):
         `MIX_PIECES`: a mixed chunk, its first rounds each prefilling a prompt piece, the rest
         plain (a chunk's rounds in all, as the cost model sizes them, more where its pieces add
-        more than `PIECE_SHARE`: `MIXED_STRETCH`); `MIX_CALIBRATE`: at most `MIXED_ROUNDS`
+        more than `PIECE_SHARE`: ``mixed_stretch``); `MIX_CALIBRATE`: at most `MIXED_ROUNDS`
         rounds."""
         pieces, base = None, None
         if self._stop_rows:

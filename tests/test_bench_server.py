@@ -346,9 +346,14 @@ def test_server_setups_and_kv_numbers():
         "dense, paged, paged8-blocks300-budget64, paged-noshare")
     assert dense == {"name": "dense", "page_size": None, "kv_blocks": None,
                      "prefill_budget": None, "mixed_prefill": None, "share": True,
-                     "max_batch": None, "fill_first": None}
+                     "max_batch": None, "fill_first": None, "mixed_stretch": None}
     m512, m0 = bench_server.parse_servers("paged-mixed512, paged-nomixed")
     assert (m512["mixed_prefill"], m0["mixed_prefill"]) == (512, 0)
+    s8, = bench_server.parse_servers("paged-mixed2048-stretch8")
+    assert (s8["mixed_prefill"], s8["mixed_stretch"], m512["mixed_stretch"]) == (2048, 8, None)
+    for bad in ("paged-stretch0", "dense-stretch4", "paged-stretch"):
+        with pytest.raises(ValueError, match="--servers"):
+            bench_server.parse_servers(bad)
     f5, f0 = bench_server.parse_servers("paged-fillfirst5, paged-nofillfirst")
     assert (f5["fill_first"], f0["fill_first"], m0["fill_first"]) == (5, 0, None)
     with pytest.raises(ValueError, match="--servers"):

@@ -380,21 +380,28 @@ def test_piece_cost_is_learned_from_whole_mixed_chunks():
     assert e._piece_cost.mean(2500.0) < before * (1 - 1e-6)
 
 
-def test_a_costly_piece_gets_a_longer_chunk():
+@pytest.mark.parametrize("stretch", ["default", "given", "capped"])
+def test_a_costly_piece_gets_a_longer_chunk(stretch):
     """A mixed chunk whose one piece is predicted to add more than `PIECE_SHARE` of its rounds'
-    time runs more plain rounds (beyond ``rounds_per_chunk``, up to `MIXED_STRETCH` times it), so
-    that the piece's share of the chunk stays within it; every stream's tokens still equal
+    time runs more plain rounds (beyond ``rounds_per_chunk``, up to ``mixed_stretch`` times it:
+    `MIXED_STRETCH` by default), so that the piece's share of the chunk stays within it; a piece
+    that would need more runs in a chunk of that many rounds; every stream's tokens still equal
     `generate`'s."""
     from jaxspec.serving import MIXED_STRETCH, PIECE_SHARE
 
     model = served_model(eos=False)
     rng = np.random.default_rng()
     short, long_ = (rng.integers(5, 60, size=int(n)).tolist() for n in (6, 70))
+    k = MIXED_STRETCH if stretch == "default" else int(rng.integers(2, 9))
     e = ServingEngine(model, max_batch=2, max_len=320, rounds_per_chunk=4, page_size=8,
-                      prefill_chunk=8, mixed_prefill=8, fill_first=0)
+                      prefill_chunk=8, mixed_prefill=8, fill_first=0,
+                      mixed_stretch=None if stretch == "default" else k)
+    assert e.mixed_stretch == k and e.max_chunk_rounds == 4 * k
     # (seconds per piece, against rounds of one second: more than a chunk's share, and more
-    # than rounds_per_chunk rounds would take)
-    fixed = float(rng.uniform(4 * PIECE_SHARE + 0.1, MIXED_STRETCH * 4 * PIECE_SHARE - 0.1))
+    # than rounds_per_chunk rounds would take; "capped": more than the longest chunk's share)
+    fixed = float(rng.uniform(4 * PIECE_SHARE + 0.1, k * 4 * PIECE_SHARE - 0.1)
+                  if stretch != "capped" else rng.uniform(k * 4 * PIECE_SHARE + 0.1,
+                                                          3 * k * 4 * PIECE_SHARE))
     e._round_seconds = lambda rd, ctx: 1.0
     e.chunk_seconds = 2.0  # two rounds a chunk
     e._piece_cost.coef = np.array([fixed, 0.0])
@@ -428,8 +435,8 @@ def test_a_costly_piece_gets_a_longer_chunk():
     _serve_a_late_prompt(e, model, short, long_, 300)
     mixed = [(k, m) for k, m in seen if k > 0]
     assert mixed, seen
-    want = int(np.ceil(fixed / PIECE_SHARE))
-    assert all(k == 1 and m == want for k, m in mixed), (want, mixed)
+    want = min(int(np.ceil(fixed / PIECE_SHARE)), 4 * k)
+    assert all(n == 1 and m == want for n, m in mixed), (want, mixed)
     assert processed == [pytest.approx(k) for k in keys]
     assert (want, 2) in grows and all(u in (None, 2) for _, u in grows), grows
 

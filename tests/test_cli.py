@@ -146,6 +146,8 @@ def test_serve_convert_fetch_and_tree_search_arguments(ckpt: Path, tmp_path: Pat
         "--max-queue": [*m, "--max-queue", "0"],
         "--prefill-chunk": [*m, "--prefill-chunk", "0"],
         "--mixed-prefill": [*m, "--mixed-prefill", "-1"],
+        "--mixed-stretch": [*m, "--page-size", "16", "--mixed-stretch", "0"],
+        "--mixed-stretch ": [*m, "--mixed-stretch", "2"],  # (an option of a block pool)
         "--port": [*m, "--port", "70000"],
         "--log-level": [*m, "--log-level", "loud"],
         "--dtype": [*m, "--dtype", "int8"],

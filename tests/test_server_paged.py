@@ -369,6 +369,9 @@ def test_paged_engine_rejects_bad_sizes(model):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, mixed_prefill=-1)
     with pytest.raises(ValueError, match="growth_reserve"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, growth_reserve=-1)
+    for stretch in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="mixed_stretch"):
+            ServingEngine(model, max_batch=2, max_len=64, page_size=8, mixed_stretch=stretch)
     with pytest.raises(ValueError, match="more than max_len"):
         ServingEngine(model, max_batch=2, max_len=64, page_size=8, mixed_prefill=128)
     with pytest.raises(ValueError, match="block pool"):

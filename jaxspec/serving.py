@@ -938,49 +938,63 @@ class ServingEngine:
                                        top_p=jnp.asarray(self.top_p[pick]), filtering=filtering,
                                        stochastic=not greedy)
 
-    def _compact(self, rd, greedy, filtering, active):
+    def _compact(self, rd, greedy, filtering, active, pieces: Pieces | None = None,
+                 num_pieces: int = 0):
         """``(rows, sampling, state of those rows, program)`` for a chunk over the ``active`` rows
         alone (padded with idle rows to a power of two), or None: compaction is off, more than
         half the slots run, or that batch's program is not compiled yet (it then compiles in the
-        background). The rows' state stays apart from the slots' between chunks over the same
-        rows (`_rows`); anything else that reads the slots' state puts it back first."""
+        background). A mixed chunk (its first ``num_pieces`` ``pieces``, rows as slots) runs
+        over the rows of its pieces' sequences too (idle rows, whose pieces go through their
+        block tables), so that its rounds cost what a small batch's do: a decode kernel planned
+        for all the slots spreads a few rows' keys over few programs (H200, Qwen2.5-1.5B, 1-2
+        rows decoding at 10k-30k keys among 64 slots: ~1 ms more per round). The rows' state stays apart from the slots'
+        between chunks over the same rows (`_rows`); anything else that reads the slots' state
+        puts it back first."""
         if not self.compact_rows or not active or self._shared_want is not None:
             return None
-        n = 1 << (len(active) - 1).bit_length()
+        need = list(active)
+        if pieces is not None:
+            need += sorted({int(r) for r in np.asarray(pieces.rows)[:num_pieces]} - set(need))
+        n = 1 << (len(need) - 1).bit_length()
         if 2 * n > self.B:
             return None
         self._resolve()  # (waits for the chunk before: in order)
-        if self._rows is not None and set(active) <= set(self._rows[0].tolist()):
+        if self._rows is not None and set(need) <= set(self._rows[0].tolist()):
             rows, sub = self._rows  # the same rows (an idle one among them may have been active)
         else:
-            idle = [b for b in range(self.B) if b not in set(active)]
-            rows = np.asarray(list(active) + idle[:n - len(active)], np.int32)
+            idle = [b for b in range(self.B) if b not in set(need)]
+            rows = np.asarray(need + idle[:n - len(need)], np.int32)
             sub = take_rows(self.state, jnp.asarray(rows), self._moves)
         sp = self._sampling(greedy, filtering, rows)
-        program, _ = self.decoder.chunk_program(rd, sp, sub, compile=False)
+        if pieces is None:
+            program, _ = self.decoder.chunk_program(rd, sp, sub, compile=False)
+        else:
+            program, _ = self.decoder.mixed_program(rd, sp, sub, pieces, compile=False)
         if program is not None:
             self._rows = None  # (the chunk has them now)
             return rows, sp, sub, program
-        self._compile_later(rd, greedy, filtering, sp, sub)
+        self._compile_later(rd, greedy, filtering, sp, sub, mixed=pieces is not None)
         return None
 
-    def _compile_later(self, rd, greedy, filtering, sp, sub):
+    def _compile_later(self, rd, greedy, filtering, sp, sub, mixed: bool = False):
         """Queues the program of a compact chunk over ``sub`` (a state of some rows, or its
-        abstract shapes) for the background compiler, once."""
-        key = (rd, sub.last.shape[0], greedy, filtering)
+        abstract shapes; ``mixed``: the mixed chunk's) for the background compiler, once."""
+        key = (rd, sub.last.shape[0], greedy, filtering, mixed)
         if key in self._compiling:
             return
         self._compiling.add(key)
         if self._compiler is None:
             self._compiler = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="jaxspec-compile")
-        self._compile_futures.append(self._compiler.submit(self._compile_quietly, rd, sp, sub))
+        self._compile_futures.append(self._compiler.submit(self._compile_quietly, rd, sp, sub,
+                                                           mixed))
 
     def _compile_compact(self, variants):
         """Queues every compact chunk's program (each power-of-two batch up to half the slots,
-        each warmed round kind and variant): compiled in the background while the engine serves,
-        instead of when a small batch first runs; the row moves (`take_rows` / `put_rows`) of
-        each size are compiled here (they would stall the engine ~0.1 s each when first used)."""
+        each warmed round kind and variant, and its mixed chunk's with ``mixed_prefill``):
+        compiled in the background while the engine serves, instead of when a small batch first
+        runs; the row moves (`take_rows` / `put_rows`) of each size are compiled here (they
+        would stall the engine ~0.1 s each when first used)."""
         like = self.state.last.sharding
         n = 1
         while 2 * n <= self.B:
@@ -993,8 +1007,10 @@ class ServingEngine:
             del taken
             for greedy, filtering in variants:
                 for rd in self._round_kinds(bool(greedy)):
-                    self._compile_later(rd, bool(greedy), bool(filtering),
-                                        self._sampling(bool(greedy), bool(filtering), rows), sub)
+                    for mixed in (False, True) if self.mixed_prefill else (False,):
+                        self._compile_later(rd, bool(greedy), bool(filtering),
+                                            self._sampling(bool(greedy), bool(filtering), rows),
+                                            sub, mixed)
             n *= 2
 
     def _round_kinds(self, greedy: bool):
@@ -1002,9 +1018,12 @@ class ServingEngine:
         rd = self._round(greedy)
         return [rd, rd.plain()] if rd.speculative and self.speculation.adaptive else [rd]
 
-    def _compile_quietly(self, rd, sp, state):
+    def _compile_quietly(self, rd, sp, state, mixed=False):
         try:
-            self.decoder.chunk_program(rd, sp, state)
+            if mixed:
+                self.decoder.mixed_program(rd, sp, state, self._piece_arrays([]))
+            else:
+                self.decoder.chunk_program(rd, sp, state)
         except Exception:  # noqa: BLE001 - the full batch keeps serving
             log.exception("compiling a chunk of %d rows failed", state.last.shape[0])
 
@@ -1028,18 +1047,24 @@ class ServingEngine:
             state, _, _ = self.decoder.run_chunk(rd, sp, self._with_shared(self.state), 0)
             self.state = self._without_shared(state)
             return None
-        compact = None if pieces is not None else self._compact(rd, greedy, filtering, active)
+        compact = self._compact(rd, greedy, filtering, active, pieces, num_pieces)
         rows = None
-        if pieces is not None:
-            state = self._with_shared(self.state)
-            program, t_compile = self.decoder.mixed_program(rd, sp, state, pieces)
-        elif compact is None:
-            state = self._with_shared(self.state)  # waits for the chunk before (in order)
-            program, t_compile = self.decoder.chunk_program(rd, sp, state)  # compiled here
-        else:
+        if compact is not None:
             rows, sp, state, program = compact
             t_compile = 0.0
             self.m["compact_chunks"] += 1
+            if pieces is not None:  # (the pieces' rows among the compact ones)
+                where = {int(r): i for i, r in enumerate(rows)}
+                at = np.asarray(pieces.rows).copy()
+                at[:num_pieces] = [where[int(r)] for r in at[:num_pieces]]
+                at[num_pieces:] = 0
+                pieces = pieces.replace(rows=at)
+        elif pieces is not None:
+            state = self._with_shared(self.state)
+            program, t_compile = self.decoder.mixed_program(rd, sp, state, pieces)
+        else:
+            state = self._with_shared(self.state)  # waits for the chunk before (in order)
+            program, t_compile = self.decoder.chunk_program(rd, sp, state)  # compiled here
         if self._device is None:
             self._device = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="jaxspec-device")

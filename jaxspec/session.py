@@ -484,15 +484,17 @@ class Decoder:
             return program(self.params, self.dparams, sp, state, max_rounds,
                            jnp.int32(end_after))
 
-    def mixed_program(self, rd: Round, sp, state: DecodeState, pieces: Pieces):
+    def mixed_program(self, rd: Round, sp, state: DecodeState, pieces: Pieces, *,
+                      compile: bool = True):
         """The compiled serving chunk of rounds ``rd`` (plain or speculative) that prefill prompt
-        ``pieces`` as they run (`jaxspec.decoding.run_mixed_chunk`), for these shapes:
-        ``(program, seconds compiling)``. The program takes ``(params, draft params, sp, state,
-        pieces to prefill, pieces, max_rounds, end_after)``."""
+        ``pieces`` as they run (`jaxspec.decoding.run_mixed_chunk`), for these shapes (compiled
+        now unless it was before; with ``compile=False`` None then): ``(program, seconds
+        compiling)``. The program takes ``(params, draft params, sp, state, pieces to prefill,
+        pieces, max_rounds, end_after)``."""
         args = (self.params, self.dparams, sp, state)
         key = ("mixed", rd, self._key(sp, state), _avals(pieces))
         compiled = self._compiled.get(key)
-        if compiled is not None:
+        if compiled is not None or not compile:
             return compiled, 0.0
         with use_mesh(self.mesh):
             t = time.perf_counter()

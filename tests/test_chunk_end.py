@@ -4,6 +4,8 @@ commit exactly what an uninterrupted chunk commits (greedy, float32); through th
 stream's last tokens come out of a chunk of just the rounds it needed, and every stream's tokens
 equal `generate`'s."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -498,3 +500,56 @@ def test_warmup_runs_the_mixed_program_once():
     mixed = [(p, r) for p, m, r in calls if m]
     assert mixed and all(r == 0 for _, r in mixed)
     assert all(id(p) in e._programs_run for p, _ in mixed)
+
+
+@pytest.mark.parametrize("kind", ["plain", "self"])
+def test_mixed_chunks_run_over_their_rows_alone(kind):
+    """While few slots decode, a mixed chunk runs over the decoding rows and its pieces' rows
+    alone (a compact batch, its pieces' rows renumbered): a stream keeps `generate`'s tokens and
+    a prompt that fills in those chunks gets `generate`'s, with plain rounds and speculative
+    ones; the compact mixed programs compile in the background (the full batch runs meanwhile)."""
+    model = served_model(eos=False)
+    spec = None if kind == "plain" else jaxspec.Speculation(draft="self", gamma=2, sink=2,
+                                                            window=6, adaptive=False)
+    rng = np.random.default_rng()
+    e = ServingEngine(model, max_batch=8, max_len=320, rounds_per_chunk=4, page_size=8,
+                      prefill_chunk=8, mixed_prefill=8, fill_first=0, compact_rows=True,
+                      speculation=spec, share_min_tokens=None)
+    e.chunk_seconds = 1e9
+    seen = []  # (pieces, the chunk's rows, the pieces' rows in that batch)
+    real = e.decoder.call_chunk
+
+    def spy(program, sp, state, max_rounds, pieces=None, end_after=0, num_pieces=0):
+        at = [] if pieces is None else np.asarray(pieces.rows)[:num_pieces].tolist()
+        seen.append((num_pieces, int(state.last.shape[0]), at))
+        return real(program, sp, state, max_rounds, pieces, end_after, num_pieces)
+    e.decoder.call_chunk = spy
+    e.start(variants=[(True, False)])
+    try:
+        for _ in range(2):  # the first time, the compact mixed programs compile meanwhile
+            short, long_ = (rng.integers(5, 60, size=int(n)).tolist() for n in (6, 60))
+            first = Sequence(short, SamplingOptions(max_tokens=60, temperature=0.0))
+            late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
+            # two one-token requests take the first slots and leave them: the stream decodes
+            # in slot 2 and the prompt fills in slot 0, so a compact batch renumbers its rows
+            once = [Sequence(short[:3], SamplingOptions(max_tokens=1, temperature=0.0))
+                    for _ in range(2)]
+            e.submit(once + [first])
+            while not first.tokens or not all(s.finished.is_set() for s in once):
+                assert not first.finished.wait(0.01)
+            assert first.slot == 2
+            e.submit([late])
+            assert first.finished.wait(600) and late.finished.wait(600)
+            for p, s, n in ((short, first, 60), (long_, late, 5)):
+                assert s.error is None, s.error
+                assert s.tokens == list(jaxspec.generate(model, [p], max_new_tokens=n,
+                                                         speculation=spec).tokens[0])
+            deadline = time.time() + 300
+            while e.metrics()["programs_compiling"] and time.time() < deadline:
+                time.sleep(0.05)
+    finally:
+        e.stop()
+    mixed = [(k, b, at) for k, b, at in seen if k > 0]
+    small = [(k, b, at) for k, b, at in mixed if b < e.B]
+    assert small, mixed  # (2 rows: the stream's and the prompt's)
+    assert all(b == 2 and set(at) == {1} for _, b, at in small), small  # (rows [2, 0])

@@ -381,8 +381,11 @@ class ServingEngine:
         four), and for a block pool on a GPU, whose rows move without their K/V: the attention
         kernel spreads a few rows' keys over the whole GPU only when it is planned for few rows
         (Qwen2.5-1.5B on an H100, 4 rows of 8k among 64 slots: 3.55 ms per step, 2.57 ms as a
-        batch of 4). Each smaller batch compiles in the background the first time and is used
-        once ready; no chunk is compacted while a shared context is in use, nor on a mesh.
+        batch of 4). A mixed chunk (``mixed_prefill``) runs over its pieces' rows as well (H200,
+        Qwen2.5-1.5B, Poisson arrivals of 1k-32k prompts: the streams' ITL p99 4.8-5.3 ms
+        against 5.9-6.8 ms over all 64 slots). Each smaller batch compiles in the background
+        (at warm-up on a GPU) and is used once ready; no chunk is compacted while a shared
+        context is in use, nor on a mesh.
         Default: on a CPU; on a GPU for a block pool, unless a draft model keeps a full cache
         per row (its rows would be copied).
     batch_invariant: batch-invariant numerics (`jaxspec.invariant`): a request's greedy tokens are

@@ -1039,8 +1039,9 @@ class ServingEngine:
         63 ms, and the device idled for the host's 4-5 ms between chunks). Returns a future of
         ``(state, outputs, seconds compiling, seconds on the device)``; ``compile_only`` runs a
         zero-round chunk on this thread (warm-up). With ``pieces`` (a `Pieces`) a mixed chunk
-        (`jaxspec.decoding.run_mixed_chunk`): ``rounds`` rounds of ``rd`` over every slot, the
-        first ``num_pieces`` each prefilling a piece. The future's ``first_run`` says whether its
+        (`jaxspec.decoding.run_mixed_chunk`): ``rounds`` rounds of ``rd`` over every slot (or
+        over the ``active`` rows and the pieces' rows alone, `_compact`), the first
+        ``num_pieces`` each prefilling a piece. The future's ``first_run`` says whether its
         program ran for the first time (a first run's time is not learned from)."""
         t_dispatch = time.perf_counter()
         sp = self._sampling(greedy, filtering)

@@ -435,8 +435,9 @@ class ServingEngine:
         rounds, to keep that share (a piece at a long offset attends to all the keys before it:
         the longest prompts' last pieces cost the most). More: the running streams' inter-token
         latency stays near its share for longer prompts, and those prompts take longer to fill
-        (their time to first token) while streams decode; 1: chunks never stretch. Default
-        `MIXED_STRETCH`.
+        (their time to first token) while streams decode, and every chunk's output buffer holds
+        ``rounds_per_chunk`` x this many rounds' tokens per row; 1: chunks never stretch.
+        Default `MIXED_STRETCH`.
     """
 
     def __init__(self, model: Model, *, max_batch: int = 8, max_len: int | None = None,
@@ -565,6 +566,7 @@ class ServingEngine:
         self._piece_skipped = False  # the last chunk that had pieces to carry went without
         self._piece_cost = PieceCost()  # the time pieces add to their chunk (`PIECE_SHARE`)
         self._programs_run = set()  # ids of the chunk programs run (`_run_chunk`'s first_run)
+        self._compact_pending = False  # the last `_compact` waits for its program's compile
         if fill_first is None:
             fill_first = FILL_FIRST_SECONDS if self.paged else 0.0
         if not float(fill_first) >= 0:
@@ -977,6 +979,7 @@ class ServingEngine:
             self._rows = None  # (the chunk has them now)
             return rows, sp, sub, program
         self._compile_later(rd, greedy, filtering, sp, sub, mixed=pieces is not None)
+        self._compact_pending = True
         return None
 
     def _compile_later(self, rd, greedy, filtering, sp, sub, mixed: bool = False):
@@ -1010,7 +1013,8 @@ class ServingEngine:
             del taken
             for greedy, filtering in variants:
                 for rd in self._round_kinds(bool(greedy)):
-                    for mixed in (False, True) if self.mixed_prefill else (False,):
+                    # (a mixed batch holds a decoding row and a piece's: two at least)
+                    for mixed in (False, True) if self.mixed_prefill and n > 1 else (False,):
                         self._compile_later(rd, bool(greedy), bool(filtering),
                                             self._sampling(bool(greedy), bool(filtering), rows),
                                             sub, mixed)
@@ -1051,6 +1055,7 @@ class ServingEngine:
             state, _, _ = self.decoder.run_chunk(rd, sp, self._with_shared(self.state), 0)
             self.state = self._without_shared(state)
             return None
+        self._compact_pending = False
         compact = self._compact(rd, greedy, filtering, active, pieces, num_pieces)
         rows = None
         if compact is not None:
@@ -1082,6 +1087,9 @@ class ServingEngine:
         fut = self._device.submit(self._chunk_on_device, program, sp, state, rounds, t_compile,
                                   started, rows, pieces, end_after, num_pieces, rec)
         fut.first_run = rec["first_run"]
+        # (a chunk over all the slots while its compact program compiles: its rounds cost more
+        # than the cost model's, learned from compact chunks, and the pieces would be charged)
+        fut.full_for_now = self._compact_pending
         fut.rec = rec
         self._programs_run.add(id(program))
         del compact
@@ -2001,7 +2009,8 @@ class ServingEngine:
                 self.decoder._observe(rd, ctx, self.lengths[still].astype(np.float64), n, dt)
                 if n == rounds:  # (a chunk that ended early is not a chunk's time)
                     self._chunk_s = dt
-            elif alone is not None and n == rounds and not getattr(chunk, "first_run", False):
+            elif alone is not None and n == rounds and not getattr(chunk, "first_run", False) \
+                    and not getattr(chunk, "full_for_now", False):
                 # what the pieces added to the rounds' predicted time (only from chunks that ran
                 # all their rounds: in a cut one the host turn's share would land on the pieces)
                 extra = dt - alone

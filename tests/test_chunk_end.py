@@ -338,8 +338,8 @@ def test_streams_keep_a_chunk_of_tokens_while_a_prompt_fills():
 
 def test_piece_cost_is_learned_from_whole_mixed_chunks():
     """What pieces add beyond their rounds' predicted time is learned from mixed chunks that ran
-    all their rounds (by the pieces' attended keys), not from a program's first run or a chunk
-    that ended early."""
+    all their rounds (by the pieces' attended keys), not from a program's first run, a chunk
+    over all the slots while its compact program compiled, or a chunk that ended early."""
     import concurrent.futures
     import types
 
@@ -354,7 +354,7 @@ def test_piece_cost_is_learned_from_whole_mixed_chunks():
     rd = e._round(True)
     B = e.B
 
-    def chunk(n, dt, first=False):
+    def chunk(n, dt, first=False, full=False):
         outs = ChunkOutputs(out=np.zeros((B, 8), np.int32), from_draft=np.zeros((B, 8), bool),
                             n_out=np.zeros(B, np.int32), done=np.ones(B, bool),
                             lengths=np.zeros(B, np.int32), steps=np.int32(n),
@@ -362,10 +362,12 @@ def test_piece_cost_is_learned_from_whole_mixed_chunks():
         f = concurrent.futures.Future()
         f.set_result((None, outs, 0.0, dt, None, None))
         f.first_run = first
+        f.full_for_now = full  # (over all the slots while its compact program compiled)
         return f
 
     owners = [None] * B
     e._process(chunk(8, 100.0, first=True), owners, rd, None, 8, (4.0, 12.0))  # a first run
+    e._process(chunk(8, 100.0, full=True), owners, rd, None, 8, (4.0, 12.0))  # full for now
     e._process(chunk(5, 100.0), owners, rd, None, 8, (4.0, 12.0))  # ended early: not learned
     e._process(chunk(8, 0.97 * 8 * t), owners, rd, None, 8, (4.0,))  # within the noise, but
     assert e._piece_cost.coef is None  # nothing learned yet: not a first zero
@@ -394,7 +396,10 @@ def test_a_costly_piece_gets_a_longer_chunk(stretch):
     model = served_model(eos=False)
     rng = np.random.default_rng()
     short, long_ = (rng.integers(5, 60, size=int(n)).tolist() for n in (6, 70))
-    k = MIXED_STRETCH if stretch == "default" else int(rng.integers(2, 9))
+    # (other than the default; at most 6: the prompt's 9 pieces in chunks of up to 4 k rounds
+    # fit in the stream's budget)
+    k = MIXED_STRETCH if stretch == "default" else int(rng.choice(
+        [x for x in range(2, 7) if x != MIXED_STRETCH]))
     e = ServingEngine(model, max_batch=2, max_len=320, rounds_per_chunk=4, page_size=8,
                       prefill_chunk=8, mixed_prefill=8, fill_first=0,
                       mixed_stretch=None if stretch == "default" else k)
@@ -528,7 +533,8 @@ def test_mixed_chunks_run_over_their_rows_alone(kind):
     try:
         for _ in range(2):  # the first time, the compact mixed programs compile meanwhile
             short, long_ = (rng.integers(5, 60, size=int(n)).tolist() for n in (6, 60))
-            first = Sequence(short, SamplingOptions(max_tokens=60, temperature=0.0))
+            # (a long budget: the stream still decodes however late the prompt comes in)
+            first = Sequence(short, SamplingOptions(max_tokens=200, temperature=0.0))
             late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
             # two one-token requests take the first slots and leave them: the stream decodes
             # in slot 2 and the prompt fills in slot 0, so a compact batch renumbers its rows
@@ -540,13 +546,15 @@ def test_mixed_chunks_run_over_their_rows_alone(kind):
             assert first.slot == 2
             e.submit([late])
             assert first.finished.wait(600) and late.finished.wait(600)
-            for p, s, n in ((short, first, 60), (long_, late, 5)):
+            for p, s, n in ((short, first, 200), (long_, late, 5)):
                 assert s.error is None, s.error
                 assert s.tokens == list(jaxspec.generate(model, [p], max_new_tokens=n,
                                                          speculation=spec).tokens[0])
+            assert any(k > 0 for k, _, _ in seen), seen  # (mixed chunks ran)
             deadline = time.time() + 300
             while e.metrics()["programs_compiling"] and time.time() < deadline:
                 time.sleep(0.05)
+            assert not e.metrics()["programs_compiling"]
     finally:
         e.stop()
     mixed = [(k, b, at) for k, b, at in seen if k > 0]

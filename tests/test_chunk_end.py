@@ -467,9 +467,19 @@ def test_a_stream_ends_in_a_chunk_without_pieces():
     e._piece_cost.observe = lambda keys, seconds: None
     chunks = []
     real = e.decoder.call_chunk
+    # the stream's budget ends while the 9 pieces fill (each ~want rounds), at least a mixed
+    # chunk after the other prompt comes in: it comes with the stream's first chunk (from
+    # this device thread, so however slow the host, the stream has the same rounds left)
+    tokens = int(rng.integers(want + 8, 9 * want))
+    first = Sequence(short, SamplingOptions(max_tokens=tokens, temperature=0.0))
+    late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
+    submitted = []
 
     def spy(program, sp, state, max_rounds, pieces=None, end_after=0, num_pieces=0):
         before = np.asarray(state.done)
+        if int(max_rounds) > 0 and np.any(~before) and not submitted:
+            submitted.append(True)
+            e.submit([late])
         st, outs = real(program, sp, state, max_rounds, pieces, end_after, num_pieces)
         done = np.asarray(outs.done)
         ended = np.flatnonzero(done & ~before[:len(done)])
@@ -477,8 +487,14 @@ def test_a_stream_ends_in_a_chunk_without_pieces():
                        bool(np.any(~before[:len(done)]))))
         return st, outs
     e.decoder.call_chunk = spy
-    tokens = int(rng.integers(12, 30))  # ends while the 9 pieces fill (each ~want rounds)
-    _serve_a_late_prompt(e, model, short, long_, tokens)
+    e.start(variants=[(True, False)])
+    try:
+        e.submit([first])
+        assert first.finished.wait(600) and late.finished.wait(600)
+    finally:
+        e.stop()
+    for p, s, n in ((short, first, tokens), (long_, late, 5)):
+        assert s.tokens == list(jaxspec.generate(model, [p], max_new_tokens=n).tokens[0])
     # mixed chunks over a decoding row (not those dispatched after its end, before the host
     # saw it) carry one piece and run all their rounds: none is cut short by the stream's end
     mixed = [c for c in chunks if c[0] > 0 and c[4]]

@@ -131,11 +131,13 @@ def _words(rng, lo, hi):
 
 
 def make_plan(rng, engine, *, fault_rate: float, words: tuple[int, int],
-              filtering: bool = False) -> Plan:
-    """A random request (``filtering``: some sampled ones with top-k / top-p)."""
+              filtering: bool = False, leave: bool = False) -> Plan:
+    """A random request (``filtering``: some sampled ones with top-k / top-p; ``leave``: a
+    stream the client drops after its first event or two, with no admission fault and no stop
+    string, so that it still runs when the client leaves)."""
     chat = rng.random() < 0.35
-    stream = rng.random() < 0.5
-    marked = rng.random() < fault_rate
+    stream = leave or rng.random() < 0.5
+    marked = not leave and rng.random() < fault_rate
     n = int(rng.choice([1, 1, 1, 2, 3]))
     k = 2 if not chat and rng.random() < 0.15 else 1  # prompts in one completions request
     texts = []
@@ -160,7 +162,7 @@ def make_plan(rng, engine, *, fault_rate: float, words: tuple[int, int],
             body["top_k"] = int(rng.integers(1, 24))
         if filtering and rng.random() < 0.2:
             body["top_p"] = round(float(rng.uniform(0.5, 0.97)), 3)
-    if rng.random() < 0.35:  # stop strings: words the model often says, or any text
+    if not leave and rng.random() < 0.35:  # stop strings: words the model often says, or any text
         body["stop"] = [str(rng.choice(["a", "and", " a", "n", "the", "a a", "0", "sea"]))
                         for _ in range(int(rng.integers(1, 3)))]
         if len(body["stop"]) == 1 and rng.random() < 0.5:
@@ -175,7 +177,9 @@ def make_plan(rng, engine, *, fault_rate: float, words: tuple[int, int],
         body["prompt"] = texts[0] if k == 1 else texts
         prompts = [engine.encode_prompt(t) for t in texts]
     u = rng.random()
-    if stream and u < 0.15:
+    if leave:
+        mode, after = "drop", int(rng.integers(1, 3))
+    elif stream and u < 0.15:
         mode, after = "drop", int(rng.integers(1, 5))
     elif stream and u < 0.22:
         mode, after = "reset", int(rng.integers(1, 5))
@@ -519,7 +523,9 @@ def soak(model, engine, *, warm: int, requests: int, clients: int, seconds: floa
                   for w in spans * 3]
     warm_plans += [make_plan(rng, engine, fault_rate=1.0, **kw)]
     warm_plans += [make_plan(rng, engine, fault_rate=fault_rate, **kw) for _ in range(warm)]
-    plans = [make_plan(rng, engine, fault_rate=fault_rate, **kw) for _ in range(requests)]
+    # (every 12th client leaves for sure: the random ones may all have failed or ended first)
+    plans = [make_plan(rng, engine, fault_rate=fault_rate, leave=i % 12 == 5, **kw)
+             for i in range(requests)]
     fault_rng = np.random.default_rng([seed, 1])  # chunk counts vary: its own stream
     tok = model.tokenizer
     eos = set(engine.stop_ids)

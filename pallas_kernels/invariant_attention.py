@@ -25,6 +25,12 @@ causal tiles, which share their key loads: prefill) folding its parts as it goes
 per-part code and the fold are the same functions in every kernel, so the two give the same
 bits (checked in the interpreter and on an H200); ``"auto"`` splits while the tiles are few.
 
+Two options change the speed, and one of them the bits (`InvariantAttentionBlocks`):
+``unmasked_interior`` runs the key blocks that every real row of a program sees whole without
+the masks (the same bits on a GPU), and ``fast_exp`` takes exponentials in base 2, with one
+``ex2.approx`` each on NVIDIA GPUs (bits of their own, the same in every kernel and call). Both
+are off by default.
+
 `jaxspec.invariant.attention` prepares the tiles (`invariant_attention`) and holds the `jnp`
 statement of the same order used on the CPU.
 """
@@ -37,6 +43,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from . import triton_core as core
+from .common import LOG2E, is_nvidia
 
 try:  # Triton-specific compiler parameters
     from jax.experimental.pallas import triton as pltriton
@@ -60,9 +69,20 @@ class InvariantAttentionBlocks:
     num_stages: int = 2
     fold_tiles: int = 4  # tiles per program when folding tiles that read the same slots
     split_tiles: int = 1  # the same in split mode (a verification's tiles)
+    # key blocks every real row of a program sees whole skip the masking, which there selects
+    # every score and value (on a GPU the same bits, `tests/test_invariant_kernels.py`'s GPU
+    # test; not in the interpreter, where XLA:CPU rounds ``exp`` differently with and without
+    # the select fused after it, so it masks every block there)
+    unmasked_interior: bool = False
+    # exponentials in base 2 (the state's maxima in base-2 units); on NVIDIA GPUs one
+    # ``ex2.approx.ftz.f32`` each (libdevice's ``expf`` elsewhere and in the interpreter is
+    # ``exp2``): other bits than base e, the same in every kernel and call
+    fast_exp: bool = False
 
 
 DEFAULT_BLOCKS = InvariantAttentionBlocks()
+# tests only: the interpreter runs unmasked interior blocks too (results close, not bitwise)
+INTERPRET_INTERIOR = [False]
 SPLIT_BELOW = 264  # mode "auto": a program per part while there are fewer tiles than this
 
 
@@ -76,54 +96,83 @@ def _tile_blocks(pos, lo, block_k: int):
     return jnp.maximum(jnp.min(lo), 0) // block_k, (jnp.max(pos) + block_k) // block_k
 
 
+def _exp(base2: bool, hw: bool):
+    """The kernels' exponential: ``exp``, or ``2 ** x`` (``hw``: one ``ex2.approx`` each)."""
+    if not base2:
+        return jnp.exp
+    if hw:
+        return functools.partial(core.exp2, fast=True)
+    return jnp.exp2
+
+
 def _part(qs, poss, los, L, anc_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block_k: int,
-          sm_scale: float, num_new: int, num_slots: int, contiguous: bool):
+          sm_scale: float, num_new: int, num_slots: int, contiguous: bool, exp, interior: bool):
     """The online softmax of each tile in ``qs`` (tiles whose rows read the same slots) over key
-    blocks ``[i0, i1)`` from a fresh state: per tile ``(max [R], sum [R], acc [R, D])``, float32.
-    A key block is loaded once for all of them; each tile's arithmetic is that of a tile alone.
-    ``contiguous``: position ``s`` is slot ``s`` (causal tiles: ``anc`` is the identity), so a
-    block is one contiguous load; else each key's slot is looked up (a gather: per-element
-    addresses, 64-bit ones once the stacked cache passes 2**31 elements, several times slower).
-    The values loaded are the same either way, and so are the bits."""
+    blocks ``[i0, i1)`` from a fresh state: per tile ``(max [R], sum [R], acc [R, D])``, float32
+    (``sm_scale`` folds log2(e) in where ``exp`` is base 2). A key block is loaded once for all
+    of them; each tile's arithmetic is that of a tile alone. ``contiguous``: position ``s`` is
+    slot ``s`` (causal tiles: ``anc`` is the identity), so a block is one contiguous load; else
+    each key's slot is looked up (a gather: per-element addresses, 64-bit ones once the stacked
+    cache passes 2**31 elements, several times slower). The values loaded are the same either
+    way, and so are the bits. ``interior``: the blocks that every real row (``pos >= 0``) sees
+    whole run without the masks, which there select every score and value: the same bits."""
     R, D = qs[0].shape
     f32 = qs[0].dtype == jnp.float32
     prec = lax.Precision.HIGHEST if f32 else None
 
-    def one(q, pos, lo, s_abs, k, v, carry):
+    def one(q, pos, lo, s_abs, k, v, carry, masked):
         m_run, l_run, acc = carry
-        ok = (s_abs[None, :] <= pos[:, None]) & (s_abs[None, :] >= lo[:, None])  # [R, N]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * sm_scale
-        s = jnp.where(ok, s, -jnp.inf)
+        if masked:
+            ok = (s_abs[None, :] <= pos[:, None]) & (s_abs[None, :] >= lo[:, None])  # [R, N]
+            s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m_run, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
-        p = jnp.where(ok, jnp.exp(s - m_safe[:, None]), 0.0)
-        scale = jnp.where(m_run > -jnp.inf, jnp.exp(m_run - m_safe), 0.0)
-        seen = jnp.max(ok.astype(jnp.int32), axis=0) > 0  # [N]: some row sees the key
-        v = jnp.where(seen[:, None], v, jnp.zeros_like(v))  # no NaN garbage into p @ v
+        p = exp(s - m_safe[:, None])
+        if masked:
+            p = jnp.where(ok, p, 0.0)
+            seen = jnp.max(ok.astype(jnp.int32), axis=0) > 0  # [N]: some row sees the key
+            v = jnp.where(seen[:, None], v, jnp.zeros_like(v))  # no NaN garbage into p @ v
+        scale = jnp.where(m_run > -jnp.inf, exp(m_run - m_safe), 0.0)
         l_run = l_run * scale + jnp.sum(p, axis=1)
         pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
         return m_new, l_run, acc * scale[:, None] + pv
 
-    def body(i, carry):
-        s_abs = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        if contiguous:  # keys past a row's position are masked below, whatever the slots hold
-            start = pl.multiple_of(i * block_k, block_k)
-            k = k_ref[layer, b, h, pl.ds(start, block_k), :]  # [N, D]
-            v = v_ref[layer, b, h, pl.ds(start, block_k), :]
-        else:
-            rel = s_abs - L
-            a = anc_ref[jnp.clip(rel, 0, num_new - 1)]  # [N]: the new token at each depth
-            slot = jnp.clip(jnp.where(rel < 0, s_abs, L + a), 0, num_slots - 1)
-            k = k_ref[layer, b, h, slot, :]  # [N, D]
-            v = v_ref[layer, b, h, slot, :]
-        return tuple(one(q, pos, lo, s_abs, k, v, c)
-                     for q, pos, lo, c in zip(qs, poss, los, carry))
+    def body(masked):
+        def run(i, carry):
+            s_abs = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            if contiguous:  # keys past a row's position are masked below, whatever slots hold
+                start = pl.multiple_of(i * block_k, block_k)
+                k = k_ref[layer, b, h, pl.ds(start, block_k), :]  # [N, D]
+                v = v_ref[layer, b, h, pl.ds(start, block_k), :]
+            else:
+                rel = s_abs - L
+                a = anc_ref[jnp.clip(rel, 0, num_new - 1)]  # [N]: the new token at each depth
+                slot = jnp.clip(jnp.where(rel < 0, s_abs, L + a), 0, num_slots - 1)
+                k = k_ref[layer, b, h, slot, :]  # [N, D]
+                v = v_ref[layer, b, h, slot, :]
+            return tuple(one(q, pos, lo, s_abs, k, v, c, masked)
+                         for q, pos, lo, c in zip(qs, poss, los, carry))
+        return run
 
-    return lax.fori_loop(i0, i1, body, tuple(_fresh(R, D) for _ in qs))
+    state = tuple(_fresh(R, D) for _ in qs)
+    if not interior:
+        return lax.fori_loop(i0, i1, body(True), state)
+    # [a, e): the blocks whose keys every real row sees (a padding row: pos -1)
+    big = jnp.int32(2 ** 30)
+    first_all = functools.reduce(jnp.maximum, [
+        jnp.max(jnp.where(pos >= 0, jnp.maximum(lo, 0), 0)) for pos, lo in zip(poss, los)])
+    last_all = functools.reduce(jnp.minimum, [
+        jnp.min(jnp.where(pos >= 0, pos, big)) for pos in poss])
+    a = jnp.clip((first_all + block_k - 1) // block_k, i0, i1)
+    e = jnp.clip((last_all + 1) // block_k, a, i1)
+    state = lax.fori_loop(i0, a, body(True), state)
+    state = lax.fori_loop(a, e, body(False), state)
+    return lax.fori_loop(e, i1, body(True), state)
 
 
-def _fold(state, part):
+def _fold(state, part, exp=jnp.exp):
     """``state`` followed by the next part's ``(max, sum, acc)``: the running max is kept or
     replaced, the other side scaled by ``exp(difference)``; a part a row sees nothing of leaves
     the row's state exactly as it was. Written with one product per sum, so every kernel that
@@ -133,8 +182,8 @@ def _fold(state, part):
     m_new = jnp.maximum(M, m)
     m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
     keep = M >= m
-    sa = jnp.exp(M - m_safe)
-    sc = jnp.exp(m - m_safe)
+    sa = exp(M - m_safe)
+    sc = exp(m - m_safe)
     L_new = jnp.where(keep, Ls + l * sc, Ls * sa + l)
     A_new = jnp.where(keep[:, None], A + a * sc[:, None], A * sa[:, None] + a)
     empty = m == -jnp.inf
@@ -173,7 +222,7 @@ def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_r
         parts = _part(qs, poss, los, len_ref[b], anc_ref, k_ref, v_ref, layer_ref[0], b, h,
                       jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
                       block_k=block_k, **kw)
-        return tuple(_fold(st, pt) for st, pt in zip(states, parts))
+        return tuple(_fold(st, pt, kw["exp"]) for st, pt in zip(states, parts))
 
     states = lax.fori_loop(first // cb, (last + cb - 1) // cb, over,
                            tuple(_fresh(R, D) for _ in qs))
@@ -203,12 +252,12 @@ def _split_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_
             m_ref[j], l_ref[j], a_ref[j] = m, l, a
 
 
-def _merge_kernel(m_ref, l_ref, a_ref, o_ref, *, parts: int):
+def _merge_kernel(m_ref, l_ref, a_ref, o_ref, *, parts: int, exp):
     """A program per tile: `_split_kernel`'s parts folded in increasing order."""
     R, D = o_ref.shape
 
     def over(c, state):
-        return _fold(state, (m_ref[c, :], l_ref[c, :], a_ref[c, :, :]))
+        return _fold(state, (m_ref[c, :], l_ref[c, :], a_ref[c, :, :]), exp)
 
     o_ref[...] = _finish(lax.fori_loop(0, parts, over, _fresh(R, D))).astype(o_ref.dtype)
 
@@ -248,8 +297,11 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
     # causal tiles read slot s for position s: contiguous blocks (whole blocks inside the cache)
-    kw = dict(block_k=bs.block_k, chunk=bs.chunk, sm_scale=float(sm_scale), num_new=J,
-              num_slots=S, contiguous=bool(same_slots) and S % bs.block_k == 0)
+    exp = _exp(bs.fast_exp, bs.fast_exp and not interpret and is_nvidia())
+    scale = float(sm_scale) * (LOG2E if bs.fast_exp else 1.0)
+    kw = dict(block_k=bs.block_k, chunk=bs.chunk, sm_scale=scale, num_new=J, num_slots=S,
+              contiguous=bool(same_slots) and S % bs.block_k == 0, exp=exp,
+              interior=bool(bs.unmasked_interior) and (not interpret or INTERPRET_INTERIOR[0]))
     args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
             q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
             anc_BNJ.astype(jnp.int32), k_LBKSD, v_LBKSD)
@@ -304,7 +356,7 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     if NP != NT:
         m, l, a = m[:, :, :NT], l[:, :, :NT], a[:, :, :NT]
     return pl.pallas_call(
-        functools.partial(_merge_kernel, parts=C),
+        functools.partial(_merge_kernel, parts=C, exp=exp),
         grid=(NT, K, B),
         in_specs=[pl.BlockSpec((None, None, None, C, R), lambda n, h, b: (b, h, n, 0, 0)),
                   pl.BlockSpec((None, None, None, C, R), lambda n, h, b: (b, h, n, 0, 0)),

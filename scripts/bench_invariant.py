@@ -16,7 +16,7 @@ checks of each tiling on the device.
   smaller cache vs in the batch.
 
 Tilings: ``--mm "bm,bn,bk,warps,stages,split_programs,min_part;..."``, ``--attn
-"rows,block_k,chunk,warps,stages,fold_tiles;..."`` (the fields of `InvariantMatmulBlocks` and
+"rows,block_k,chunk,warps,stages,fold_tiles,split_tiles,unmasked_interior,fast_exp;..."`` (the fields of `InvariantMatmulBlocks` and
 `InvariantAttentionBlocks` in order; trailing ones may be left out).
 
 Usage: python scripts/bench_invariant.py [--quick] [--out results.json]
@@ -49,6 +49,8 @@ SHAPES = {"qkv": (1536, 2048, False), "o": (1536, 1536, False), "gateup": (1536,
           "down": (8960, 1536, False), "head": (1536, 151936, True)}
 T0 = time.time()
 BUDGET = [1e9]  # seconds after which timings are skipped
+MODES = [("fold", "split")]  # attention: the modes timed for decode and verification
+ROUNDS = [1]  # attention: rounds over all the variants (the median of the rounds reported)
 
 
 def log(*a):
@@ -185,32 +187,38 @@ def attn_fn(kind, T, bs=None, mode="auto", n_layers=4):
     return run
 
 
-def bench_attention(cfgs, ctx, reps, results, prefill=True):
+def bench_attention(cfgs, ctx, reps, results, cases=("decode", "verify5", "prefill512")):
     B, S = BATCH, ctx + 256
     k, v, L = attn_inputs(B, ctx, S)
-    cases = [("decode", 1, L), ("verify5", 5, L)]
-    if prefill:
-        cases.append(("prefill512", 512, jnp.full((B,), ctx // 2, jnp.int32)))
+    cases = [c for c in [("decode", 1, L), ("verify5", 5, L),
+                         ("prefill512", 512, jnp.full((B,), ctx // 2, jnp.int32))]
+             if c[0] in cases]
     for name, T, Lc in cases:
         q = jax.random.normal(jax.random.key(T), (B, T, 12, 128), BF16)
         kv_bytes = float(np.sum(np.asarray(Lc) + T)) * 2 * 2 * 128 * 2  # K and V, 2 heads
         row = {"op": "attention", "case": name, "B": B, "ctx": ctx, "T": T,
                "kv_GB_per_layer": kv_bytes / 1e9}
-        try:
-            row["default_us"] = median_time(attn_fn("default", T), (q, k, v, Lc), reps) / 4 * 1e6
-        except Exception as e:  # noqa: BLE001
-            row["default_err"] = repr(e)[:300]
+        fns = {"default": attn_fn("default", T)}
         for i, bs in enumerate(cfgs):
-            modes = ("auto",) if T > 5 else ("fold", "split")
-            for mode in modes:
-                if time.time() - T0 > BUDGET[0]:
+            for mode in ("auto",) if T > 5 else MODES[0]:
+                fns[f"at{i}_{mode}"] = attn_fn("inv", T, bs, mode)
+        times = {}
+        for _ in range(ROUNDS[0]):  # rounds over every variant in turn: drifts hit them all
+            for key, fn in fns.items():
+                if key in times and times[key] is None or (
+                        key != "default" and time.time() - T0 > BUDGET[0]):
                     continue
-                key = f"at{i}_{mode}"
                 try:
-                    row[key + "_us"] = median_time(attn_fn("inv", T, bs, mode), (q, k, v, Lc),
-                                                   reps) / 4 * 1e6
+                    times.setdefault(key, []).append(
+                        median_time(fn, (q, k, v, Lc), reps) / 4 * 1e6)
                 except Exception as e:  # noqa: BLE001
                     row[key + "_err"] = repr(e)[:300]
+                    times[key] = None
+        for key, ts in times.items():
+            if ts:
+                row[key + "_us"] = statistics.median(ts)
+                if len(ts) > 1:
+                    row[key + "_us_rounds"] = [round(t, 1) for t in ts]
         results.append(row)
         log(json.dumps(row))
     del k, v
@@ -268,10 +276,16 @@ def main():
     ap.add_argument("--mm-shapes", default="qkv,o,gateup,down,head")
     ap.add_argument("--mm-M", default="64,320,4096,32768")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=1, help="attention: time every variant in "
+                    "turn this many times, report the median")
+    ap.add_argument("--attn-cases", default="decode,verify5,prefill512")
+    ap.add_argument("--attn-modes", default="fold,split", help="modes timed at T <= 5")
     ap.add_argument("--budget", type=float, default=1e9, help="skip timings after this many s")
     a = ap.parse_args()
     skip = set(a.skip.split(","))
     BUDGET[0] = a.budget
+    ROUNDS[0] = a.rounds
+    MODES[0] = tuple(a.attn_modes.split(","))
     mm_cfgs, at_cfgs = parse_mm(a.mm), parse_attn(a.attn)
     log("jax", jax.__version__, jax.devices()[0].device_kind)
     for i, c in enumerate(mm_cfgs):
@@ -285,7 +299,7 @@ def main():
         check_attention_bits({first[1]: at_cfgs[first[1]]}, results)
     if "attn" not in skip:
         for ctx in (int(c) for c in a.ctx.split(",")):
-            bench_attention(at_cfgs, ctx, a.reps, results)
+            bench_attention(at_cfgs, ctx, a.reps, results, cases=a.attn_cases.split(","))
     if "mm" not in skip:
         Ms = [int(m) for m in a.mm_M.split(",")]
         bench_matmul(mm_cfgs, [m for m in Ms if m <= 320], a.mm_shapes.split(","), a.reps,

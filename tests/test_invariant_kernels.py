@@ -69,27 +69,56 @@ def _inputs(seed, B=3, T=12, H=8, K=2, D=32, S=200):
     return q, k, v, L
 
 
+@pytest.mark.parametrize("base2", [False, True], ids=["exp", "exp2"])
 @pytest.mark.parametrize("window", [None, 37])
-def test_attention_parts_split_fold_steps_chunks(window):
+def test_attention_parts_split_fold_steps_chunks(window, base2):
     """Several 32-key parts: split (2 tiles per program) == fold (3 tiles per program) ==
-    one-token steps == a prefill in chunks of 4, and close to the `jnp` form."""
+    one-token steps == a prefill in chunks of 4, and close to the `jnp` form; with exponentials
+    in base e and in base 2 (``fast_exp``)."""
     T = 12
-    q, k, v, L = _inputs(0, T=T)
-    fold = _tiles(q, k, v, L, T=T, mode="fold", window=window)
-    assert np.array_equal(fold, _tiles(q, k, v, L, T=T, mode="split", window=window))
-    one = dataclasses.replace(ATT_BLOCKS, fold_tiles=1, split_tiles=1)
+    q, k, v, L = _inputs(int(np.random.default_rng().integers(2**31)), T=T)
+    blocks = dataclasses.replace(ATT_BLOCKS, fast_exp=base2)
+    fold = _tiles(q, k, v, L, T=T, mode="fold", window=window, blocks=blocks)
+    assert np.array_equal(fold, _tiles(q, k, v, L, T=T, mode="split", window=window,
+                                       blocks=blocks))
+    one = dataclasses.replace(blocks, fold_tiles=1, split_tiles=1)
     for mode in ("fold", "split"):  # a tile per program
         assert np.array_equal(fold, _tiles(q, k, v, L, T=T, mode=mode, window=window,
                                            blocks=one)), mode
-    steps = np.stack([_tiles(q[:, t:t + 1], k, v, L + t, T=1, mode="auto", window=window)[:, 0]
-                      for t in range(T)], 1)
+    steps = np.stack([_tiles(q[:, t:t + 1], k, v, L + t, T=1, mode="auto", window=window,
+                             blocks=blocks)[:, 0] for t in range(T)], 1)
     assert np.array_equal(fold, steps)
-    chunks = np.concatenate([_tiles(q[:, j:j + 4], k, v, L + j, T=4, mode="fold", window=window)
-                             for j in range(0, T, 4)], 1)
+    chunks = np.concatenate([_tiles(q[:, j:j + 4], k, v, L + j, T=4, mode="fold", window=window,
+                                    blocks=blocks) for j in range(0, T, 4)], 1)
     assert np.array_equal(fold, chunks)
     ref = np.asarray(invariant.attention(q, k, v, 0, L, None, num_new=T, sliding_window=window,
                                          impl="invariant"), np.float32)
     np.testing.assert_allclose(fold, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_unmasked_interior_blocks_are_the_blocks_every_row_sees(window, monkeypatch):
+    """The key blocks run without masks are those every real row of a program sees whole: in
+    float32 in the interpreter (made to run them), the results are those of every block masked
+    up to XLA:CPU's rounding of ``exp`` (an unmasked key a row must not see, or a skipped
+    block, would be far off). Decode, a verification of 5 in 2 tiles, a chunk of 12 in a group
+    of tiles, a tree; both modes."""
+    from pallas_kernels import invariant_attention as ia
+    monkeypatch.setattr(ia, "INTERPRET_INTERIOR", [True])
+    rng = np.random.default_rng()
+    B, T, S, D = 3, 12, 200, 32
+    L = jnp.asarray([int(rng.integers(0, 20)), int(rng.integers(40, 120)), S - T - 3],
+                    jnp.int32)
+    q, k, v = (jnp.asarray(rng.normal(size=sh), jnp.float32)
+               for sh in ((B, T, 8, D), (1, B, 2, S, D), (1, B, 2, S, D)))
+    k = k.at[:, :, :, S - 2:].set(1e4)  # past every row's keys: far off if ever seen
+    inner = dataclasses.replace(ATT_BLOCKS, unmasked_interior=True)
+    tree = jnp.asarray(TokenTree.from_parents([-1, 0, 0, 1, 2, 4]).ancestor_mask)
+    for n, mask in ((1, None), (5, None), (T, None), (6, tree)):
+        for mode in ("fold", "split"):
+            got, want = (_tiles(q[:, :n], k, v, L, T=n, mode=mode, window=window, mask=mask,
+                                blocks=b) for b in (inner, ATT_BLOCKS))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{n} {mode}")
 
 
 def test_attention_parts_row_alone_and_tree():
@@ -125,7 +154,9 @@ def test_attention_kernels_lower_for_cuda_in_both_modes():
     kv = jax.ShapeDtypeStruct((2, B, K, S, D), BF16)
     ln = jax.ShapeDtypeStruct((B,), jnp.int32)
     two = InvariantAttentionBlocks(split_tiles=2)  # a verification's 2 tiles in one program
-    for mode, blocks in (("fold", None), ("split", None), ("split", two)):
+    exp2 = InvariantAttentionBlocks(fast_exp=True)  # (ex2.approx)
+    for mode, blocks in (("fold", None), ("split", None), ("split", two), ("fold", exp2),
+                         ("split", exp2)):
         f = jax.jit(lambda q, k, v, ln, mode=mode, blocks=blocks: invariant._attention_tiles(
             q, k, v, 1, ln, None, num_new=T, sm_scale=None, sliding_window=None,
             interpret=False, mode=mode, blocks=blocks))
@@ -139,11 +170,11 @@ def test_attention_kernels_lower_for_cuda_in_both_modes():
 
 
 
-def _contiguous_vs_gathered(interpret, B, D, S, T2=24):
+def _contiguous_vs_gathered(interpret, B, D, S, T2=24, blocks=None):
     """Causal tiles in a cache of whole 64-key blocks load contiguous blocks; in a cache of
     another capacity every key is gathered by its slot. The same rows: the same bits, and the
     same as one-token steps."""
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng()
     S_odd = S - 40  # not a multiple of the 64-key block: the gathering loads
     L = jnp.asarray(rng.integers(S_odd // 2, S_odd - T2 - 8, size=B), jnp.int32)
     q = jnp.asarray(rng.normal(size=(B, T2, 12, D)), BF16)
@@ -153,7 +184,7 @@ def _contiguous_vs_gathered(interpret, B, D, S, T2=24):
     def run(q, L, T, S_=S, mode="auto"):
         return np.asarray(invariant._attention_tiles(
             q, k[:, :, :, :S_], v[:, :, :, :S_], 0, L, None, num_new=T, sm_scale=None,
-            sliding_window=None, interpret=interpret, mode=mode), np.float32)
+            sliding_window=None, interpret=interpret, mode=mode, blocks=blocks), np.float32)
     whole = run(q, L, T2)
     assert np.array_equal(whole, run(q, L, T2, S_odd))
     steps = np.stack([run(q[:, t:t + 1], L + t, 1, mode="split")[:, 0] for t in range(T2)], 1)
@@ -171,3 +202,33 @@ def test_contiguous_and_gathered_key_loads_give_the_same_bits_on_the_gpu():
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     _contiguous_vs_gathered(False, B=6, D=128, S=5120)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["default", "exp2", "split_tiles4"])
+def test_unmasked_interior_blocks_give_the_masked_bits_on_the_gpu(variant):
+    """On a GPU the key blocks every real row sees run without the masks: the same bits as every
+    block masked (decode, a verification of 5 with 2 tiles per program, a prefill chunk, a
+    sliding window, a tree), and one-token steps still equal the other shapes."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    base = {"default": InvariantAttentionBlocks(unmasked_interior=True),
+            "exp2": InvariantAttentionBlocks(unmasked_interior=True, fast_exp=True),
+            "split_tiles4": InvariantAttentionBlocks(unmasked_interior=True,
+                                                     split_tiles=4)}[variant]
+    _contiguous_vs_gathered(False, B=6, D=128, S=5120, blocks=base)
+    masked = dataclasses.replace(base, unmasked_interior=False)
+    rng = np.random.default_rng()
+    B, S, D = 5, 6144, 128
+    L = jnp.asarray(rng.integers(100, S - 80, size=B), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(B, 40, 12, D)), BF16)
+    k = jnp.asarray(rng.normal(size=(1, B, 2, S, D)), BF16)
+    v = jnp.asarray(rng.normal(size=(1, B, 2, S, D)), BF16)
+    tree = jnp.asarray(TokenTree.from_parents([-1, 0, 0, 1, 2, 4]).ancestor_mask)
+    for T, window, mask in ((1, None, None), (5, None, None), (40, None, None),
+                            (5, 777, None), (6, None, tree)):
+        for mode in ("fold", "split"):
+            got = [np.asarray(invariant._attention_tiles(
+                q[:, :T], k, v, 0, L, mask, num_new=T, sm_scale=None, sliding_window=window,
+                interpret=False, mode=mode, blocks=b), np.float32) for b in (base, masked)]
+            assert np.array_equal(*got), (T, window, mode)

@@ -566,7 +566,6 @@ class ServingEngine:
         self._piece_skipped = False  # the last chunk that had pieces to carry went without
         self._piece_cost = PieceCost()  # the time pieces add to their chunk (`PIECE_SHARE`)
         self._programs_run = set()  # ids of the chunk programs run (`_run_chunk`'s first_run)
-        self._compact_pending = False  # the last `_compact` waits for its program's compile
         if fill_first is None:
             fill_first = FILL_FIRST_SECONDS if self.paged else 0.0
         if not float(fill_first) >= 0:
@@ -945,24 +944,25 @@ class ServingEngine:
 
     def _compact(self, rd, greedy, filtering, active, pieces: Pieces | None = None,
                  num_pieces: int = 0):
-        """``(rows, sampling, state of those rows, program)`` for a chunk over the ``active`` rows
-        alone (padded with idle rows to a power of two), or None: compaction is off, more than
-        half the slots run, or that batch's program is not compiled yet (it then compiles in the
-        background). A mixed chunk (its first ``num_pieces`` ``pieces``, rows as slots) runs
-        over the rows of its pieces' sequences too (idle rows, whose pieces go through their
-        block tables), so that its rounds cost what a small batch's do: a decode kernel planned
+        """``((rows, sampling, state of those rows, program, pieces), compiling)``: a chunk over
+        the ``active`` rows alone (padded with idle rows to a power of two; ``pieces`` with their
+        rows renumbered into them), or ``(None, compiling)``: compaction is off, more than half
+        the slots run, or (``compiling``) that batch's program is not compiled yet (it then
+        compiles in the background). A mixed chunk (its first ``num_pieces`` ``pieces``, rows as
+        slots) runs over the rows of its pieces' sequences too (idle rows, whose pieces go
+        through their block tables), so that its rounds cost what a small batch's do: a decode kernel planned
         for all the slots spreads a few rows' keys over few programs (H200, Qwen2.5-1.5B, 1-2
         rows decoding at 10k-30k keys among 64 slots: ~1 ms more per round). The rows' state
         stays apart from the slots' between chunks over the same rows (`_rows`); anything else
         that reads the slots' state puts it back first."""
         if not self.compact_rows or not active or self._shared_want is not None:
-            return None
+            return None, False
         need = list(active)
         if pieces is not None:
             need += sorted({int(r) for r in np.asarray(pieces.rows)[:num_pieces]} - set(need))
         n = 1 << (len(need) - 1).bit_length()
         if 2 * n > self.B:
-            return None
+            return None, False
         self._resolve()  # (waits for the chunk before: in order)
         if self._rows is not None and set(need) <= set(self._rows[0].tolist()):
             rows, sub = self._rows  # the same rows (an idle one among them may have been active)
@@ -975,12 +975,16 @@ class ServingEngine:
             program, _ = self.decoder.chunk_program(rd, sp, sub, compile=False)
         else:
             program, _ = self.decoder.mixed_program(rd, sp, sub, pieces, compile=False)
-        if program is not None:
-            self._rows = None  # (the chunk has them now)
-            return rows, sp, sub, program
-        self._compile_later(rd, greedy, filtering, sp, sub, mixed=pieces is not None)
-        self._compact_pending = True
-        return None
+        if program is None:
+            self._compile_later(rd, greedy, filtering, sp, sub, mixed=pieces is not None)
+            return None, True
+        self._rows = None  # (the chunk has them now)
+        if pieces is not None:  # the pieces' rows among the compact ones (padding: row 0)
+            where = {int(r): i for i, r in enumerate(rows)}
+            at = np.zeros_like(np.asarray(pieces.rows))
+            at[:num_pieces] = [where[int(r)] for r in np.asarray(pieces.rows)[:num_pieces]]
+            pieces = pieces.replace(rows=at)
+        return (rows, sp, sub, program, pieces), False
 
     def _compile_later(self, rd, greedy, filtering, sp, sub, mixed: bool = False):
         """Queues the program of a compact chunk over ``sub`` (a state of some rows, or its
@@ -1055,19 +1059,12 @@ class ServingEngine:
             state, _, _ = self.decoder.run_chunk(rd, sp, self._with_shared(self.state), 0)
             self.state = self._without_shared(state)
             return None
-        self._compact_pending = False
-        compact = self._compact(rd, greedy, filtering, active, pieces, num_pieces)
+        compact, compiling = self._compact(rd, greedy, filtering, active, pieces, num_pieces)
         rows = None
         if compact is not None:
-            rows, sp, state, program = compact
+            rows, sp, state, program, pieces = compact
             t_compile = 0.0
             self.m["compact_chunks"] += 1
-            if pieces is not None:  # (the pieces' rows among the compact ones)
-                where = {int(r): i for i, r in enumerate(rows)}
-                at = np.asarray(pieces.rows).copy()
-                at[:num_pieces] = [where[int(r)] for r in at[:num_pieces]]
-                at[num_pieces:] = 0
-                pieces = pieces.replace(rows=at)
         elif pieces is not None:
             state = self._with_shared(self.state)
             program, t_compile = self.decoder.mixed_program(rd, sp, state, pieces)
@@ -1089,7 +1086,7 @@ class ServingEngine:
         fut.first_run = rec["first_run"]
         # (a chunk over all the slots while its compact program compiles: its rounds cost more
         # than the cost model's, learned from compact chunks, and the pieces would be charged)
-        fut.full_for_now = self._compact_pending
+        fut.full_for_now = compiling
         fut.rec = rec
         self._programs_run.add(id(program))
         del compact

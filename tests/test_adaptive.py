@@ -79,9 +79,7 @@ def _force_rounds(monkeypatch, kinds, rounds=2):
     return calls
 
 
-# a tree over a ring-buffer draft: both halves covered by tree_self and ring; slow
-@pytest.mark.parametrize("kind", ["self", "ring", "full", "tree_self",
-                                  pytest.param("tree_ring", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["self", "ring", "full", "tree_self", "tree_ring"])
 def test_adaptive_mix_is_lossless(target, prompts, reference, monkeypatch, kind):
     draft = tiny_model(seed=7, layers=1, scale=3.0)
     tree = (2, 1, 2) if kind.startswith("tree") else None
@@ -120,12 +118,9 @@ def test_adaptive_mix_with_stop_token(target, prompts, reference, monkeypatch):
     assert res.tokens == want
 
 
-# each drafter with one order and each order with one drafter in the default run; the other
-# two pairings (the same code paths) in the slow set
 @pytest.mark.parametrize("kind,order", [
-    ("self", "round_then_plain"), ("model", "plain_then_round"),
-    pytest.param("model", "round_then_plain", marks=pytest.mark.slow),
-    pytest.param("self", "plain_then_round", marks=pytest.mark.slow)])
+    ("self", "round_then_plain"), ("model", "plain_then_round"), ("model", "round_then_plain"),
+    ("self", "plain_then_round")])
 def test_adaptive_sampling_has_target_distribution(monkeypatch, order, kind):
     target = tiny_model(seed=1, vocab=V, scale=2.0)
     draft = tiny_model(seed=2, vocab=V, layers=1, scale=2.0)

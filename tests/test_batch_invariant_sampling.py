@@ -267,7 +267,7 @@ def test_serving_engine_samples_as_generate_alone(model, texts):
 
 # ----------------------------------------------------------------------------- still lossless
 @pytest.mark.parametrize("kind,tree,temperature,top_k", [
-    ("model", None, 1.3, 4), pytest.param("self", (2, 2), 1.0, 0, marks=pytest.mark.slow)])
+    ("model", None, 1.3, 4), ("self", (2, 2), 1.0, 0)])
 def test_invariant_speculative_sampling_has_target_distribution(kind, tree, temperature, top_k):
     """Batch-invariant speculative sampling (fixed-order sums, position-keyed draws) keeps the
     target's distribution: the first two tokens of 6000 rows against the exact joint

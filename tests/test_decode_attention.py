@@ -195,85 +195,69 @@ def test_reference_matches_numpy(c):
 
 # --- the kernel (Pallas interpret mode) against the reference ------------------------
 
-# In interpret mode every case costs a few seconds on the CPU (mostly compiling the
-# interpreted kernel). Cases marked ``_slow`` repeat a code path that a case of the default
-# run already covers (each path keeps one there: decode, chains, trees shared or per
-# sequence, several query-row blocks, each sparse form, layers, T_new > T, default block
-# sizes with one or many splits, head dims that are not powers of 2 or below 16); on the CPU
-# they run with ``-m slow``. The compiled-GPU test runs every case.
-_CPU_SLOW: set = set()
-
-
-def _slow(c: "Case") -> "Case":
-  _CPU_SLOW.add(c)
-  return c
-
-
-def _cpu_params(cases):
-  return [pytest.param(c, marks=pytest.mark.slow) if c in _CPU_SLOW else c for c in cases]
 
 
 KERNEL_CASES = [
     # plain decode, ragged lengths incl. 0 and non-multiples of every block
-    _slow(Case(1, 1, 1, 1, 64, 40, (0,))),
+    Case(1, 1, 1, 1, 64, 40, (0,)),
     Case(3, 1, 4, 2, 128, 200, (0, 37, 195)),
-    _slow(Case(4, 1, 8, 1, 64, 300, (291, 33, 64, 1))),
+    Case(4, 1, 8, 1, 64, 300, (291, 33, 64, 1)),
     # chain verification
-    _slow(Case(2, 2, 2, 2, 64, 130, (31, 128), dtype="bfloat16")),
+    Case(2, 2, 2, 2, 64, 130, (31, 128), dtype="bfloat16"),
     Case(3, 5, 7, 2, 64, 150, (5, 0, 144), mask="tree"),
-    _slow(Case(3, 17, 1, 2, 64, 160, (16, 60, 143), mask="tree_b")),
-    _slow(Case(2, 5, 8, 2, 128, 300, (100, 295), dtype="bfloat16", mask="tree_b")),
-    _slow(Case(2, 17, 7, 1, 128, 100, (0, 83), dtype="bfloat16")),
+    Case(3, 17, 1, 2, 64, 160, (16, 60, 143), mask="tree_b"),
+    Case(2, 5, 8, 2, 128, 300, (100, 295), dtype="bfloat16", mask="tree_b"),
+    Case(2, 17, 7, 1, 128, 100, (0, 83), dtype="bfloat16"),
     # large T: query-row blocking
-    _slow(Case(2, 64, 2, 1, 64, 200, (3, 136))),
-    _slow(Case(1, 128, 2, 2, 64, 300, (150,),
-               bs=DecodeAttentionBlockSizes(block_k=32, block_q=32, split_size=64))),
-    _slow(Case(1, 128, 1, 1, 64, 260, (77,), mask="tree")),
+    Case(2, 64, 2, 1, 64, 200, (3, 136)),
+    Case(1, 128, 2, 2, 64, 300, (150,),
+               bs=DecodeAttentionBlockSizes(block_k=32, block_q=32, split_size=64)),
+    Case(1, 128, 1, 1, 64, 260, (77,), mask="tree"),
     # sparse (StreamingLLM): sink and window crossing each other and both ends
     Case(4, 1, 4, 2, 64, 300, (10, 200, 3, 27), sink=4, window=24),
-    _slow(Case(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree")),
-    _slow(Case(3, 2, 2, 1, 64, 200, (0, 20, 190), sink=0, window=33)),
+    Case(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree"),
+    Case(3, 2, 2, 1, 64, 200, (0, 20, 190), sink=0, window=33),
     Case(2, 3, 2, 2, 64, 200, (5, 150), sink=8, window=0, mask="tree_b"),
     Case(3, 1, 1, 2, 64, 260, (55, 30, 250), sink=50, window=10),
-    _slow(Case(2, 64, 4, 1, 64, 320, (100, 250), dtype="bfloat16", sink=16, window=48)),
+    Case(2, 64, 4, 1, 64, 320, (100, 250), dtype="bfloat16", sink=16, window=48),
     # stacked layers, index picked inside the kernel
-    _slow(Case(2, 5, 4, 2, 64, 100, (0, 70), layers=3)),
+    Case(2, 5, 4, 2, 64, 100, (0, 70), layers=3),
     Case(2, 2, 2, 2, 64, 120, (33, 90), layers=2, sink=4, window=20, mask="tree"),
     # default (un-shrunk) block sizes: full blocks, tails, one split / many splits
-    _slow(Case(2, 1, 4, 2, 64, 520, (515, 130), bs=DecodeAttentionBlockSizes())),
+    Case(2, 1, 4, 2, 64, 520, (515, 130), bs=DecodeAttentionBlockSizes()),
     Case(2, 5, 4, 1, 64, 600, (300, 590), mask="tree",
          bs=DecodeAttentionBlockSizes(target_programs=64, min_split_size=64)),
 ] + [
     # the last T of T_new new tokens (one token-tree level over the earlier levels' K/V)
-    _slow(Case(3, 3, 2, 2, 64, 100, (0, 37, 90), mask="tree", T_new=7)),
+    Case(3, 3, 2, 2, 64, 100, (0, 37, 90), mask="tree", T_new=7),
     Case(2, 4, 4, 1, 64, 150, (20, 130), dtype="bfloat16", mask="tree_b", T_new=15),
     Case(3, 2, 2, 2, 64, 120, (0, 50, 100), T_new=9),                   # causal, num_new
-    _slow(Case(2, 1, 4, 2, 64, 200, (0, 150), T_new=33)),               # one query, 3 key blocks
+    Case(2, 1, 4, 2, 64, 200, (0, 150), T_new=33),               # one query, 3 key blocks
     Case(2, 1, 4, 2, 64, 200, (0, 150), mask="tree_b", T_new=33),
     Case(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree", T_new=21),
 ] + [
     # head dims that are not powers of 2 (or below 16): tiles of the next power of 2 >= 16,
     # the lanes past D masked (garbage past the valid slots is NaN in every lane)
-    _slow(Case(2, 1, 4, 2, 80, 200, (0, 150))),
-    _slow(Case(3, 5, 2, 2, 96, 150, (7, 60, 140), dtype="bfloat16", mask="tree")),
+    Case(2, 1, 4, 2, 80, 200, (0, 150)),
+    Case(3, 5, 2, 2, 96, 150, (7, 60, 140), dtype="bfloat16", mask="tree"),
     Case(2, 3, 3, 1, 100, 120, (30, 110), sink=4, window=20, T_new=6),
     Case(2, 2, 2, 2, 24, 90, (0, 80), mask="tree_b", layers=2),
     Case(3, 1, 1, 3, 8, 70, (1, 33, 69)),
-    _slow(Case(2, 8, 2, 1, 64, 300, (5, 200), dtype="bfloat16", sink=4, window=24,
-               mask="tree_b", T_new=40)),
+    Case(2, 8, 2, 1, 64, 300, (5, 200), dtype="bfloat16", sink=4, window=24,
+               mask="tree_b", T_new=40),
     Case(3, 3, 2, 1, 64, 200, (0, 20, 150), sink=0, window=33, T_new=12),
     Case(1, 40, 2, 1, 64, 300, (100,), mask="tree", T_new=70),          # 5 query-row blocks
     Case(1, 40, 2, 1, 64, 300, (100,), T_new=70,
          bs=DecodeAttentionBlockSizes(block_k=32, block_q=32, split_size=64)),
-    _slow(Case(2, 3, 2, 2, 64, 100, (0, 70), layers=2, mask="tree", T_new=6)),
-    _slow(Case(2, 5, 4, 1, 64, 600, (300, 580), mask="tree", T_new=20,
-               bs=DecodeAttentionBlockSizes(target_programs=64, min_split_size=64))),
+    Case(2, 3, 2, 2, 64, 100, (0, 70), layers=2, mask="tree", T_new=6),
+    Case(2, 5, 4, 1, 64, 600, (300, 580), mask="tree", T_new=20,
+               bs=DecodeAttentionBlockSizes(target_programs=64, min_split_size=64)),
     Case(2, 2, 4, 2, 64, 520, (500, 130), dtype="bfloat16", T_new=16,
          bs=DecodeAttentionBlockSizes()),
 ]
 
 
-@pytest.mark.parametrize("c", _cpu_params(KERNEL_CASES), ids=str)
+@pytest.mark.parametrize("c", KERNEL_CASES, ids=str)
 def test_kernel_matches_reference(c):
   q, k, v, lengths, tm = make_inputs(c, seed=zlib.crc32(str(c).encode()))
   layer = c.layers - 1 if c.layers else None
@@ -289,15 +273,15 @@ def test_kernel_matches_reference(c):
 
 LAST_ROWS_CASES = [
     Case(3, 3, 2, 2, 64, 100, (0, 37, 90), mask="tree", T_new=7),
-    _slow(Case(2, 4, 4, 1, 64, 150, (20, 130), dtype="bfloat16", mask="tree_b", T_new=15)),
-    _slow(Case(3, 2, 2, 2, 64, 120, (0, 50, 100), T_new=9)),
-    _slow(Case(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree_b",
-               T_new=21)),
+    Case(2, 4, 4, 1, 64, 150, (20, 130), dtype="bfloat16", mask="tree_b", T_new=15),
+    Case(3, 2, 2, 2, 64, 120, (0, 50, 100), T_new=9),
+    Case(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree_b",
+               T_new=21),
     Case(2, 1, 4, 2, 64, 200, (0, 150), sink=4, window=24, T_new=33),
 ]
 
 
-@pytest.mark.parametrize("c", _cpu_params(LAST_ROWS_CASES), ids=str)
+@pytest.mark.parametrize("c", LAST_ROWS_CASES, ids=str)
 def test_last_queries_equal_rows_of_full_call(c):
   """T queries over T_new new tokens == the last T rows of the call with all T_new queries
   (the full call's mask: random rows first, then the T rows of the partial call's mask)."""

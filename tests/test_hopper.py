@@ -115,7 +115,7 @@ def test_splits_share_the_valid_keys_not_the_key_axis():
 @pytest.mark.parametrize("B,T,K,G,P,splits,partials", [
     # G=4: q[B, T, H, D] read and out written in place (as [P, B/P x T, H, D]), 2 splits
     # returned unmerged (the engine merges them with the suffix part in one pass)
-    pytest.param(4, 2, 2, 4, 2, 2, True, marks=pytest.mark.slow),  # 40 s in interpret mode
+    (4, 2, 2, 4, 2, 2, True),
     (6, 3, 1, 3, 2, 2, False),   # G=3: q as transposed rows [P, K, B/P x T x G, D], merged
 ])
 def test_prefix_attention_through_hopper_kernel(B, T, K, G, P, splits, partials):
@@ -143,14 +143,13 @@ def test_prefix_attention_through_hopper_kernel(B, T, K, G, P, splits, partials)
 
 
 @pytest.mark.parametrize("tree,T,T_new,G,splits,lengths,layered,overlap", [
-    # [B, T, T_new] tree, T_new > T, 2 splits (the new tokens straddle their boundary); both
-    # halves are covered by the pipelined tree case and the 2-split causal case below: slow
-    pytest.param(True, 9, 12, 4, 2, [60, 0], False, False, marks=pytest.mark.slow),
+    # [B, T, T_new] tree, T_new > T, 2 splits (the new tokens straddle their boundary)
+    (True, 9, 12, 4, 2, [60, 0], False, False),
     # a sparse tree over 2 blocks with no context: rows that see no key of a whole block
     (True, 70, 72, 1, 2, [0], False, False),
     # causal (in the kernel); 70 new tokens; splits planned by the kernel (the 2-split causal
     # case below and the kernel-planned splits of test_splits_share_the_valid_keys cover it)
-    pytest.param(False, 3, 70, 2, None, [130], True, False, marks=pytest.mark.slow),
+    (False, 3, 70, 2, None, [130], True, False),
     # causal as mask tiles: G=3 takes q as transposed rows (not in place)
     (False, 5, 6, 3, 1, [61, 0], False, False),
     # software-pipelined consumers: a tree whose first block is masked (no context) or not

@@ -27,13 +27,8 @@ def test_logits_match_transformers(variant, tmp_path):
     assert np.abs(ref).max() > 0.5
 
 
-# every architecture's logits are compared with transformers' above; the cache path is checked
-# here on a GQA llama with RoPE scaling, a biased qwen2 with YaRN and qwen3's q/k norms by
-# default, on the other three in the slow set
 @pytest.mark.parametrize("variant", [
-    "llama3-rope", "qwen2-yarn", "qwen3", pytest.param("qwen2-bias", marks=pytest.mark.slow),
-    pytest.param("llama-gqa", marks=pytest.mark.slow),
-    pytest.param("llama-bias", marks=pytest.mark.slow)])
+    "llama3-rope", "qwen2-yarn", "qwen3", "qwen2-bias", "llama-gqa", "llama-bias"])
 def test_incremental_decode_matches_full_forward(variant, tmp_path):
     """Chunked prefill + one-token steps give the logits of one full forward pass."""
     hf = make_hf_model(variant, seed=3)

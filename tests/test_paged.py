@@ -46,9 +46,7 @@ SPECS = {
 
 
 @pytest.mark.parametrize("temperature,name", [
-    # the default run: trees sampled, chains greedy (the other two: -m slow)
-    pytest.param(t, n, marks=pytest.mark.slow if (n, t) in {("tree", 0.0), ("chain", 1.0)}
-                 else ()) for t in (0.0, 1.0) for n in SPECS])
+    (t, n) for t in (0.0, 1.0) for n in SPECS])
 def test_paged_decoding_equals_dense(target, name, temperature):
     if name == "dense_draft" and temperature > 0:
         pytest.skip("covered by the greedy case")
@@ -69,7 +67,7 @@ def test_paged_decoding_equals_dense(target, name, temperature):
 
 
 # plain steps (T = 1) through the kernel: the paged server tests and the kernel's own tests
-@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "chain"])
+@pytest.mark.parametrize("name", ["plain", "chain"])
 def test_paged_kernel_in_the_model_equals_dense(target, name):
     """The model's attention on a paged cache through the paged Pallas kernel (interpret mode,
     as on a GPU) decodes exactly as the dense cache through the jnp path."""

@@ -247,7 +247,6 @@ def test_kernel_and_reference_match_numpy(c):
   assert_close(*ref, *want, tol=1e-5 if c.dtype == "float32" else 1e-2)
 
 
-@pytest.mark.slow
 def test_paged_equals_dense_kernel():
   """The paged kernel on a shuffled pool == the dense kernel on the cache the tables
   describe (same block sizes)."""

@@ -39,7 +39,6 @@ from jaxspec.model import forward, init_params
 
 SEED = int(os.environ.get("JAXSPEC_ENGINE_SWEEP_SEED", "2027"))
 CASES = int(os.environ.get("JAXSPEC_ENGINE_SWEEP_CASES", "6"))
-DEFAULT_RUN_CASES = 1  # the first draws run by default, the rest with -m slow (time budget)
 TIE = 1e-4  # a top-two logit gap below this is a float tie (logits are O(1-10) here)
 
 
@@ -252,8 +251,7 @@ def _check_case(case, impl=None):
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param(c, id=repr(c), marks=[] if i < DEFAULT_RUN_CASES else [pytest.mark.slow])
-    for i, c in enumerate(CASES_DRAWN)])
+    pytest.param(c, id=repr(c)) for c in CASES_DRAWN])
 def test_random_engine_case(case):
     _check_case(case)
 

@@ -44,7 +44,7 @@ def model():
 
 
 @pytest.mark.parametrize("spec,mixed", [(None, 0), ("self", 0), (None, 8), ("self", 16),
-                                        pytest.param("ring", 8, marks=pytest.mark.slow)])
+                                        ("ring", 8)])
 def test_paged_engine_equals_generate(model, spec, mixed):
     rng = np.random.default_rng(random.randrange(1 << 30))
     shared = rng.integers(5, 60, size=27).tolist()  # three full blocks of 8 and a bit

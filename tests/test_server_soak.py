@@ -23,8 +23,9 @@ A warm-up wave of the same mix compiles every program first; then the soak wave 
   ``/metrics`` says what the engine counts.
 
 Each run draws fresh requests; a failure names its seed (``JAXSPEC_SOAK_SEED=<seed>`` replays the
-same requests; ``-s`` prints a run's figures as one JSON line). ``-m slow`` adds a soak of minutes
-(with top-k / top-p sampling too) and the same soaks over an engine that decodes plainly.
+same requests; ``-s`` prints a run's figures as one JSON line). Every soak runs over an engine
+that speculates and one that decodes plainly; ``-m slow`` adds a soak of minutes (with top-k /
+top-p sampling too).
 """
 
 import asyncio
@@ -76,7 +77,7 @@ def model():
 
 
 @pytest.fixture(scope="module",
-                params=["speculative", pytest.param("plain", marks=pytest.mark.slow)])
+                params=["speculative", "plain"])
 def engine(request, model):
     spec = SPECULATION if request.param == "speculative" else None
     # greedy and sampling chunks compile here; top-k / top-p chunks (slow soaks only) in the

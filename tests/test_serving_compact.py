@@ -38,9 +38,7 @@ def serve(engine, prompts, options):
     return [list(s.tokens) for s in seqs]
 
 
-@pytest.mark.parametrize("kind,paged", [pytest.param("plain", False, marks=pytest.mark.slow),
-                                        ("self", False),
-                                        pytest.param("model", False, marks=pytest.mark.slow),
+@pytest.mark.parametrize("kind,paged", [("plain", False), ("self", False), ("model", False),
                                         ("self", True)])
 def test_compact_chunks_answer_as_the_full_batch(kind, paged):
     """Dense slots, and a block pool (its rows move without their K/V: the pool stays whole)."""

@@ -168,17 +168,9 @@ def test_refusals_name_the_numbers():
 
 
 # ----------------------------------------------------------------------------- generation
-# the default run: each kind on two meshes, together every mesh (the rest with -m slow)
-_DEFAULT_CASES = {("plain", (8, 1)), ("plain", (2, 4)), ("self_chain", (1, 8)),
-                  ("self_chain", (4, 2)), ("draft_chain", (2, 4)), ("draft_chain", (8, 1)),
-                  ("self_tree", (2, 4))}
-
-
 @need8
 @pytest.mark.parametrize("name,dm", [
-    pytest.param(n, dm, id=f"{n}-dm{i}",
-                 marks=() if (n, dm) in _DEFAULT_CASES else pytest.mark.slow)
-    for n in SPECS for i, dm in enumerate(MESHES)])
+    pytest.param(n, dm, id=f"{n}-dm{i}") for n in SPECS for i, dm in enumerate(MESHES)])
 def test_sharded_generation_matches_single_device(name, dm, monkeypatch):
     if name == "self_tree" and dm not in TREE_MESHES:
         pytest.skip("tree speculation is checked on one mesh")

@@ -166,11 +166,7 @@ def test_auto_layout_on_cpu_keeps_the_scan():
 # ----------------------------------------------------------------------------- generation
 @need8
 @pytest.mark.parametrize("name,dm", [
-    pytest.param(n, dm, id=f"{n}-dm{i}",
-                 # the default run: each kind on one mesh, together both (the rest: -m slow)
-                 marks=() if (n, dm) in {("plain", (2, 4)), ("self_chain", (1, 8)),
-                                         ("draft_chain", (1, 8))} else pytest.mark.slow)
-    for n in SPECS for i, dm in enumerate(MESHES)])
+    pytest.param(n, dm, id=f"{n}-dm{i}") for n in SPECS for i, dm in enumerate(MESHES)])
 def test_per_layer_sharded_generation_matches_single_device(name, dm, monkeypatch):
     ref = _reference(name)
     monkeypatch.setattr(shd, "DEFAULT_LAYOUT", "unrolled")

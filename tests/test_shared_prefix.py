@@ -88,8 +88,7 @@ def test_greedy_sharing_is_exact(target, prompts, reference, how):
     dict(draft="self", gamma=3, sink=2, window=6),       # sinks in the prefix, window in the suffix
     dict(draft="self", gamma=2, sink=44, window=3),      # sinks reach into the suffix
     dict(draft="self", tree=(2, 2, 1), sink=2, window=6),
-    # ring-buffer draft over whole prompts (a draft model's path: draft-tree; slow)
-    pytest.param(dict(draft="model", gamma=3, sink=2, window=8), marks=pytest.mark.slow),
+    dict(draft="model", gamma=3, sink=2, window=8),  # a ring-buffer draft over whole prompts
     dict(draft="model", tree=(2, 1), window=None),
 ], ids=["self-chain", "self-chain-long-sink", "self-tree", "draft-ring", "draft-tree"])
 def test_speculation_with_sharing_is_exact(target, draft, prompts, reference, spec):
@@ -176,9 +175,6 @@ def test_kernels_interpret_mode(prompts):
 HAVE8 = len(jax.devices()) >= 8
 
 
-# a shared prefix on a mesh is also checked by test_sharding_layers.py (per-layer weights) by
-# default; this one with -m slow (time budget)
-@pytest.mark.slow
 @pytest.mark.skipif(not HAVE8, reason="needs 8 devices: XLA_FLAGS="
                     "--xla_force_host_platform_device_count=8 (set by `make test`)")
 def test_sharded_sharing(target, prompts):

@@ -224,7 +224,7 @@ def test_serving_engine_is_not_capped(hf_and_model, reference):
         engine.stop()
 
 
-@pytest.mark.parametrize("variant", ["qwen2-bias", pytest.param("qwen3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("variant", ["qwen2-bias", "qwen3"])
 def test_qwen2_sliding_layers(tmp_path, variant):
     """Qwen2 (and Qwen3) slide only from layer max_window_layers on. Every layer sliding: exact
     past the window; none (max_window_layers >= layers, as Qwen2.5's own configs): full attention,

@@ -57,9 +57,7 @@ def test_dense_self_draft_accepts_everything(target, prompts, reference):
 
 
 @pytest.mark.parametrize("gamma,window", [
-    # the default run: a full cache and a ring, each gamma once (the other two: -m slow)
-    (2, None), pytest.param(2, 12, marks=pytest.mark.slow),
-    pytest.param(5, None, marks=pytest.mark.slow), (5, 12)])
+    (2, None), (2, 12), (5, None), (5, 12)])
 def test_draft_model_greedy_is_lossless(target, prompts, reference, window, gamma):
     draft = tiny_model(seed=7, layers=1, scale=3.0)
     spec = Speculation(draft=draft, gamma=gamma, sink=2, window=window, adaptive=False)
@@ -149,9 +147,8 @@ def tiny_vocab_models():
     return target, draft
 
 
-# top-k truncation of both distributions: its own exact tests in test_sampling.py; here slow
 @pytest.mark.parametrize("kind,temperature,top_k", [
-    ("model", 1.0, 0), ("self", 0.8, 0), pytest.param("model", 1.3, 4, marks=pytest.mark.slow)])
+    ("model", 1.0, 0), ("self", 0.8, 0), ("model", 1.3, 4)])
 def test_sampling_speculation_has_target_distribution(tiny_vocab_models, kind, temperature, top_k):
     target, draft = tiny_vocab_models
     prompt = [1, 3, 0, 5, 2, 4, 1, 1, 0, 3, 2]

@@ -48,48 +48,43 @@ def _id(case_bs):
   return f"{c}-bk{bs.block_k}bq{bs.block_q}hb{bs.heads_per_block}"
 
 
-def _slow(case_bs):
-  """A case whose path another default case covers: run with -m slow (time budget)."""
-  return pytest.param(case_bs, marks=pytest.mark.slow, id=_id(case_bs))
-
-
 DECODE_CASES = [
     # plain decode, ragged lengths incl. 0 and non-multiples of every block
     (C(1, 1, 1, 1, 64, 40, (0,)), SMALL),
-    _slow((C(3, 1, 4, 2, 128, 200, (0, 37, 195)), SMALL)),
+    (C(3, 1, 4, 2, 128, 200, (0, 37, 195)), SMALL),
     (C(4, 1, 7, 1, 64, 300, (291, 33, 64, 1), dtype="bfloat16"), SMALL),
     # chain / tree verification
     (C(3, 5, 7, 2, 64, 150, (5, 0, 144), mask="tree"), SMALL),
-    _slow((C(3, 17, 1, 2, 64, 160, (16, 60, 143), mask="tree_b"), SMALL)),
+    (C(3, 17, 1, 2, 64, 160, (16, 60, 143), mask="tree_b"), SMALL),
     (C(2, 5, 4, 2, 128, 300, (100, 295), dtype="bfloat16", mask="tree_b"), SMALL),
-    _slow((C(2, 17, 7, 1, 128, 100, (0, 83), dtype="bfloat16"), SMALL)),
+    (C(2, 17, 7, 1, 128, 100, (0, 83), dtype="bfloat16"), SMALL),
     # large T: one block of 128 rows, then several row blocks
-    _slow((C(2, 64, 2, 1, 64, 200, (3, 136)), SMALL)),
+    (C(2, 64, 2, 1, 64, 200, (3, 136)), SMALL),
     (C(1, 64, 4, 2, 64, 300, (150,)), TPUDecodeBlockSizes(block_k=32, block_q=64)),
     # sparse (StreamingLLM): sink and window crossing each other and both ends
     (C(4, 1, 4, 2, 64, 300, (10, 200, 3, 27), sink=4, window=24), SMALL),
     (C(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree"), SMALL),
-    _slow((C(3, 2, 2, 1, 64, 200, (0, 20, 190), sink=0, window=33), SMALL)),
+    (C(3, 2, 2, 1, 64, 200, (0, 20, 190), sink=0, window=33), SMALL),
     (C(2, 3, 2, 2, 64, 200, (5, 150), sink=8, window=0, mask="tree_b"), SMALL),
-    _slow((C(3, 1, 1, 2, 64, 260, (55, 30, 250), sink=50, window=10), SMALL)),
+    (C(3, 1, 1, 2, 64, 260, (55, 30, 250), sink=50, window=10), SMALL),
     (C(2, 64, 4, 1, 64, 320, (100, 250), dtype="bfloat16", sink=16, window=48), SMALL),
     # stacked layers: the layer is a prefetched scalar read by the K/V index maps
     (C(2, 5, 4, 2, 64, 100, (0, 70), layers=3), SMALL),
-    _slow((C(2, 2, 2, 2, 64, 120, (33, 90), layers=2, sink=4, window=20, mask="tree"), SMALL)),
+    (C(2, 2, 2, 2, 64, 120, (33, 90), layers=2, sink=4, window=20, mask="tree"), SMALL),
     (C(2, 2, 2, 4, 64, 120, (33, 90), layers=2, sink=4, window=20, mask="tree_b"),
      TPUDecodeBlockSizes(block_k=16, new_align=16, heads_per_block=1)),
     # default blocks (512 dense / 128 sparse, new tokens padded to 128): a partial last block
     (C(2, 1, 4, 2, 128, 1100, (1090, 130), dtype="bfloat16"), DEFAULT),
-    _slow((C(2, 5, 4, 1, 64, 600, (300, 590), mask="tree"), DEFAULT)),
-    _slow((C(3, 1, 4, 2, 128, 1000, (900, 5, 300), dtype="bfloat16", sink=16, window=200), DEFAULT)),
+    (C(2, 5, 4, 1, 64, 600, (300, 590), mask="tree"), DEFAULT),
+    (C(3, 1, 4, 2, 128, 1000, (900, 5, 300), dtype="bfloat16", sink=16, window=200), DEFAULT),
     (C(2, 16, 7, 2, 128, 700, (650, 0), dtype="bfloat16", mask="tree_b", layers=2), DEFAULT),
     # the last T of T_new new tokens (one token-tree level over the earlier levels' K/V)
     (C(3, 3, 2, 2, 64, 100, (0, 37, 90), mask="tree", T_new=7), SMALL),
-    _slow((C(2, 4, 4, 1, 64, 150, (20, 130), dtype="bfloat16", mask="tree_b", T_new=15), SMALL)),
-    _slow((C(3, 2, 2, 2, 64, 120, (0, 50, 100), T_new=9), SMALL)),
+    (C(2, 4, 4, 1, 64, 150, (20, 130), dtype="bfloat16", mask="tree_b", T_new=15), SMALL),
+    (C(3, 2, 2, 2, 64, 120, (0, 50, 100), T_new=9), SMALL),
     (C(2, 1, 4, 2, 64, 200, (0, 150), T_new=33), SMALL),                 # > new_align keys
-    _slow((C(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree", T_new=21), SMALL)),
-    _slow((C(2, 3, 2, 2, 64, 100, (0, 70), layers=2, mask="tree_b", T_new=6), SMALL)),
+    (C(3, 5, 2, 2, 64, 300, (18, 250, 40), sink=16, window=40, mask="tree", T_new=21), SMALL),
+    (C(2, 3, 2, 2, 64, 100, (0, 70), layers=2, mask="tree_b", T_new=6), SMALL),
     (C(2, 4, 4, 2, 128, 1100, (1085, 130), dtype="bfloat16", sink=16, window=200,
        mask="tree_b", T_new=11), DEFAULT),
 ]

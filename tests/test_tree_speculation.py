@@ -83,8 +83,7 @@ def tiny_vocab_models():
     return tiny_model(seed=1, vocab=V, scale=2.0), tiny_model(seed=2, vocab=V, layers=1, scale=2.0)
 
 
-# the default mode by default; iid (independent children) with -m slow (time budget)
-@pytest.mark.parametrize("mode", ["without_replacement", pytest.param("iid", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["without_replacement", "iid"])
 def test_tree_sampling_has_target_distribution(tiny_vocab_models, mode):
     target, draft = tiny_vocab_models
     prompt = [1, 3, 0, 5, 2, 4, 1, 1, 0, 3, 2]
@@ -93,7 +92,7 @@ def test_tree_sampling_has_target_distribution(tiny_vocab_models, mode):
     assert _chi2_pvalue(_samples(target, spec, prompt, 6000, 1.0, 0, seed=5), joint) > 1e-3
 
 
-@pytest.mark.parametrize("draft", ["self", pytest.param("ring", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("draft", ["self", "ring"])
 def test_tree_sampling_other_drafts_have_target_distribution(tiny_vocab_models, draft):
     """Sampled trees (3 levels, level-only draft forwards) from the sparse self-draft and a
     ring-buffer draft model keep the target's distribution."""
@@ -202,22 +201,8 @@ def _draft_both_ways(target, prompts, case, temperature, tree=(2, 2, 1, 1)):
     return rd, state, run(True), run(False)
 
 
-# The default run checks each drafter structure once, greedy or sampled (sampling covered by
-# self-sparse), and the rest in the slow set (the default run's time budget).
-_LEVEL_SLOW = {("full-lag", 1.0), ("ring-lag", 1.0), ("self-dense", 1.0),
-               ("self-dense-prefix", 1.0), ("self-sparse", 0.0), ("self-sparse-prefix", 1.0),
-               ("full", 0.0), ("ring", 1.0),
-               # the same structures again: prefix (self-sparse-prefix), sampling (self-sparse),
-               # draft models (full-lag, ring-lag) run by default
-               ("self-dense-prefix", 0.0), ("full", 1.0), ("ring", 0.0),
-               # the decode kernels through the model (the kernels' own tests run by default)
-               ("self-sparse-kernel", 0.0), ("ring-lag-kernel", 0.0),
-               ("self-dense-prefix-kernel", 0.0)}
-
-
 @pytest.mark.parametrize("name,temperature", [
-    pytest.param(n, t, marks=[pytest.mark.slow] if (n, t) in _LEVEL_SLOW else [])
-    for t in (0.0, 1.0) for n in sorted(LEVEL_CASES)])
+    (n, t) for t in (0.0, 1.0) for n in sorted(LEVEL_CASES)])
 def test_level_only_draft_equals_all_nodes_draft(target, prompts, name, temperature):
     """Each level's draft forward over only that level's nodes (over the earlier levels' cached
     K/V) drafts what the forward over all nodes so far drafts: the same node tokens, the same

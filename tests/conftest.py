@@ -111,18 +111,18 @@ def _free_compiled_programs():
 # --no-loadscope-reorder); handing out the longest files first keeps one long file from
 # starting last while the other worker sits idle. A stale or missing entry only costs balance.
 _FILE_SECONDS = {
-    "test_server_paged.py": 160, "test_batch_invariant.py": 134, "test_retrieval.py": 127,
-    "test_tree_speculation.py": 109, "test_batch_invariant_sampling.py": 96,
-    "test_model_parity.py": 84, "test_bench_server.py": 83, "test_sharding_layers.py": 82,
-    "test_sharding.py": 81, "test_chunk_end.py": 73, "test_speculative.py": 66,
-    "test_adaptive.py": 65, "test_sliding_window.py": 62, "test_serving_compact.py": 60,
-    "test_robustness.py": 52, "test_compile_cache.py": 43, "test_shared_prefix.py": 41,
-    "test_tpu_kernels.py": 39, "test_hopper.py": 38, "test_paged_kernel.py": 35,
-    "test_server.py": 35, "test_checkpoint.py": 34, "test_mixed_batch.py": 34, "test_paged.py": 33,
-    "test_invariant_kernels.py": 31, "test_verify.py": 27, "test_prefix_attention.py": 25,
-    "test_server_soak.py": 24, "test_transformers_range.py": 23, "test_server_shutdown.py": 21,
-    "test_cpu_attention.py": 21, "test_decode_attention.py": 20, "test_bench.py": 16,
-    "test_server_limits.py": 14,
+    "test_tree_speculation.py": 224, "test_server_paged.py": 204, "test_batch_invariant.py": 148,
+    "test_retrieval.py": 148, "test_batch_invariant_sampling.py": 121,
+    "test_serving_compact.py": 94, "test_model_parity.py": 94, "test_chunk_end.py": 86,
+    "test_sharding.py": 81, "test_random_engine.py": 79, "test_hopper.py": 78,
+    "test_speculative.py": 74, "test_tpu_kernels.py": 72, "test_sharding_layers.py": 71,
+    "test_bench_server.py": 67, "test_adaptive.py": 67, "test_robustness.py": 67,
+    "test_shared_prefix.py": 60, "test_sliding_window.py": 57, "test_compile_cache.py": 56,
+    "test_paged.py": 52, "test_paged_kernel.py": 47, "test_server.py": 47,
+    "test_checkpoint.py": 46, "test_mixed_batch.py": 43, "test_decode_attention.py": 42,
+    "test_invariant_kernels.py": 40, "test_verify.py": 38, "test_server_soak.py": 37,
+    "test_prefix_attention.py": 29, "test_cpu_attention.py": 28, "test_transformers_range.py": 25,
+    "test_bench.py": 24, "test_server_shutdown.py": 23,
 }
 
 

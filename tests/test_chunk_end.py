@@ -290,19 +290,25 @@ def test_pieces_fill_the_chunks_share():
         assert spent == pytest.approx(sum(costs[:k]))
 
 
-def _serve_a_late_prompt(e, model, short, long_, tokens: int):
+def _late_pair(short, long_, tokens: int):
+    return (Sequence(short, SamplingOptions(max_tokens=tokens, temperature=0.0)),
+            Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0)))
+
+
+def _serve_a_late_prompt(e, model, short, long_, tokens: int, pair=None):
     """Starts ``e``, submits ``short`` (a greedy stream of ``tokens``) and, once it streams,
     ``long_`` (5 tokens), then stops ``e`` and checks both sequences' tokens against
-    `generate`'s."""
-    first = Sequence(short, SamplingOptions(max_tokens=tokens, temperature=0.0))
-    late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
+    `generate`'s. ``pair``: the two sequences (`_late_pair`), the late one submitted by the
+    caller (from a spy on the device thread), not here."""
+    first, late = pair or _late_pair(short, long_, tokens)
     e.start(variants=[(True, False)])
     try:
         e.submit([first])
-        while not first.tokens:
+        while pair is None and not first.tokens:
             assert not first.finished.is_set()
             first.finished.wait(0.01)
-        e.submit([late])
+        if pair is None:
+            e.submit([late])
         assert first.finished.wait(600) and late.finished.wait(600)
     finally:
         e.stop()
@@ -471,8 +477,7 @@ def test_a_stream_ends_in_a_chunk_without_pieces():
     # chunk after the other prompt comes in: it comes with the stream's first chunk (from
     # this device thread, so however slow the host, the stream has the same rounds left)
     tokens = int(rng.integers(want + 8, 9 * want))
-    first = Sequence(short, SamplingOptions(max_tokens=tokens, temperature=0.0))
-    late = Sequence(long_, SamplingOptions(max_tokens=5, temperature=0.0))
+    first, late = _late_pair(short, long_, tokens)
     submitted = []
 
     def spy(program, sp, state, max_rounds, pieces=None, end_after=0, num_pieces=0):
@@ -487,14 +492,7 @@ def test_a_stream_ends_in_a_chunk_without_pieces():
                        bool(np.any(~before[:len(done)]))))
         return st, outs
     e.decoder.call_chunk = spy
-    e.start(variants=[(True, False)])
-    try:
-        e.submit([first])
-        assert first.finished.wait(600) and late.finished.wait(600)
-    finally:
-        e.stop()
-    for p, s, n in ((short, first, tokens), (long_, late, 5)):
-        assert s.tokens == list(jaxspec.generate(model, [p], max_new_tokens=n).tokens[0])
+    _serve_a_late_prompt(e, model, short, long_, tokens, pair=(first, late))
     # mixed chunks over a decoding row (not those dispatched after its end, before the host
     # saw it) carry one piece and run all their rounds: none is cut short by the stream's end
     mixed = [c for c in chunks if c[0] > 0 and c[4]]

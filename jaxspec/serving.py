@@ -950,9 +950,9 @@ class ServingEngine:
         the slots run, or (``compiling``) that batch's program is not compiled yet (it then
         compiles in the background). A mixed chunk (its first ``num_pieces`` ``pieces``, rows as
         slots) runs over the rows of its pieces' sequences too (idle rows, whose pieces go
-        through their block tables), so that its rounds cost what a small batch's do: a decode kernel planned
-        for all the slots spreads a few rows' keys over few programs (H200, Qwen2.5-1.5B, 1-2
-        rows decoding at 10k-30k keys among 64 slots: ~1 ms more per round). The rows' state
+        through their block tables), so that its rounds cost what a small batch's do: a decode
+        kernel planned for all the slots spreads a few rows' keys over few programs (H200,
+        Qwen2.5-1.5B, 1-2 rows decoding at 10k-30k keys among 64 slots: ~1 ms more per round). The rows' state
         stays apart from the slots' between chunks over the same rows (`_rows`); anything else
         that reads the slots' state puts it back first."""
         if not self.compact_rows or not active or self._shared_want is not None:

@@ -81,8 +81,9 @@ class InvariantAttentionBlocks:
 
 
 DEFAULT_BLOCKS = InvariantAttentionBlocks()
-# tests only: the interpreter runs unmasked interior blocks too (results close, not bitwise)
-INTERPRET_INTERIOR = [False]
+# tests only: the interpreter runs unmasked interior blocks too (results close, not bitwise;
+# read when a call is traced, so a test sets it with blocks no other call traced)
+INTERPRET_INTERIOR = False
 SPLIT_BELOW = 264  # mode "auto": a program per part while there are fewer tiles than this
 
 
@@ -301,7 +302,7 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     scale = float(sm_scale) * (LOG2E if bs.fast_exp else 1.0)
     kw = dict(block_k=bs.block_k, chunk=bs.chunk, sm_scale=scale, num_new=J, num_slots=S,
               contiguous=bool(same_slots) and S % bs.block_k == 0, exp=exp,
-              interior=bool(bs.unmasked_interior) and (not interpret or INTERPRET_INTERIOR[0]))
+              interior=bool(bs.unmasked_interior) and (not interpret or INTERPRET_INTERIOR))
     args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
             q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
             anc_BNJ.astype(jnp.int32), k_LBKSD, v_LBKSD)

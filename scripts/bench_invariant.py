@@ -205,7 +205,7 @@ def bench_attention(cfgs, ctx, reps, results, cases=("decode", "verify5", "prefi
         times = {}
         for _ in range(ROUNDS[0]):  # rounds over every variant in turn: drifts hit them all
             for key, fn in fns.items():
-                if key in times and times[key] is None or (
+                if (key in times and times[key] is None) or (
                         key != "default" and time.time() - T0 > BUDGET[0]):
                     continue
                 try:

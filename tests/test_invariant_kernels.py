@@ -104,7 +104,7 @@ def test_unmasked_interior_blocks_are_the_blocks_every_row_sees(window, monkeypa
     block, would be far off). Decode, a verification of 5 in 2 tiles, a chunk of 12 in a group
     of tiles, a tree; both modes."""
     from pallas_kernels import invariant_attention as ia
-    monkeypatch.setattr(ia, "INTERPRET_INTERIOR", [True])
+    monkeypatch.setattr(ia, "INTERPRET_INTERIOR", True)
     rng = np.random.default_rng()
     B, T, S, D = 3, 12, 200, 32
     L = jnp.asarray([int(rng.integers(0, 20)), int(rng.integers(40, 120)), S - T - 3],

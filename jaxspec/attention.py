@@ -104,6 +104,11 @@ class AttentionPlan:
     # the numerics of those scores (None: ``impl``'s): they only steer the drafts, so a greedy
     # batch-invariant round computes them as its drafts run (`jaxspec.drafter.draft_impl`)
     score_impl: str | None = struct.field(pytree_node=False, default=None)
+    # the queries are prompt tokens of a prefill (causal, no mask): tokens whose K/V no decode
+    # step computes (all of a prompt but its last token). Batch-invariant attention then takes
+    # `jaxspec.invariant.prompt_attention`, the same in any chunking but not a decode step's
+    # bits; other implementations ignore it
+    prompt: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def sparse(self) -> bool:
@@ -409,6 +414,10 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
             raise NotImplementedError(
                 "batch-invariant attention does not read shared-prefix (Hydragen) segments: "
                 "decode without shared_prefix (generate does so itself with batch_invariant)")
+        if plan.prompt and not plan.sparse and plan.mask is None and plan.score_block is None:
+            return invariant.prompt_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, plan.lengths,
+                                              num_new=num_new, sm_scale=sm_scale,
+                                              sliding_window=W, impl=impl)
         if not plan.sparse:  # the target's attention: fixed order in absolute key positions
             out = invariant.attention(q_BTHD, k_LBKSD, v_LBKSD, layer, plan.lengths, plan.mask,
                                       num_new=num_new, sm_scale=sm_scale, sliding_window=W,

@@ -215,7 +215,8 @@ class Round:
         tok, row, start, end = piece
         C = tok.shape[1]
         table = jax.lax.dynamic_slice_in_dim(cache.block_table, row, 1, axis=0)
-        pplan = AttentionPlan(lengths=start[None], impl=self.impl, block_table=table)
+        pplan = AttentionPlan(lengths=start[None], impl=self.impl, block_table=table,
+                              prompt=True)  # (pieces carry prompt tokens only)
         ppos = start + jnp.arange(C, dtype=jnp.int32)[None]
         segments = [(tokens, positions, plan, None), (tok, ppos, pplan, False)]
         (logits, _), cache, *sc = forward_mixed(self.config, params, segments, cache)

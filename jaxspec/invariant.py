@@ -28,6 +28,20 @@ row (a token) with one fixed sequence of floating-point operations:
   folds them (decode: enough programs to stream the cache at full bandwidth). So a
   verification of gamma + 1 tokens computes each token's logits exactly as a one-token decode
   step would, and a prefill gives the same K/V in any chunking.
+- `prompt_attention`: the attention of prompt tokens in a prefill
+  (`jaxspec.attention.AttentionPlan.prompt`). A token's K/V come either from a prefill (every
+  prompt token but the last) or from the decode step that fed it (the last prompt token and
+  every generated one), never from both, so prompt rows need the same bits in any chunking,
+  batch and cache, not a decode step's bits. On a Hopper GPU they take the Mosaic GPU kernel of
+  `pallas_kernels.hopper` with one key range per row (wgmma tiles of 64 rows, key blocks of
+  128 absolute positions, one running softmax state per row from key 0 up, blocks past a row's
+  keys exact no-ops): 7x cheaper than the decode tiles over a long prefill chunk. Elsewhere
+  the `jnp` form in blocks of `PROMPT_BLOCK` keys (CPU: other bits than the decode step's, so
+  the tests see a token computed by the wrong one), or the decode step's attention (other
+  GPUs, float32, sliding windows). A preempted sequence's cache is filled again the same way:
+  its prompt as a prefill, its last prompt token and generated tokens as its decode steps
+  computed them (`jaxspec.prefill.prefill_row`'s ``prompt_end``); and the serving engine's
+  prefix cache keeps only blocks of prompt tokens.
 
 - `sparse_attention`: the StreamingLLM self-draft's view (sink, window, retrieved blocks and the
   new tokens) gathered into a fixed number of slots and reduced by `fixed_max` / `fixed_sum`;
@@ -62,10 +76,11 @@ interpreter and lowered for CUDA here (``tests/test_invariant_kernels.py`` too);
 (jax 0.11.2) ``tests/test_batch_invariant.py::test_on_the_gpu`` passes and
 ``scripts/bench_invariant.py`` checks every tiling's bits. Speed there (random Qwen2.5-1.5B
 weights, 64 rows x 16384 prompt tokens, 128 new tokens through `jaxspec.generate`): decode
-1.34 s against 1.12 s by default (1.20x), prefill 23.3 s against 7.3 s (3.2x); per kernel,
-``benchmarks/invariant_h200.md``. The tile of 16 query rows is part of the bits: on an H200,
-tiles of 32 rows gave other bits in float32 and at head dim 32, and 64-row tiles (warpgroup
-MMAs) in about one row in a hundred, so prefill chunks keep the decode step's tiles.
+1.21 s against 1.12 s by default (1.08x), prefill 10.9 s against 7.2 s (1.51x); per kernel,
+``benchmarks/invariant_h200.md``. The tile of 16 query rows is part of the decode step's bits:
+on an H200, tiles of 32 rows gave other bits in float32 and at head dim 32, and 64-row tiles
+(warpgroup MMAs) in about one row in a hundred, so verifications keep the decode step's tiles
+and only prompt rows (`prompt_attention`) take the 64-row kernel.
 """
 
 from __future__ import annotations
@@ -235,8 +250,9 @@ def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: i
     K/V are already in the cache at slots ``lengths + j``) over the stacked cache
     ``[L, B, K, S, D]``; module docstring for the order. ``mask``: None (causal) or the
     ``[T, T_new]`` / ``[B, T, T_new]`` ancestor mask of a token tree. Returns ``[B, T, H, D]``
-    in q's dtype. The Pallas kernel where `uses_kernel`, else `jnp`."""
-    if uses_kernel(impl, q_BTHD.shape[-1]):
+    in q's dtype. The Pallas kernel where `uses_kernel`, else `jnp` (``impl="invariant-jnp"``:
+    the `jnp` form on every backend)."""
+    if impl != "invariant-jnp" and uses_kernel(impl, q_BTHD.shape[-1]):
         return _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, num_new=num_new,
                                 sm_scale=sm_scale, sliding_window=sliding_window,
                                 interpret=impl == "invariant-interpret")
@@ -296,6 +312,62 @@ def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: i
     _, l_run, acc = jax.lax.fori_loop(first, last, body, init)
     o = acc / jnp.where(l_run > 0, l_run, 1.0)[..., None]
     return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+PROMPT_BLOCK = 128  # keys per block of `prompt_attention`'s own forms
+
+
+def prompt_kernel(impl: str, dtype, head_dim: int, sliding_window=None) -> str:
+    """Which form `prompt_attention` takes: ``"hopper"`` (the Mosaic GPU kernel, one key range
+    per row: bf16/f16, head dims a multiple of 64, no sliding window, on an NVIDIA Hopper GPU),
+    ``"jnp"`` (the `jnp` form in blocks of `PROMPT_BLOCK` keys: CPU backends and the
+    interpreter) or ``"decode"`` (the decode step's own attention: other GPUs, float32, sliding
+    windows). The choice depends on the model and the backend only."""
+    if sliding_window is None and impl == "invariant" and jax.default_backend() == "gpu":
+        from pallas_kernels import hopper
+        if hopper.available() and hopper.supports(dtype, head_dim):
+            return "hopper"
+        return "decode"
+    if sliding_window is None and is_invariant(impl):
+        return "jnp" if jax.default_backend() != "gpu" else "decode"
+    return "decode"
+
+
+def prompt_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, *, num_new: int, sm_scale=None,
+                     sliding_window=None, impl: str = "invariant"):
+    """Batch-invariant attention of prompt tokens (a prefill chunk: causal, the T queries the
+    last T of ``num_new`` new tokens after ``lengths``). A prompt token's K/V are always
+    computed by a prefill, never by a decode step (`jaxspec.attention.AttentionPlan.prompt`:
+    all of a prompt but its last token, which the first decode step takes), so its attention
+    needs only be the same in every chunking, batch and cache, not the same as a decode step's:
+    each row reduces over its keys ``0..p`` in blocks of fixed absolute positions, in
+    increasing order, from one running state, whatever rows share its tile. On a Hopper GPU
+    that is the Mosaic GPU kernel of `pallas_kernels.hopper` with one key range (wgmma tiles
+    of 64 rows, blocks of 128 keys: 3-6x cheaper than the decode step's 16-row tiles on a long
+    prefill chunk); elsewhere (`prompt_kernel`) the `jnp` form in blocks of `PROMPT_BLOCK`
+    keys, or the decode step's attention itself."""
+    B, T, H, D = q_BTHD.shape
+    form = prompt_kernel(impl, k_LBKSD.dtype, D, sliding_window)
+    if form == "decode":
+        return attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, num_new=num_new,
+                         sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    if form == "hopper":
+        from pallas_kernels import hopper
+        S = k_LBKSD.shape[3]
+        if S % 8:  # (a block pool's view of an odd page size) the kernel's tiles want 8k keys
+            _, k1, v1 = _layer_inputs(k_LBKSD, v_LBKSD, layer, sm_scale, D)
+            pad = ((0, 0), (0, 0), (0, -S % 8), (0, 0))
+            k_LBKSD, v_LBKSD, layer = jnp.pad(k1, pad)[None], jnp.pad(v1, pad)[None], 0
+        out, _ = hopper.verify_attention(q_BTHD.astype(k_LBKSD.dtype), k_LBKSD, v_LBKSD,
+                                         lengths.astype(jnp.int32), layer=layer,
+                                         sm_scale=float(sm_scale), num_new=int(num_new),
+                                         block_sizes=hopper.HopperBlockSizes(splits=1))
+        return out.astype(q_BTHD.dtype)
+    return attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, num_new=num_new,
+                     sm_scale=sm_scale, sliding_window=sliding_window, block=PROMPT_BLOCK,
+                     impl="invariant-jnp")
 
 
 def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new: int, sm_scale,

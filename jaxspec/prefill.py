@@ -34,16 +34,19 @@ def chunk_of(n: int, chunk: int) -> tuple[int, int]:
     return C, round_up(n, C)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "impl", "prompt"),
+                   donate_argnames=("cache",))
 def _prefill_chunk(params, cache: KVCache, prefix, tokens_BC, start, *, config: ModelConfig,
-                   impl: str):
+                   impl: str, prompt: bool = True):
     """One chunk into ``cache`` (donated), attending also to ``prefix`` (a `SharedPrefix` or
-    None; read only, so it is not donated)."""
+    None; read only, so it is not donated). ``prompt``: the tokens are prompt tokens
+    (`jaxspec.attention.AttentionPlan.prompt`); False for tokens a decode step computed before
+    (a preempted sequence's generated tokens, computed again as its decode steps did)."""
     B, C = tokens_BC.shape
     offset = jnp.zeros((B,), jnp.int32) if prefix is None else prefix.offset
     positions = offset[:, None] + start + jnp.arange(C, dtype=jnp.int32)[None]
     plan = AttentionPlan(lengths=jnp.full((B,), start, jnp.int32), impl=impl, prefix=prefix,
-                         block_table=getattr(cache, "block_table", None))
+                         block_table=getattr(cache, "block_table", None), prompt=prompt)
     _, cache = forward(config, params, tokens_BC, positions, cache, plan,
                        logits_at=jnp.zeros((B, 1), jnp.int32))
     return cache
@@ -108,27 +111,41 @@ def write_row(cache: KVCache, k1, v1, row, length):
     return cache.replace(k=k, v=v, lengths=cache.lengths.at[row].set(length))
 
 
+def _roles(n: int, prompt_end: int | None, start: int = 0) -> list[tuple[int, int, bool]]:
+    """``[(lo, hi, prompt), ...]``: the tokens ``[0, n)`` (logical slots ``start + i``) cut where
+    the prompt tokens end (``prompt_end``, a slot; None: all are prompt tokens) into the part a
+    prefill computes as prompt tokens and the part it computes as decode steps did."""
+    cut = n if prompt_end is None else min(max(int(prompt_end) - start, 0), n)
+    return [(lo, hi, p) for lo, hi, p in ((0, cut, True), (cut, n, False)) if hi > lo]
+
+
 def prefill_row(config: ModelConfig, params, cache: KVCache, row: int, tokens: list[int], *,
-                impl: str = "auto", chunk: int = DEFAULT_PREFILL_CHUNK) -> KVCache:
+                impl: str = "auto", chunk: int = DEFAULT_PREFILL_CHUNK,
+                prompt_end: int | None = None) -> KVCache:
     """Prefills ``tokens`` into row ``row`` of ``cache`` (other rows untouched): through a B=1 cache
-    of a power-of-two bucket of the length (`bucket`), then written into the row."""
+    of a power-of-two bucket of the length (`bucket`), then written into the row.
+    ``prompt_end``: the tokens from this one on are not prompt tokens but tokens decode steps
+    computed before (`jaxspec.attention.AttentionPlan.prompt`: a preempted sequence's); None:
+    all are prompt tokens."""
     n = len(tokens)
     if n == 0:
         return cache.replace(lengths=cache.lengths.at[row].set(0))
     C, total = bucket(n, chunk)
     S1 = min(round_up(total, SLOT_ALIGN), cache.max_len)
     small = KVCache.create(config, 1, S1, dtype=cache.k.dtype)
-    buf = np.zeros((1, round_up(n, C)), np.int32)
+    buf = np.zeros((1, round_up(n, C) + C), np.int32)
     buf[0, :n] = tokens
-    for start in range(0, n, C):
-        small = _prefill_chunk(params, small, None, jnp.asarray(buf[:, start:start + C]),
-                               jnp.int32(start), config=config, impl=impl)
+    for lo, hi, prompt in _roles(n, prompt_end):
+        for start in range(lo, hi, C):
+            size = min(C, S1 - start)  # (after a cut, a last chunk within the small cache)
+            small = _prefill_chunk(params, small, None, jnp.asarray(buf[:, start:start + size]),
+                                   jnp.int32(start), config=config, impl=impl, prompt=prompt)
     return write_row(cache, small.k, small.v, jnp.int32(row), jnp.int32(n))
 
 
 def prefill_paged_row(config: ModelConfig, params, cache, row: int, tokens: list[int],
                       start: int, *, impl: str = "auto", chunk: int = DEFAULT_PREFILL_CHUNK,
-                      programs: dict | None = None):
+                      programs: dict | None = None, prompt_end: int | None = None):
     """Prefills ``tokens`` into row ``row`` of a paged cache (`jaxspec.paged.PagedKVCache`) from
     logical slot ``start`` on (the slots before it already hold the row's first ``start``
     tokens, e.g. blocks shared from the prefix cache), through the row's block table, in chunks
@@ -139,32 +156,38 @@ def prefill_paged_row(config: ModelConfig, params, cache, row: int, tokens: list
     ``programs``: a dict the caller keeps the compiled chunks in, keyed by shapes and dtypes
     alone (one device): a pool that went through other programs (a decode chunk, a smaller
     batch's) carries equivalent shardings of other kinds, which jit's own cache tells apart (on
-    an H100 a 2048-token chunk compiled again for 5.9 s, mid-serving)."""
+    an H100 a 2048-token chunk compiled again for 5.9 s, mid-serving). ``prompt_end``: the
+    logical slot from which on the tokens are ones decode steps computed before, as in
+    `prefill_row`."""
     n = len(tokens)
     if n == 0:
         return _set_length(cache, np.int32(row), np.int32(start))
     C = int(chunk)
-    buf = np.zeros((1, round_up(n, C)), np.int32)
+    buf = np.zeros((1, round_up(n, C) + C), np.int32)
     buf[0, :n] = tokens
-    for off in range(0, n, C):
-        size = bucket(min(C, n - off), C)[0]  # a short rest: a power-of-two chunk, not C
-        args = (params, cache, np.int32(row), buf[:, off:off + size], np.int32(start + off),
-                np.int32(start + min(n, off + C)))
-        # (the weights, args[0]: one model per dict)
-        cache = compile_cache.by_shapes(programs, _prefill_paged_chunk, args,
-                                        {"config": config, "impl": impl}, skip=1)(*args)
+    for lo, hi, prompt in _roles(n, prompt_end, start):
+        for off in range(lo, hi, C):
+            size = bucket(min(C, hi - off), C)[0]  # a short rest: a power-of-two chunk, not C
+            args = (params, cache, np.int32(row), buf[:, off:off + size], np.int32(start + off),
+                    np.int32(start + min(hi, off + C)))
+            kw = {"config": config, "impl": impl, "prompt": prompt}
+            # (the weights, args[0]: one model per dict)
+            cache = compile_cache.by_shapes(programs, _prefill_paged_chunk, args, kw,
+                                            skip=1)(*args)
     return cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "impl", "prompt"),
+                   donate_argnames=("cache",))
 def _prefill_paged_chunk(params, cache, row, tokens_1C, start, end, *, config: ModelConfig,
-                         impl: str):
+                         impl: str, prompt: bool = True):
     """One chunk of `prefill_paged_row` (``cache`` donated): row ``row``'s table as a one-row
     view, ``tokens`` from slot ``start`` on; the row's length becomes ``end``."""
     table = jax.lax.dynamic_slice_in_dim(cache.block_table, row, 1, axis=0)
     # (a shared context is not the prefill's: it passes through untouched)
     view = cache.replace(lengths=jnp.zeros((1,), jnp.int32), block_table=table, shared=None)
-    view = _prefill_chunk(params, view, None, tokens_1C, start, config=config, impl=impl)
+    view = _prefill_chunk(params, view, None, tokens_1C, start, config=config, impl=impl,
+                          prompt=prompt)
     return cache.replace(k=view.k, v=view.v, lengths=cache.lengths.at[row].set(end))
 
 

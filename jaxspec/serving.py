@@ -1386,7 +1386,7 @@ class ServingEngine:
         bm = self.blocks
         first = s.preemptions == 0 and not s.counted
         self._fill_of(s)
-        hit = bm.lookup(s.fill, s.fill_keys)
+        hit = self._lookup(s)
         need = -(-(len(s.fill) + 1) // self.page_size)
         bm.acquire(hit)
         n_new = max(need - len(hit), 0)
@@ -1434,7 +1434,7 @@ class ServingEngine:
         """Blocks of ``s``'s prefix cached since its admission (by a sequence prefilled before
         it) replace its own unfilled ones: it prefills only what is still missing."""
         bm = self.blocks
-        hit = bm.lookup(s.fill, s.fill_keys)
+        hit = self._lookup(s)
         first = s.filled // self.page_size  # blocks before it are complete and its own
         if len(hit) * self.page_size <= s.filled:
             return
@@ -1589,7 +1589,8 @@ class ServingEngine:
                 continue
             try:
                 self.state = self.decoder.prefill_paged_row(
-                    self.state, b, s.fill[s.filled:s.filled + n], s.filled)
+                    self.state, b, s.fill[s.filled:s.filled + n], s.filled,
+                    prompt_end=self._prompt_end(s))
             except Exception as e:  # noqa: BLE001 - fail this request only
                 log.exception("prefill of sequence %d failed", s.id)
                 self._fail(s, f"prefill failed: {type(e).__name__}: {e}")
@@ -1599,7 +1600,7 @@ class ServingEngine:
             done += n
             # its full blocks are cached at once: sequences admitted with it that share the
             # prefix (a document many requests ask about) find them before their own prefill
-            self.blocks.register(s.fill[:s.filled], s.blocks, s.fill_keys)
+            self._register(s, s.filled)
         if done >= self.prefill_chunk:  # the rate that sizes the next steps (an EMA)
             jax.block_until_ready(self.state.cache.lengths)
             rate = done / max(time.perf_counter() - t0, 1e-6)
@@ -1609,6 +1610,32 @@ class ServingEngine:
             self._timeline.append({"t_dispatch": t0, "kind": "prefill", "prompt_tokens": done,
                                    "t_delivered": time.perf_counter()})
         self._start_filled()
+
+    def _prompt_end(self, s: Sequence) -> int:
+        """How many of ``s.fill``'s tokens a prefill computes as prompt tokens
+        (`jaxspec.attention.AttentionPlan.prompt`). With batch-invariant numerics the prompt's
+        (all but its last token): a resumed sequence's later fill tokens (its last prompt token
+        and the tokens it generated) were computed by decode steps, so they are computed again
+        as decode steps compute them (the same bits; a prompt's kernel would round otherwise),
+        by whole prefill steps, never in a mixed chunk's pieces. Otherwise all of them."""
+        if not self.batch_invariant:
+            return len(s.fill)
+        return min(len(s.fill), max(len(s.prompt_ids) - 1, 0))
+
+    def _lookup(self, s: Sequence) -> list[int]:
+        """The cached blocks of ``s.fill``'s longest cached prefix (not acquired): with
+        batch-invariant numerics only blocks of its prompt tokens (`_prompt_end`): cached blocks
+        hold prompt tokens' K/V, and its later tokens' must be its decode steps'."""
+        hit = self.blocks.lookup(s.fill, s.fill_keys)
+        if self.batch_invariant:
+            hit = hit[:self._prompt_end(s) // self.page_size]
+        return hit
+
+    def _register(self, s: Sequence, n: int):
+        """The full blocks of ``s.fill[:n]`` into the prefix cache: with batch-invariant
+        numerics only those of prompt tokens (`_prompt_end`): a block computed by decode steps
+        would give a later prompt that finds it other bits than its own prefill gives."""
+        self.blocks.register(s.fill[:min(n, self._prompt_end(s))], s.blocks, s.fill_keys)
 
     def _filling(self):
         """Sequences in slots whose prompt is not all in, oldest admission first."""
@@ -1625,6 +1652,8 @@ class ServingEngine:
             return MIX_NONE
         if not any(self.slots[b] is not None and not self.done[b] for b in range(self.B)):
             return MIX_NONE  # nothing decodes: whole prefill steps
+        if any(s.filled >= self._prompt_end(s) for s in self._filling()):
+            return MIX_NONE  # a resumed sequence's generated tokens: a prefill step (`_prompt_end`)
         if self._mixed_run >= MIXED_CALIBRATE_EVERY or not self.decoder.costs.fits:
             return MIX_CALIBRATE
         return MIX_PIECES
@@ -1638,9 +1667,9 @@ class ServingEngine:
         P = min(MIXED_ROUNDS, self.rounds)
         for s in self._filling():
             self._late_hits(s)
-            pos = s.filled
-            while pos < len(s.fill) and len(out) < P:
-                n = min(C, len(s.fill) - pos)
+            pos, end = s.filled, self._prompt_end(s)
+            while pos < end and len(out) < P:
+                n = min(C, end - pos)
                 cost = self._piece_cost.predict(pos + n / 2)
                 if out and (spent is None or spent + cost > budget):
                     return out, spent
@@ -1660,7 +1689,7 @@ class ServingEngine:
                 continue
             s.filled = pos + len(toks)
             self.m["mixed_prefill_tokens"] += len(toks)
-            self.blocks.register(s.fill[:s.filled], s.blocks, s.fill_keys)
+            self._register(s, s.filled)
 
     def _piece_arrays(self, pieces) -> Pieces:
         P, C = min(MIXED_ROUNDS, self.rounds), self.mixed_prefill
@@ -1686,8 +1715,9 @@ class ServingEngine:
         rows, last, budgets, seeds, firsts, refolds = [], [], [], [], [], []
         for s in starts:
             b = s.slot
-            self.blocks.register(s.fill, s.blocks, s.fill_keys)
-            self.state = self.decoder.prefill_draft_row(self.state, b, s.fill)
+            self._register(s, len(s.fill))
+            self.state = self.decoder.prefill_draft_row(self.state, b, s.fill,
+                                                        prompt_end=self._prompt_end(s))
             seeds.append(s.options.seed if s.options.seed is not None else
                          int.from_bytes(os.urandom(4), "little"))
             firsts.append(s.index)

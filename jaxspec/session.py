@@ -895,13 +895,16 @@ class Decoder:
         return self.prefill_draft_row(state.replace(cache=cache), row, tokens)
 
     def prefill_paged_row(self, state: DecodeState, row: int, tokens: list[int],
-                          start: int) -> DecodeState:
+                          start: int, prompt_end: int | None = None) -> DecodeState:
         """`jaxspec.prefill.prefill_paged_row` on a slot state with a paged cache: ``tokens``
-        from logical slot ``start`` on (a chunk of a prompt; the slots before it are filled)."""
+        from logical slot ``start`` on (a chunk of a prompt; the slots before it are filled).
+        ``prompt_end``: the slot from which on the tokens are ones decode steps computed before
+        (a preempted sequence's; None: all are prompt tokens)."""
         with use_mesh(self.mesh):
             cache = prefill_paged_row(self.config, self.params, state.cache, row, tokens, start,
                                       impl=self.impl, chunk=self.prefill_chunk,
-                                      programs=self._compiled if self.mesh is None else None)
+                                      programs=self._compiled if self.mesh is None else None,
+                                      prompt_end=prompt_end)
         return state.replace(cache=cache)
 
     def paged_state(self, batch: int, num_blocks: int, block_size: int, max_blocks: int,
@@ -915,9 +918,11 @@ class Decoder:
                                         dtype=self.cache_dtype, sharding=shd)
         return state.replace(cache=cache)
 
-    def prefill_draft_row(self, state: DecodeState, row: int, tokens: list[int]) -> DecodeState:
+    def prefill_draft_row(self, state: DecodeState, row: int, tokens: list[int],
+                          prompt_end: int | None = None) -> DecodeState:
         """A draft model's cache (full or ring) of row ``row`` prefilled with ``tokens``; the
-        state as it is for self-speculation and plain decoding."""
+        state as it is for self-speculation and plain decoding. ``prompt_end``: as in
+        `prefill_paged_row`."""
         draft = state.draft
         with use_mesh(self.mesh):
             if isinstance(self.drafter, ModelDrafter):
@@ -928,6 +933,7 @@ class Decoder:
                     dc = write_row(dc, one.k, one.v, jnp.int32(row), jnp.int32(len(tokens)))
                 else:
                     dc = prefill_row(self.draft.config, self.dparams, dc, row, tokens,
-                                     impl=self.impl, chunk=self.prefill_chunk)
+                                     impl=self.impl, chunk=self.prefill_chunk,
+                                     prompt_end=prompt_end)
                 draft = draft.replace(cache=dc)
         return state.replace(draft=draft)

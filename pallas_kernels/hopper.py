@@ -64,6 +64,12 @@ from ``HOPPER_MIN_ROWS_VERIFY`` query rows per KV head and for a shared prefix f
 ``HOPPER_MIN_ROWS_PREFIX`` rows per group and KV head: there it beats the Triton kernels
 (benchmarks/hopper_attention_h100.md, which also lists the alternatives measured and not
 kept: 2-CTA K/V multicast, deeper K/V rings, persistent programs, 192-key tiles, 3 stages).
+With batch-invariant numerics a prefill's prompt rows (`jaxspec.invariant.prompt_attention`)
+take it with one key range (``splits=1``): each row then reduces its keys from slot 0 in
+blocks of absolute positions with one running state, and blocks past its keys (the causal
+tail of its tile) are exact no-ops, so its bits do not depend on the chunking, its place in a
+tile, the batch or the cache capacity (checked on an H200 by
+``scripts/probe_prompt_attention.py`` and ``tests/test_batch_invariant.py``'s GPU tests).
 Head dims 64 and 128 take the default tiles; 256 takes 64-key blocks (``default_block_sizes``:
 128 keys x 2 stages would not fit in shared memory). 64-row warpgroups are the default: with
 128 rows the S and O accumulators alone need 256 registers per thread at D=128, over the

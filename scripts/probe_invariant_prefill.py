@@ -97,7 +97,9 @@ def main():
     log({"device": str(jax.devices()[0]), "jax": jax.__version__, "B": B, "C": C,
          "start": S0, "layers": cfg.num_layers, "impls": {k: v[1] for k, v in variants.items()}})
 
-    orig = dict(attention=inv.attention, matmul_for=inv.matmul_for, rms_norm=inv.rms_norm)
+    orig = dict(attention=inv.attention, prompt_attention=inv.prompt_attention,
+                matmul_for=inv.matmul_for, rms_norm=inv.rms_norm)
+    prompt = C > 1  # a prefill chunk's prompt tokens; C = 1: a decode step
 
     def default_attention(q, k, v, layer, lengths, mask=None, **kw):
         return attend(q, k, v, layer, AttentionPlan(lengths=lengths, impl="auto"))
@@ -105,7 +107,8 @@ def main():
     patches = {
         "default": ("default", {}),
         "invariant": ("invariant", {}),
-        "inv-no-attn": ("invariant", {"attention": default_attention}),
+        "inv-no-attn": ("invariant", {"attention": default_attention,
+                                      "prompt_attention": default_attention}),
         "inv-no-mm": ("invariant", {"matmul_for": lambda impl: jnp.matmul}),
         "inv-no-norm": ("invariant", {"rms_norm": M.rms_norm}),
     }
@@ -119,7 +122,7 @@ def main():
 
         @jax.jit
         def run(params, cache, toks, pos):
-            plan = AttentionPlan(lengths=jnp.full((B,), S0, jnp.int32), impl=impl)
+            plan = AttentionPlan(lengths=jnp.full((B,), S0, jnp.int32), impl=impl, prompt=prompt)
             _, c = M.forward(cfg, params, toks, pos, cache, plan,
                              logits_at=jnp.zeros((B, 1), jnp.int32))
             return c.k[0, 0, 0, S0, 0]

@@ -324,6 +324,82 @@ def test_attention_is_bitwise_invariant(dtype, impl):
         assert np.array_equal(a, b), i
 
 
+def _prompt_cases(dtype, seed, *, impl=IMPL, B=3, H=8, K=2, D=64, S=384, n=300,
+                  chunks=(7, 50, 128)):
+    """`jaxspec.attention.attend` with a prompt plan (``prompt=True``): the rows of ``n`` prompt
+    tokens computed in one call, in chunks of each size, and row 1 alone in a cache of its own
+    capacity. Returns (whole, [chunked...], alone, the decode steps' attention of the same
+    queries in one call)."""
+    from jaxspec.attention import attend
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(B, n, H, D)), dtype)
+    k = jnp.asarray(rng.normal(size=(2, B, K, S, D)), dtype)
+    v = jnp.asarray(rng.normal(size=(2, B, K, S, D)), dtype)
+
+    fns = {p: jax.jit(lambda q, k, v, ln, p=p: attend(q, k, v, 1, AttentionPlan(
+        lengths=ln, impl=impl, prompt=p))) for p in (True, False)}  # (fresh: see module doc)
+
+    def run(q, k, v, start, prompt=True):
+        return np.asarray(fns[prompt](q, k, v, jnp.full((q.shape[0],), start, jnp.int32)))
+
+    whole = run(q, k, v, 0)
+    chunked = [np.concatenate([run(q[:, s0:s0 + c], k, v, s0) for s0 in range(0, n, c)], 1)
+               for c in chunks]
+    S1 = n + 8
+    alone = run(q[1:2], k[:, 1:2, :, :S1], v[:, 1:2, :, :S1], 0)[0]
+    return whole, chunked, alone, run(q, k, v, 0, prompt=False)
+
+
+@pytest.mark.parametrize("dtype", [BF16, jnp.float32])
+def test_prompt_attention_does_not_depend_on_the_chunking(dtype):
+    """A prefill's attention (`jaxspec.invariant.prompt_attention`, here its `jnp` form in blocks
+    of 128 keys) gives every prompt row the same bits in any chunking, batch and cache capacity;
+    and not the decode step's bits (so the tests of which tokens take which attention below
+    can fail)."""
+    whole, chunked, alone, decode = _prompt_cases(dtype, 0)
+    for c in chunked:
+        assert np.array_equal(c, whole)
+    assert np.array_equal(alone, whole[1])
+    if dtype == jnp.float32:
+        assert not np.array_equal(decode, whole)
+
+
+def _kv_rows(cache, row, n):
+    return (np.asarray(cache.k[:, row, :, :n], np.float32),
+            np.asarray(cache.v[:, row, :, :n], np.float32))
+
+
+def test_a_resumed_fill_computes_generated_tokens_as_decode_steps():
+    """A preempted sequence's cache, filled again from its prompt and the tokens it generated
+    (`jaxspec.prefill.prefill_row` with ``prompt_end``), holds the bits its uninterrupted run had:
+    the prompt's K/V from its prefill, its last prompt token's and generated tokens' from the
+    one-token decode steps that computed them. Filled all as prompt tokens it does not."""
+    from jaxspec.prefill import prefill, prefill_row
+    m = tiny_model(seed=3, dtype=jnp.float32, vocab=VOCAB, hidden=64, heads=4, kv_heads=2,
+                   head_dim=32, layers=2)
+    c = m.config
+    rng = np.random.default_rng(11)
+    prompt, gen = _prompts(rng, [150, 24])
+    S = 256
+    ref = prefill(c, m.params, KVCache.create(c, 1, S, dtype=jnp.float32), [prompt[:-1]],
+                  impl=IMPL, chunk=32)
+    step = jax.jit(lambda p, cache, tok, L: forward(
+        c, p, tok, L[:, None], cache, AttentionPlan(lengths=L, impl=IMPL))[1])
+    for i, t in enumerate([prompt[-1]] + gen[:-1]):
+        L = jnp.asarray([len(prompt) - 1 + i], jnp.int32)
+        ref = step(m.params, ref.replace(lengths=L), jnp.asarray([[t]], jnp.int32), L)
+    fill = (prompt + gen)[:-1]
+    want = _kv_rows(ref, 0, len(fill))
+    for chunk in (16, 64):
+        got = prefill_row(c, m.params, KVCache.create(c, 2, S, dtype=jnp.float32), 1, fill,
+                          impl=IMPL, chunk=chunk, prompt_end=len(prompt) - 1)
+        for a, b in zip(_kv_rows(got, 1, len(fill)), want):
+            assert np.array_equal(a, b), chunk
+    all_prompt = prefill_row(c, m.params, KVCache.create(c, 2, S, dtype=jnp.float32), 1, fill,
+                             impl=IMPL, chunk=16)
+    assert not np.array_equal(_kv_rows(all_prompt, 1, len(fill))[0], want[0])
+
+
 # ----------------------------------------------------------------------------- the model, bitwise
 def test_row_logits_do_not_depend_on_the_batch(model):
     fwd = _forward_fn(model.config)
@@ -555,6 +631,51 @@ def test_serving_engine_tokens_equal_generate_alone(model, texts, paged):
         engine.stop()
 
 
+def test_preempted_long_prompts_resume_with_their_tokens(texts):
+    """Greedy requests with prompts longer than the attention's key blocks in a paged
+    batch-invariant engine whose small pool preempts and resumes them, sharing a long prefix
+    (prefix-cache hits) and filled in mixed chunks: each gets the tokens `jaxspec.generate` gives
+    its prompt alone. (A resumed sequence's generated tokens are computed again as decode steps,
+    its prompt as a prefill, and only prompt blocks enter the prefix cache.)"""
+    from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
+    m = tiny_model(seed=5, dtype=BF16, vocab=VOCAB, hidden=64, heads=4, kv_heads=2,
+                   head_dim=32, layers=2)
+    rng = np.random.default_rng(13)
+    doc = _prompts(rng, [140])[0]
+    prompts = [doc + q for q in _prompts(rng, [9, 15, 4])] + _prompts(rng, [150])
+    new = 30
+    alone = [jaxspec.generate(m, [q], max_new_tokens=new, batch_invariant=True).tokens[0]
+             for q in prompts]
+    kw = dict(max_batch=3, max_len=192, rounds_per_chunk=2, prefill_chunk=32, page_size=16,
+              warmup_prefill=0, batch_invariant=True)
+    one = ServingEngine(m, **kw).max_blocks
+    engine = ServingEngine(m, kv_blocks=one + 4, growth_reserve=0, **kw).start(
+        variants=[(True, False)])
+    fills = []  # (first slot, tokens, prompt_end) of every prefill step
+    dec = engine.decoder
+    real = dec.prefill_paged_row
+
+    def spy(state, row, tokens, start, prompt_end=None):
+        fills.append((start, len(tokens), prompt_end))
+        return real(state, row, tokens, start, prompt_end=prompt_end)
+
+    dec.prefill_paged_row = spy
+    try:
+        seqs = [Sequence(q, SamplingOptions(max_tokens=new, temperature=0)) for q in prompts]
+        engine.submit(seqs)
+        for s in seqs:
+            assert s.finished.wait(300)
+            assert s.error is None, s.error
+        assert [s.tokens for s in seqs] == alone
+        mt = engine.metrics()
+        assert mt["preemptions"] > 0, "the small pool should have preempted"
+        assert mt["prefix_hit_tokens"] > 0
+        # resumed fills computed their generated tokens past the prompt as decode steps did
+        assert any(pe is not None and st + n > pe for st, n, pe in fills), fills
+    finally:
+        engine.stop()
+
+
 def test_pallas_matmul_lowers_for_cuda():
     """The GPU path is compile-ready: the invariant matmul lowers to one Triton kernel for CUDA
     (cross-lowered here, no GPU needed), with a model-sized shape (Qwen2.5-1.5B's MLP)."""
@@ -632,6 +753,36 @@ def test_on_the_gpu(model):
     assert np.array_equal(alone, in_batch)
     ver, steps = _verify_vs_steps(model, 0, fwd)
     assert np.array_equal(ver, steps)
+
+
+@pytest.mark.gpu
+def test_prompt_attention_on_the_gpu():
+    """On a Hopper GPU a prefill's attention is the Mosaic GPU kernel with one key range: the same
+    bits in any chunking, batch and cache capacity (bf16, the real head shape); and through
+    `jaxspec.generate` (a model of head dim 64: the kernel's prefill, the Triton decode steps) a
+    prompt's tokens alone equal its tokens in a batch, in other chunks and speculative."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from pallas_kernels import hopper
+    want = "hopper" if hopper.available() else "decode"
+    assert invariant.prompt_kernel(IMPL, BF16, 128) == want
+    for seed in range(2):
+        whole, chunked, alone, _ = _prompt_cases(BF16, seed, H=12, K=2, D=128, S=896, n=700,
+                                                 chunks=(1, 33, 256))
+        for c in chunked:
+            assert np.array_equal(c, whole), seed
+        assert np.array_equal(alone, whole[1]), seed
+    m = _model(1, hidden=256, heads=4, kv_heads=2, head_dim=64)
+    rng = np.random.default_rng(8)
+    p, *others = _prompts(rng, [300, 40, 450, 130])
+    alone = jaxspec.generate(m, [p], max_new_tokens=24, batch_invariant=True).tokens[0]
+    for chunk in (16, 128, 512):
+        res = jaxspec.generate(m, [others[0], p, *others[1:]], max_new_tokens=24,
+                               prefill_chunk=chunk, batch_invariant=True)
+        assert res.tokens[1] == alone, chunk
+    res = jaxspec.generate(m, [others[1], p], max_new_tokens=24, batch_invariant=True,
+                           speculation=Speculation(gamma=3, sink=4, window=32, adaptive=False))
+    assert res.tokens[1] == alone
 
 
 def test_bench_variants_name_invariant_decoding():

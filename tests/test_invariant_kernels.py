@@ -153,10 +153,10 @@ def test_attention_kernels_lower_for_cuda_in_both_modes():
     q = jax.ShapeDtypeStruct((B, T, H, D), BF16)
     kv = jax.ShapeDtypeStruct((2, B, K, S, D), BF16)
     ln = jax.ShapeDtypeStruct((B,), jnp.int32)
-    two = InvariantAttentionBlocks(split_tiles=2)  # a verification's 2 tiles in one program
-    exp2 = InvariantAttentionBlocks(fast_exp=True)  # (ex2.approx)
-    for mode, blocks in (("fold", None), ("split", None), ("split", two), ("fold", exp2),
-                         ("split", exp2)):
+    one = InvariantAttentionBlocks(split_tiles=1)  # a verification's tiles one per program
+    base_e = InvariantAttentionBlocks(fast_exp=False, unmasked_interior=False)  # (expf)
+    for mode, blocks in (("fold", None), ("split", None), ("split", one), ("fold", base_e),
+                         ("split", base_e)):
         f = jax.jit(lambda q, k, v, ln, mode=mode, blocks=blocks: invariant._attention_tiles(
             q, k, v, 1, ln, None, num_new=T, sm_scale=None, sliding_window=None,
             interpret=False, mode=mode, blocks=blocks))
@@ -205,17 +205,17 @@ def test_contiguous_and_gathered_key_loads_give_the_same_bits_on_the_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["default", "exp2", "split_tiles4"])
+@pytest.mark.parametrize("variant", ["default", "base_e", "split_tiles4"])
 def test_unmasked_interior_blocks_give_the_masked_bits_on_the_gpu(variant):
     """On a GPU the key blocks every real row sees run without the masks: the same bits as every
     block masked (decode, a verification of 5 with 2 tiles per program, a prefill chunk, a
     sliding window, a tree), and one-token steps still equal the other shapes."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    base = {"default": InvariantAttentionBlocks(unmasked_interior=True),
-            "exp2": InvariantAttentionBlocks(unmasked_interior=True, fast_exp=True),
-            "split_tiles4": InvariantAttentionBlocks(unmasked_interior=True,
-                                                     split_tiles=4)}[variant]
+    base = {"default": InvariantAttentionBlocks(),
+            "base_e": InvariantAttentionBlocks(fast_exp=False),
+            "split_tiles4": InvariantAttentionBlocks(split_tiles=4)}[variant]
+    assert base.unmasked_interior
     _contiguous_vs_gathered(False, B=6, D=128, S=5120, blocks=base)
     masked = dataclasses.replace(base, unmasked_interior=False)
     rng = np.random.default_rng()

@@ -85,6 +85,7 @@ and only prompt rows (`prompt_attention`) take the 64-row kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -319,13 +320,14 @@ PROMPT_BLOCK = 128  # keys per block of `prompt_attention`'s own forms
 
 def prompt_kernel(impl: str, dtype, head_dim: int, sliding_window=None) -> str:
     """Which form `prompt_attention` takes: ``"hopper"`` (the Mosaic GPU kernel, one key range
-    per row: bf16/f16, head dims a multiple of 64, no sliding window, on an NVIDIA Hopper GPU),
+    per row: bf16/f16, head dims 64 and 128, no sliding window, on an NVIDIA Hopper GPU),
     ``"jnp"`` (the `jnp` form in blocks of `PROMPT_BLOCK` keys: CPU backends and the
     interpreter) or ``"decode"`` (the decode step's own attention: other GPUs, float32, sliding
     windows). The choice depends on the model and the backend only."""
     if sliding_window is None and impl == "invariant" and jax.default_backend() == "gpu":
         from pallas_kernels import hopper
-        if hopper.available() and hopper.supports(dtype, head_dim):
+        # (head dims checked bitwise on an H200: 64 and 128; 256 takes other tiles there)
+        if hopper.available() and hopper.supports(dtype, head_dim) and head_dim in (64, 128):
             return "hopper"
         return "decode"
     if sliding_window is None and is_invariant(impl):
@@ -363,7 +365,8 @@ def prompt_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, *, num_new: int, 
         out, _ = hopper.verify_attention(q_BTHD.astype(k_LBKSD.dtype), k_LBKSD, v_LBKSD,
                                          lengths.astype(jnp.int32), layer=layer,
                                          sm_scale=float(sm_scale), num_new=int(num_new),
-                                         block_sizes=hopper.HopperBlockSizes(splits=1))
+                                         block_sizes=dataclasses.replace(
+                                             hopper.default_block_sizes(D), splits=1))
         return out.astype(q_BTHD.dtype)
     return attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, num_new=num_new,
                      sm_scale=sm_scale, sliding_window=sliding_window, block=PROMPT_BLOCK,

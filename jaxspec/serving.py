@@ -890,12 +890,18 @@ class ServingEngine:
         if self.compact_rows and jax.devices()[0].platform != "cpu":
             self._compile_compact(variants)  # (on a CPU as a small batch first runs)
         n = 16  # paged prefill shapes (power-of-two chunks up to prefill_chunk) in row 0, which
-        while self.paged:  # maps no block yet (its writes go nowhere)
-            self.state = self.decoder.prefill_paged_row(self.state, 0, [0] * n, 0)
+        # maps no block yet (its writes go nowhere); batch-invariant: also as decode steps
+        # compute tokens (a resumed sequence's generated ones, `_prompt_end`)
+        ends = (None, 0) if self.batch_invariant else (None,)
+        while self.paged:
+            for pe in ends:
+                self.state = self.decoder.prefill_paged_row(self.state, 0, [0] * n, 0,
+                                                            prompt_end=pe)
             if n >= min(max(self.warmup_prefill, 16), self.prefill_chunk):
                 if n < self.prefill_chunk:  # and the whole chunk, every long prompt's shape
-                    self.state = self.decoder.prefill_paged_row(
-                        self.state, 0, [0] * self.prefill_chunk, 0)
+                    for pe in ends:
+                        self.state = self.decoder.prefill_paged_row(
+                            self.state, 0, [0] * self.prefill_chunk, 0, prompt_end=pe)
                 break
             n *= 2
         n = 16  # prefill shapes (power-of-two buckets) up to warmup_prefill tokens, in free row 0

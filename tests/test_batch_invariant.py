@@ -356,6 +356,9 @@ def test_prompt_attention_does_not_depend_on_the_chunking(dtype):
     of 128 keys) gives every prompt row the same bits in any chunking, batch and cache capacity;
     and not the decode step's bits (so the tests of which tokens take which attention below
     can fail)."""
+    assert invariant.prompt_kernel(IMPL, dtype, 64) == "jnp"
+    assert invariant.prompt_kernel(IMPL, dtype, 64, sliding_window=32) == "decode"
+    assert invariant.prompt_kernel("auto", dtype, 64) == "decode"  # (not an invariant impl)
     whole, chunked, alone, decode = _prompt_cases(dtype, 0)
     for c in chunked:
         assert np.array_equal(c, whole)
@@ -674,6 +677,33 @@ def test_preempted_long_prompts_resume_with_their_tokens(texts):
         assert any(pe is not None and st + n > pe for st, n, pe in fills), fills
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("invariant_numerics", [True, False])
+def test_prefix_cache_keeps_and_finds_prompt_blocks_only(model, invariant_numerics):
+    """Batch-invariant serving caches and reuses only blocks of prompt tokens: a sequence resumed
+    with generated tokens that match another request's cached prompt blocks finds only the
+    blocks of its own prompt, and registers only those (the default numerics reuse them all)."""
+    from jaxspec.blocks import BlockManager
+    from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
+    e = ServingEngine(model, max_batch=2, max_len=128, page_size=8, warmup_prefill=0,
+                      batch_invariant=invariant_numerics)
+    e.blocks = BlockManager(32, 8)
+    a = Sequence(list(range(1, 42)), SamplingOptions(max_tokens=4))  # fill: 40 tokens, 5 blocks
+    e._fill_of(a)
+    a.blocks = e.blocks.allocate(6)
+    e._register(a, len(a.fill))
+    b = Sequence(list(range(1, 20)), SamplingOptions(max_tokens=40))  # its prompt: 2 blocks
+    b.tokens = list(range(20, 42))  # it generated a's prompt on: a resumed fill of 40 tokens
+    e._fill_of(b)
+    assert len(e.blocks.lookup(b.fill, b.fill_keys)) == 5
+    assert len(e._lookup(b)) == (2 if invariant_numerics else 5)
+    c = Sequence(list(range(100, 119)), SamplingOptions(max_tokens=40))
+    c.tokens = list(range(119, 141))
+    e._fill_of(c)
+    c.blocks = e.blocks.allocate(6)
+    e._register(c, len(c.fill))
+    assert len(e.blocks.lookup(c.fill, c.fill_keys)) == (2 if invariant_numerics else 5)
 
 
 def test_pallas_matmul_lowers_for_cuda():

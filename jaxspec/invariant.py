@@ -12,7 +12,8 @@ row (a token) with one fixed sequence of floating-point operations:
   the Pallas kernel in the interpreter). The LM head too.
 - `rms_norm`, `fixed_sum`, `fixed_max`: sums (maxima) as a fixed binary tree of elementwise adds
   (maxima), halving the axis, independent of every other dimension and of the backend's
-  reduction emitter; `fixed_cumsum`: a fixed scan of elementwise adds (shifts by 1, 2, 4, ...).
+  reduction emitter (`rms_norm` on GPUs: `pallas_kernels.invariant_norm`, a fixed order of its
+  own); `fixed_cumsum`: a fixed scan of elementwise adds (shifts by 1, 2, 4, ...).
 - `attention`: `pallas_kernels.invariant_attention` on GPUs and in the interpreter (head dims a
   power of two >= 16), a `jnp` form elsewhere. An online softmax over blocks of
   ``ATTENTION_BLOCK`` keys in *absolute key positions*: the query at position p reduces over
@@ -76,7 +77,7 @@ interpreter and lowered for CUDA here (``tests/test_invariant_kernels.py`` too);
 (jax 0.11.2) ``tests/test_batch_invariant.py::test_on_the_gpu`` passes and
 ``scripts/bench_invariant.py`` checks every tiling's bits. Speed there (random Qwen2.5-1.5B
 weights, 64 rows x 16384 prompt tokens, 128 new tokens through `jaxspec.generate`): decode
-1.21 s against 1.12 s by default (1.08x), prefill 10.9 s against 7.2 s (1.51x); per kernel,
+1.21 s against 1.13 s by default (1.07x), prefill 10.2 s against 7.4 s (1.38x); per kernel,
 ``benchmarks/invariant_h200.md``. The tile of 16 query rows is part of the decode step's bits:
 on an H200, tiles of 32 rows gave other bits in float32 and at head dim 32, and 64-row tiles
 (warpgroup MMAs) in about one row in a hundred, so verifications keep the decode step's tiles
@@ -92,6 +93,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import invariant_attention as attention_kernel
+from pallas_kernels import invariant_norm as norm_kernel
 from pallas_kernels.invariant_matmul import invariant_matmul, invariant_matmul_reference
 
 IMPLS = ("invariant", "invariant-interpret")
@@ -208,7 +210,11 @@ def fixed_softmax(x, axis: int = -1):
 
 
 def rms_norm(x, w, eps):
-    """`jaxspec.model.rms_norm` with the mean of squares summed by `fixed_sum`."""
+    """`jaxspec.model.rms_norm` with the mean of squares summed in a fixed order: on GPUs by
+    `pallas_kernels.invariant_norm` (chunks of the row added elementwise, then one fixed-shape
+    row reduction: XLA runs the tree below as one thread per row), elsewhere by `fixed_sum`."""
+    if jax.default_backend() == "gpu" and norm_kernel.supports(x.shape[-1]):
+        return norm_kernel.invariant_rms_norm(x, w, eps=float(eps))
     x32 = x.astype(jnp.float32)
     ms = fixed_sum(x32 * x32, -1, keepdims=True) / x.shape[-1]
     y = x32 * jax.lax.rsqrt(ms + eps)

@@ -232,3 +232,55 @@ def test_unmasked_interior_blocks_give_the_masked_bits_on_the_gpu(variant):
                 q[:, :T], k, v, 0, L, mask, num_new=T, sm_scale=None, sliding_window=window,
                 interpret=False, mode=mode, blocks=b), np.float32) for b in (base, masked)]
             assert np.array_equal(*got), (T, window, mode)
+
+
+# ----------------------------------------------------------------------------- the RMS norm kernel
+@pytest.mark.parametrize("H,dtype", [(1536, BF16), (96, jnp.float32), (576, BF16)])
+def test_invariant_norm_is_correct_and_row_invariant(H, dtype):
+    """`pallas_kernels.invariant_norm` (in the interpreter) against `jaxspec.model.rms_norm`, and
+    each row bitwise the same alone, at its place in batches of other sizes, and in a 3-d input."""
+    from jaxspec.model import rms_norm
+    from pallas_kernels.invariant_norm import invariant_rms_norm
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(37, H)) * 3, dtype)
+    w = jnp.asarray(rng.normal(size=(H,)), dtype)
+    got = invariant_rms_norm(x, w, eps=1e-6, interpret=True)
+    want = rms_norm(x, w, 1e-6)
+    assert got.dtype == want.dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tol, atol=tol)
+    ref = np.asarray(got, np.float32)
+    for lo, hi in ((5, 6), (0, 9), (30, 37), (3, 20)):
+        part = np.asarray(invariant_rms_norm(x[lo:hi], w, eps=1e-6, interpret=True), np.float32)
+        assert np.array_equal(part, ref[lo:hi]), (lo, hi)
+    three = invariant_rms_norm(x[:36].reshape(4, 9, H), w, eps=1e-6, interpret=True)
+    assert np.array_equal(np.asarray(three, np.float32).reshape(36, H), ref[:36])
+
+
+def test_invariant_norm_lowers_for_cuda():
+    from pallas_kernels.invariant_norm import invariant_rms_norm
+    f = jax.jit(lambda x, w: invariant_rms_norm(x, w, eps=1e-6))
+    txt = f.trace(jax.ShapeDtypeStruct((40, 1536), BF16), jax.ShapeDtypeStruct((1536,), BF16)
+                  ).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in txt and "invariant_rms_norm" in txt
+
+
+@pytest.mark.gpu
+def test_invariant_norm_rows_on_the_gpu():
+    """Compiled on a GPU: a row alone, in a decode step's batch, a verification's and a prefill
+    chunk's rows gives the same bits, close to `jaxspec.model.rms_norm`."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from jaxspec.model import rms_norm
+    from pallas_kernels.invariant_norm import invariant_rms_norm
+    rng = np.random.default_rng()
+    for H in (1536, 128, 896):
+        x = jnp.asarray(rng.normal(size=(4096, H)) * 3, BF16)
+        w = jnp.asarray(rng.normal(size=(H,)), BF16)
+        ref = np.asarray(invariant_rms_norm(x, w, eps=1e-6), np.float32)
+        np.testing.assert_allclose(ref, np.asarray(rms_norm(x, w, 1e-6), np.float32),
+                                   rtol=2e-2, atol=2e-2)
+        for lo, hi in ((7, 8), (0, 64), (100, 420), (1000, 4096)):
+            part = np.asarray(invariant_rms_norm(x[lo:hi], w, eps=1e-6), np.float32)
+            assert np.array_equal(part, ref[lo:hi]), (H, lo, hi)

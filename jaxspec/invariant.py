@@ -86,7 +86,6 @@ and only prompt rows (`prompt_attention`) take the 64-row kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -330,14 +329,15 @@ def prompt_kernel(impl: str, dtype, head_dim: int, sliding_window=None) -> str:
     ``"jnp"`` (the `jnp` form in blocks of `PROMPT_BLOCK` keys: CPU backends and the
     interpreter) or ``"decode"`` (the decode step's own attention: other GPUs, float32, sliding
     windows). The choice depends on the model and the backend only."""
-    if sliding_window is None and impl == "invariant" and jax.default_backend() == "gpu":
-        from pallas_kernels import hopper
-        # (head dims checked bitwise on an H200: 64 and 128; 256 takes other tiles there)
-        if hopper.available() and hopper.supports(dtype, head_dim) and head_dim in (64, 128):
-            return "hopper"
+    if sliding_window is not None or not is_invariant(impl):
         return "decode"
-    if sliding_window is None and is_invariant(impl):
-        return "jnp" if jax.default_backend() != "gpu" else "decode"
+    if jax.default_backend() != "gpu":
+        return "jnp"
+    from pallas_kernels import hopper
+    # (head dims checked bitwise on an H200: 64 and 128; 256 takes other tiles there)
+    if (impl == "invariant" and hopper.available() and hopper.supports(dtype, head_dim)
+            and head_dim in (64, 128)):
+        return "hopper"
     return "decode"
 
 
@@ -351,8 +351,8 @@ def prompt_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, *, num_new: int, 
     each row reduces over its keys ``0..p`` in blocks of fixed absolute positions, in
     increasing order, from one running state, whatever rows share its tile. On a Hopper GPU
     that is the Mosaic GPU kernel of `pallas_kernels.hopper` with one key range (wgmma tiles
-    of 64 rows, blocks of 128 keys: 3-6x cheaper than the decode step's 16-row tiles on a long
-    prefill chunk); elsewhere (`prompt_kernel`) the `jnp` form in blocks of `PROMPT_BLOCK`
+    of 64 rows, blocks of 128 keys: about 7x cheaper than the decode step's 16-row tiles on a
+    long prefill chunk); elsewhere (`prompt_kernel`) the `jnp` form in blocks of `PROMPT_BLOCK`
     keys, or the decode step's attention itself."""
     B, T, H, D = q_BTHD.shape
     form = prompt_kernel(impl, k_LBKSD.dtype, D, sliding_window)
@@ -371,8 +371,7 @@ def prompt_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, *, num_new: int, 
         out, _ = hopper.verify_attention(q_BTHD.astype(k_LBKSD.dtype), k_LBKSD, v_LBKSD,
                                          lengths.astype(jnp.int32), layer=layer,
                                          sm_scale=float(sm_scale), num_new=int(num_new),
-                                         block_sizes=dataclasses.replace(
-                                             hopper.default_block_sizes(D), splits=1))
+                                         block_sizes=hopper.HopperBlockSizes(splits=1))
         return out.astype(q_BTHD.dtype)
     return attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, num_new=num_new,
                      sm_scale=sm_scale, sliding_window=sliding_window, block=PROMPT_BLOCK,

@@ -86,6 +86,7 @@ and only prompt rows (`prompt_attention`) take the 64-row kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -134,11 +135,83 @@ def matmul(x, w, impl: str = "invariant", out_dtype=None, transpose_w: bool = Fa
     return y.reshape(*lead, w.shape[0 if transpose_w else -1])
 
 
-def matmul_for(impl: str):
-    """``(x, w) -> x @ w``: `matmul` for an invariant ``impl``, else the plain operator."""
+def matmul_for(impl: str, prompt: bool = False):
+    """``(x, w) -> x @ w``: `matmul` (``prompt``: `prompt_matmul`) for an invariant ``impl``,
+    else the plain operator."""
     if is_invariant(impl):
-        return lambda x, w: matmul(x, w, impl)
+        return (lambda x, w: prompt_matmul(x, w, impl)) if prompt else (
+            lambda x, w: matmul(x, w, impl))
     return jnp.matmul
+
+
+PROMPT_K_BLOCK = 64  # K per block of `prompt_matmul`'s `jnp` form (the GPU kernel's too)
+
+
+def prompt_product(impl: str, dtype, K: int, N: int) -> str:
+    """Which form `prompt_matmul` takes for a ``[.., K] @ [K, N]`` product of ``dtype``:
+    ``"hopper"`` (`pallas_kernels.prompt_matmul`'s warpgroup MMAs: bf16/f16, K and N multiples
+    of 64, on an NVIDIA Hopper GPU), ``"jnp"`` (tiles of 16 rows, K in blocks of
+    `PROMPT_K_BLOCK` added in increasing order: CPU backends and the interpreter) or
+    ``"decode"`` (`matmul` itself: other GPUs and shapes). The choice depends on the weights'
+    shape and the backend only, never on the rows."""
+    if not is_invariant(impl):
+        return "decode"
+    if jax.default_backend() != "gpu":
+        return "jnp"
+    from pallas_kernels import prompt_matmul as pm
+    if impl == "invariant" and pm.available() and pm.supports(dtype, K, N):
+        return "hopper"
+    return "decode"
+
+
+def prompt_matmul(x, w, impl: str = "invariant", out_dtype=None):
+    """``x[..., K] @ w[K, N]`` for the rows of prompt tokens (a prefill chunk's, a mixed round's
+    piece: `jaxspec.attention.AttentionPlan.prompt`). Like `prompt_attention`, these rows need
+    the same bits in every chunking and batch but not a decode step's (a prompt token's K/V are
+    computed by a prefill only), so the product is one built for many rows, each row still one
+    fixed sequence of operations whatever M is (`prompt_product` picks the form)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    N = w.shape[-1]
+    form = prompt_product(impl, x.dtype, K, N)
+    if form == "decode":
+        return matmul(x, w, impl, out_dtype=out_dtype)
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    x2 = x.reshape(-1, K)
+    if form == "hopper":
+        from pallas_kernels import prompt_matmul as pm
+        y = pm.prompt_matmul(x2, w, out_dtype=out_dtype)
+    else:
+        y = _prompt_matmul_jnp(x2, w.astype(x.dtype), out_dtype=out_dtype)
+    return y.reshape(*lead, N)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _prompt_matmul_jnp(x_MK, w_KN, *, out_dtype):
+    """`prompt_matmul`'s CPU form: rows in tiles of 16 (`lax.map`: one fixed shape whatever M
+    is), each tile's product over K in blocks of `PROMPT_K_BLOCK` (the last one zero-padded),
+    added in increasing order in float32: other bits than `matmul`'s one dot over all of K, as
+    the GPU kernel's are, so a test sees a row computed by the wrong one."""
+    M, K = x_MK.shape
+    N = w_KN.shape[1]
+    tile, kb = 16, PROMPT_K_BLOCK
+    n_k = -(-K // kb)
+    x = jnp.pad(x_MK, ((0, -M % tile), (0, n_k * kb - K)))
+    w = jnp.pad(w_KN, ((0, n_k * kb - K), (0, 0))).reshape(n_k, kb, N)
+    n = x.shape[0] // tile
+
+    def one(t):  # t [tile, n_k * kb]
+        tb = t.reshape(tile, n_k, kb)
+
+        def body(i, acc):
+            xi = jax.lax.dynamic_index_in_dim(tb, i, axis=1, keepdims=False)
+            wi = jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
+            return acc + jnp.dot(xi, wi, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, n_k, body, jnp.zeros((tile, N), jnp.float32))
+        return acc.astype(out_dtype)
+
+    y = jax.lax.map(one, x.reshape(n, tile, n_k * kb))
+    return y.reshape(n * tile, N)[:M]
 
 
 # ----------------------------------------------------------------------------- reductions

@@ -180,6 +180,23 @@ def _parts(y, shapes):
     return out
 
 
+def _products(impl: str, shapes, plans):
+    """``(x, w) -> x @ w`` over the joined segments (`_join`). With batch-invariant numerics a
+    segment of prompt tokens (``plan.prompt``) takes `jaxspec.invariant.prompt_matmul` and the
+    others `jaxspec.invariant.matmul`: a segment of each in one forward (a mixed round) is two
+    products then, each row computed as its role computes it in every round."""
+    if not invariant.is_invariant(impl):
+        return jnp.matmul
+    roles = [bool(pl.prompt) for pl in plans]
+    if len(set(roles)) == 1:
+        return invariant.matmul_for(impl, prompt=roles[0])
+    fns = [invariant.matmul_for(impl, prompt=r) for r in roles]
+
+    def mm(x, w):
+        return _join([f(xi, w) for f, xi in zip(fns, _parts(x, shapes))])
+    return mm
+
+
 def _layer(c: ModelConfig, p: dict, xs, k_cache, v_cache, layer, ropes, plans):
     """One decoder layer over segments: ``xs[i]`` ``[B_i, T_i, D]`` attends by ``plans[i]`` with
     RoPE ``ropes[i]``; every projection and the MLP run once over all segments' tokens (one
@@ -191,7 +208,7 @@ def _layer(c: ModelConfig, p: dict, xs, k_cache, v_cache, layer, ropes, plans):
     # batch-invariant numerics (`jaxspec.invariant`) when the plans' implementation asks for them
     impl = plans[0].impl
     inv = invariant.is_invariant(impl)
-    mm = invariant.matmul_for(impl)
+    mm = _products(impl, shapes, plans)
     norm = invariant.rms_norm if inv else rms_norm
     x = _join(xs)
     h = norm(x, p["attn_norm"], c.rms_norm_eps)

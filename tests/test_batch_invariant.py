@@ -46,11 +46,12 @@ def _prompts(rng, lengths):
 
 
 # ----------------------------------------------------------------------------- model-level harness
-def _forward_fn(config, impl=IMPL):
-    """A fresh jitted forward (a new closure: nothing traced before a monkeypatch is reused)."""
+def _forward_fn(config, impl=IMPL, prompt=False):
+    """A fresh jitted forward (a new closure: nothing traced before a monkeypatch is reused);
+    ``prompt``: of prompt tokens (a prefill's: `AttentionPlan.prompt`)."""
     def f(params, k, v, tokens, positions, lengths, mask):
         cache = KVCache(k=k, v=v, lengths=lengths)
-        plan = AttentionPlan(lengths=lengths, mask=mask, impl=impl)
+        plan = AttentionPlan(lengths=lengths, mask=mask, impl=impl, prompt=prompt)
         logits, c = forward(config, params, tokens, positions, cache, plan)
         return logits, c.k, c.v
     return jax.jit(f)
@@ -179,6 +180,28 @@ def _check_matmul_rows(fn, K=192, N=160):
         for pos in sorted({0, M // 2, M - 1}):
             got = np.asarray(fn(X.at[pos].set(row[0]), w, jnp.float32))[pos]
             assert np.array_equal(got, ref), (M, pos)
+
+
+@pytest.mark.parametrize("K,N", [(192, 160), (100, 48)])
+def test_prompt_matmul_is_correct_row_invariant_and_not_the_decode_product(K, N):
+    """`jaxspec.invariant.prompt_matmul` (prompt rows; on the CPU its `jnp` form: tiles of 16
+    rows, K in blocks of 64) is the product, gives a row the same bits at any place of any M,
+    and other bits than `matmul` (so the tests of which rows take which product can fail)."""
+    assert invariant.prompt_product(IMPL, BF16, K, N) == "jnp"
+    assert invariant.prompt_product("auto", BF16, K, N) == "decode"  # (not an invariant impl)
+    fn = lambda x, w, dt=None: invariant.prompt_matmul(x, w, IMPL, out_dtype=dt)  # noqa: E731
+    rng = np.random.default_rng(K)
+    xb = jnp.asarray(rng.normal(size=(21, K)), BF16)
+    wb = jnp.asarray(rng.normal(size=(K, N)) / np.sqrt(K), BF16)
+    ref = np.asarray(xb, np.float64) @ np.asarray(wb, np.float64)
+    got = fn(xb, wb, jnp.float32)
+    assert got.shape == (21, N) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+    assert fn(xb[None], wb).shape == (1, 21, N) and fn(xb, wb).dtype == BF16
+    _check_matmul_rows(fn, K, N)
+    dec = invariant.matmul(xb, wb, IMPL, out_dtype=jnp.float32)
+    if K > invariant.PROMPT_K_BLOCK:
+        assert not np.array_equal(np.asarray(dec), np.asarray(got))
 
 
 def test_xla_dot_is_shape_dependent_on_cpu():
@@ -411,8 +434,9 @@ def test_row_logits_do_not_depend_on_the_batch(model):
         assert np.array_equal(alone, in_batch), seed
 
 
-def test_prefill_kv_does_not_depend_on_the_chunking(model):
-    fwd = _forward_fn(model.config)
+@pytest.mark.parametrize("prompt", [False, True], ids=["decode-rows", "prompt-rows"])
+def test_prefill_kv_does_not_depend_on_the_chunking(model, prompt):
+    fwd = _forward_fn(model.config, prompt=prompt)
     rng = np.random.default_rng(4)
     rows = _prompts(rng, [45, 9, 30])
     kvs = [_prefill(model, rows, 64, chunk, fwd) for chunk in (7, 16, 45)]
@@ -469,7 +493,9 @@ def _default_attention(q, k, v, layer, lengths, mask=None, *, num_new, sm_scale=
 def test_swapping_a_piece_back_breaks_invariance(monkeypatch, piece):
     """With the invariant matmul, attention or norm replaced by XLA's default, the same
     comparisons differ: a row alone vs in a batch, a verification vs decode steps, and the
-    piece's own bitwise comparisons."""
+    piece's own bitwise comparisons. (The prompt rows' product: XLA's CPU dot gives a row the
+    same bits for every M > 1, so only the GPU tests can see it swapped for XLA's; swapped for
+    the decode rows' product, ``tests/test_mixed_batch.py`` sees it.)"""
     m = _model(1, hidden=128, head_dim=32)
     if piece == "matmul":
         monkeypatch.setattr(invariant, "matmul", _plain_matmul)

@@ -284,3 +284,57 @@ def test_invariant_norm_rows_on_the_gpu():
         for lo, hi in ((7, 8), (0, 64), (100, 420), (1000, 4096)):
             part = np.asarray(invariant_rms_norm(x[lo:hi], w, eps=1e-6), np.float32)
             assert np.array_equal(part, ref[lo:hi]), (H, lo, hi)
+
+
+# ----------------------------------------------------------------------------- prompt rows' product
+def test_prompt_matmul_kernel_in_the_interpreter():
+    """`pallas_kernels.prompt_matmul` (Mosaic GPU, in its interpreter): the product, for M not a
+    multiple of its 128-row tiles and each tiling of N (256 / 128 / 64 columns per program), a
+    row the same alone and inside more rows, and the blocks and stages it plans."""
+    from pallas_kernels import hopper
+    from pallas_kernels import prompt_matmul as pm
+    if not hopper.has_mosaic_gpu():
+        pytest.skip("jax without Mosaic GPU")
+    assert [pm.block_n_of(n) for n in (2048, 17920, 1536, 896, 192)] == [256, 256, 256, 128, 64]
+    assert pm.stages_for(256) == 3 and pm.stages_for(128) == 4
+    assert pm.supports(BF16, 1536, 8960) and not pm.supports(BF16, 100, 128)
+    assert not pm.supports(jnp.float32, 128, 128)
+    rng = np.random.default_rng()
+    for M, K, N in ((130, 192, 256), (9, 64, 192)):
+        x = jnp.asarray(rng.normal(size=(M, K)), BF16)
+        w = jnp.asarray(rng.normal(size=(K, N)) / np.sqrt(K), BF16)
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        got = pm.prompt_matmul(x, w, out_dtype=jnp.float32, interpret=True,
+                               block_sizes=pm.PromptMatmulBlocks(stages=2))
+        assert got.shape == (M, N) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+        one = pm.prompt_matmul(x[M - 1:], w, out_dtype=jnp.float32, interpret=True,
+                               block_sizes=pm.PromptMatmulBlocks(stages=2))
+        assert np.array_equal(np.asarray(one)[0], np.asarray(got)[M - 1])
+    with pytest.raises(ValueError, match="multiples of 64"):
+        pm.prompt_matmul(jnp.zeros((8, 100), BF16), jnp.zeros((100, 64), BF16), interpret=True)
+    with pytest.raises(ValueError, match="block_n"):
+        pm.PromptMatmulBlocks(block_n=96)
+
+
+@pytest.mark.gpu
+def test_prompt_matmul_rows_on_the_gpu():
+    """Compiled on a Hopper GPU: every row of the prompt rows' product gives the same bits alone,
+    in 7, 100, 1000 rows and in 4096 (at the start, middle and end), close to XLA's product;
+    and `jaxspec.invariant.prompt_matmul` takes it there."""
+    from pallas_kernels import prompt_matmul as pm
+    if not pm.available():
+        pytest.skip("needs an NVIDIA Hopper GPU")
+    assert invariant.prompt_product("invariant", BF16, 1536, 2048) == "hopper"
+    rng = np.random.default_rng()
+    f = jax.jit(lambda x, w: pm.prompt_matmul(x, w))
+    for K, N in ((1536, 2048), (8960, 1536), (896, 4864)):
+        x = jnp.asarray(rng.normal(size=(4096, K)), BF16)
+        w = jnp.asarray(rng.normal(size=(K, N)) / np.sqrt(K), BF16)
+        ref = np.asarray(f(x, w), np.float32)
+        np.testing.assert_allclose(ref, np.asarray(jnp.dot(x, w), np.float32), rtol=2e-2,
+                                   atol=2e-2)
+        for m in (1, 7, 100, 1000):
+            for lo in sorted({0, (4096 - m) // 2 + 3, 4096 - m}):
+                part = np.asarray(f(x[lo:lo + m], w), np.float32)
+                assert np.array_equal(part, ref[lo:lo + m]), (K, N, m, lo)

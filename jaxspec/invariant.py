@@ -43,6 +43,13 @@ row (a token) with one fixed sequence of floating-point operations:
   its prompt as a prefill, its last prompt token and generated tokens as its decode steps
   computed them (`jaxspec.prefill.prefill_row`'s ``prompt_end``); and the serving engine's
   prefix cache keeps only blocks of prompt tokens.
+- `prompt_matmul`: the products of those prompt rows, for the same reason a kernel of their own:
+  on a Hopper GPU `pallas_kernels.prompt_matmul` (warpgroup MMAs over 128 x 256 output tiles,
+  K in blocks of 64 added in increasing order, the tiling from K and N only: 1.03-1.15x
+  cuBLAS's time at 32k rows, against 1.25-1.8x for the decode rows' Triton tiles); on the CPU
+  a `jnp` form with K in blocks of `PROMPT_K_BLOCK` (other bits than `matmul`'s); elsewhere
+  `matmul`. A forward over segments of both roles (a decode round with a piece of a prompt in
+  it: `jaxspec.model.forward_mixed`) runs each product once per role.
 
 - `sparse_attention`: the StreamingLLM self-draft's view (sink, window, retrieved blocks and the
   new tokens) gathered into a fixed number of slots and reduced by `fixed_max` / `fixed_sum`;
@@ -77,7 +84,7 @@ interpreter and lowered for CUDA here (``tests/test_invariant_kernels.py`` too);
 (jax 0.11.2) ``tests/test_batch_invariant.py::test_on_the_gpu`` passes and
 ``scripts/bench_invariant.py`` checks every tiling's bits. Speed there (random Qwen2.5-1.5B
 weights, 64 rows x 16384 prompt tokens, 128 new tokens through `jaxspec.generate`): decode
-1.21 s against 1.13 s by default (1.07x), prefill 10.2 s against 7.4 s (1.38x); per kernel,
+1.20 s against 1.11 s by default (1.07x), prefill 7.58 s against 7.24 s (1.05x); per kernel,
 ``benchmarks/invariant_h200.md``. The tile of 16 query rows is part of the decode step's bits:
 on an H200, tiles of 32 rows gave other bits in float32 and at head dim 32, and 64-row tiles
 (warpgroup MMAs) in about one row in a hundred, so verifications keep the decode step's tiles

@@ -49,19 +49,25 @@ GROUP_M = 8  # row tiles that take each column tile in turn
 
 @dataclasses.dataclass(frozen=True)
 class PromptMatmulBlocks:
-    """Tiling of `prompt_matmul`: ``block_n`` columns per program at most (the largest of 256,
-    128, 64 dividing N that is at most this), ``stages`` shared-memory stages of the K ring
-    (None: as many as fit), ``registers`` the (consumer, producer) register caps."""
+    """Tiling of `prompt_matmul`: ``block_n`` columns per output tile at most (the largest of
+    256, 128, 64 dividing N that is at most this), ``stages`` shared-memory stages of the K ring
+    (None: as many as fit), ``registers`` the (consumer, producer) register caps,
+    ``programs``: None for a program per output tile, else that many programs (one per SM, say),
+    each taking every P-th tile with its K ring running on from one tile into the next. The
+    tiles' arithmetic is the same either way."""
 
     block_n: int = 256
     stages: int | None = None
     registers: tuple[int, int] = (232, 40)
+    programs: int | None = None  # None: a program per tile; P: P programs (e.g. one per SM)
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256):
             raise ValueError(f"block_n must be 64, 128 or 256, got {self.block_n}")
         if self.stages is not None and self.stages < 2:
             raise ValueError(f"stages must be >= 2, got {self.stages}")
+        if self.programs is not None and self.programs < 1:
+            raise ValueError(f"programs must be >= 1, got {self.programs}")
 
 
 DEFAULT_BLOCKS = PromptMatmulBlocks()
@@ -105,16 +111,24 @@ def stages_for(block_n: int, itemsize: int = 2, most: int = 4) -> int:
 
 def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, ready, free, *, n_k: int,
             n_m: int, n_n: int, block_n: int, stages: int, regs: tuple[int, int],
-            compiled: bool):
-    t = lax.axis_index("t")
-    # program t -> (row tile, column tile): groups of GROUP_M row tiles, row tiles fastest
-    per_group = GROUP_M * n_n
-    first = lax.div(t, jnp.int32(per_group)) * GROUP_M
-    rows = jnp.minimum(n_m - first, GROUP_M)
-    r = lax.rem(t, jnp.int32(per_group))
-    m_tile = first + lax.rem(r, rows)
-    n_tile = lax.div(r, rows)
+            programs: int, compiled: bool):
+    # Program p takes output tiles p, p + P, ... (P programs: one tile each, or one program per
+    # SM that keeps its K ring running from one tile into the next).
+    p = lax.axis_index("t")
+    P = programs
+    n_tiles = n_m * n_n
+    mine = lax.div(n_tiles - p + P - 1, P)  # tiles of this program
     wg = lax.axis_index("wg")
+
+    def tile_of(j):
+        """This program's j-th tile -> (row tile, column tile): groups of GROUP_M row tiles
+        that take each column tile in turn, row tiles fastest."""
+        t = p + j * P
+        per_group = GROUP_M * n_n
+        first = lax.div(t, jnp.int32(per_group)) * GROUP_M
+        rows = jnp.minimum(n_m - first, GROUP_M)
+        r = lax.rem(t, jnp.int32(per_group))
+        return first + lax.rem(r, rows), lax.div(r, rows)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -123,62 +137,74 @@ def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, ready, free, *, n_k: in
         def x_tile(slot):
             return x_smem.at[slot, pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)]
 
-        if compiled:
-            def body(acc_ref):
-                @pl.loop(0, n_k)
-                def _(i):
-                    slot = lax.rem(i, jnp.int32(stages))
-                    plgpu.barrier_wait(ready.at[slot])
-                    plgpu.wgmma(acc_ref, x_tile(slot), w_smem.at[slot])
-                    plgpu.wgmma_wait(1)  # block i - 1's product is done: its stage is free
+        @pl.loop(0, mine)
+        def _(j):
+            m_tile, n_tile = tile_of(j)
+            g0 = j * n_k  # K blocks this program consumed before this tile (the ring's count)
+            if compiled:
+                def body(acc_ref):
+                    @pl.loop(0, n_k)
+                    def _(i):
+                        slot = lax.rem(g0 + i, jnp.int32(stages))
+                        plgpu.barrier_wait(ready.at[slot])
+                        plgpu.wgmma(acc_ref, x_tile(slot), w_smem.at[slot])
+                        plgpu.wgmma_wait(1)  # block i - 1's product is done: its stage is free
 
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_arrive(free.at[lax.rem(i - 1, jnp.int32(stages))])
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(free.at[(n_k - 1) % stages])
-                return acc_ref[...]
-            acc = pl.run_scoped(body, plgpu.ACC((ROWS_PER_WG, block_n), jnp.float32))
-        else:  # the interpreter: the same blocks in the same order as jnp dots
-            def istep(i, acc):
-                slot = lax.rem(i, jnp.int32(stages))
-                plgpu.barrier_wait(ready.at[slot])
-                acc = acc + jnp.dot(x_tile(slot)[...], w_smem[slot],
-                                    preferred_element_type=jnp.float32)
-                plgpu.barrier_arrive(free.at[slot])
-                return acc
-            acc = lax.fori_loop(0, n_k, istep,
-                                jnp.zeros((ROWS_PER_WG, block_n), jnp.float32))
-        o_smem.at[wg][...] = acc.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            o_smem.at[wg],
-            o_ref.at[pl.ds((m_tile * CONSUMERS + wg) * ROWS_PER_WG, ROWS_PER_WG),
-                     pl.ds(n_tile * block_n, block_n)])
+                        @pl.when(i > 0)
+                        def _():
+                            plgpu.barrier_arrive(free.at[lax.rem(g0 + i - 1, jnp.int32(stages))])
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[lax.rem(g0 + n_k - 1, jnp.int32(stages))])
+                    return acc_ref[...]
+                acc = pl.run_scoped(body, plgpu.ACC((ROWS_PER_WG, block_n), jnp.float32))
+            else:  # the interpreter: the same blocks in the same order as jnp dots
+                def istep(i, acc):
+                    slot = lax.rem(g0 + i, jnp.int32(stages))
+                    plgpu.barrier_wait(ready.at[slot])
+                    acc = acc + jnp.dot(x_tile(slot)[...], w_smem[slot],
+                                        preferred_element_type=jnp.float32)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return acc
+                acc = lax.fori_loop(0, n_k, istep,
+                                    jnp.zeros((ROWS_PER_WG, block_n), jnp.float32))
+            plgpu.wait_smem_to_gmem(0)  # the last tile's store has left the output buffer
+            o_smem.at[wg][...] = acc.astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[wg],
+                o_ref.at[pl.ds((m_tile * CONSUMERS + wg) * ROWS_PER_WG, ROWS_PER_WG),
+                         pl.ds(n_tile * block_n, block_n)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(regs[1], action="decrease")
 
-        @pl.loop(0, n_k)
-        def _(i):
-            slot = lax.rem(i, jnp.int32(stages))
+        @pl.loop(0, mine)
+        def _(j):
+            m_tile, n_tile = tile_of(j)
 
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
-            plgpu.copy_gmem_to_smem(
-                x_ref.at[pl.ds(m_tile * BLOCK_M, BLOCK_M), pl.ds(i * BLOCK_K, BLOCK_K)],
-                x_smem.at[slot], ready.at[slot])
-            plgpu.copy_gmem_to_smem(
-                w_ref.at[pl.ds(i * BLOCK_K, BLOCK_K), pl.ds(n_tile * block_n, block_n)],
-                w_smem.at[slot], ready.at[slot])
+            @pl.loop(0, n_k)
+            def _(i):
+                g = j * n_k + i
+                slot = lax.rem(g, jnp.int32(stages))
+
+                @pl.when(g >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    x_ref.at[pl.ds(m_tile * BLOCK_M, BLOCK_M), pl.ds(i * BLOCK_K, BLOCK_K)],
+                    x_smem.at[slot], ready.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    w_ref.at[pl.ds(i * BLOCK_K, BLOCK_K), pl.ds(n_tile * block_n, block_n)],
+                    w_smem.at[slot], ready.at[slot])
 
         # observe the consumers' last hand-backs too, so every barrier phase is consumed
-        @pl.loop(max(n_k - stages, 0), n_k)
-        def _(i):
-            plgpu.barrier_wait(free.at[lax.rem(i, jnp.int32(stages))])
+        total = mine * n_k
+
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _(g):
+            plgpu.barrier_wait(free.at[lax.rem(g, jnp.int32(stages))])
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret"))
@@ -219,8 +245,10 @@ def prompt_matmul(x_MK, w_KN, *, out_dtype=None, block_sizes: PromptMatmulBlocks
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),          # ready: x and w tiles
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # free
     )
+    programs = n_m * n_n if bs.programs is None else min(bs.programs, n_m * n_n)
     body = functools.partial(_kernel, n_k=n_k, n_m=n_m, n_n=n_n, block_n=block_n, stages=stages,
-                             regs=tuple(bs.registers), compiled=not interpret)
+                             regs=tuple(bs.registers), programs=programs,
+                             compiled=not interpret)
     kw = {}
     if interpret:  # the Mosaic GPU interpreter (threads, barriers, TMA simulated on the CPU)
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -229,7 +257,7 @@ def prompt_matmul(x_MK, w_KN, *, out_dtype=None, block_sizes: PromptMatmulBlocks
         body,
         out_type=jax.ShapeDtypeStruct((Mp, N), out_dtype),
         scratch_types=scratch,
-        grid=(n_m * n_n,),
+        grid=(programs,),
         grid_names=("t",),
         num_threads=CONSUMERS + 1,
         thread_name="wg",

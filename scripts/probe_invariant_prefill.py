@@ -37,7 +37,7 @@ def log(d):
     print(json.dumps(d), flush=True)
 
 
-def profile(fn, args, folder, top=25):
+def profile(fn, args, folder, top=40):
     """Total device time per kernel name over one call (from the trace's complete events)."""
     import glob
     import gzip
@@ -109,7 +109,7 @@ def main():
         "invariant": ("invariant", {}),
         "inv-no-attn": ("invariant", {"attention": default_attention,
                                       "prompt_attention": default_attention}),
-        "inv-no-mm": ("invariant", {"matmul_for": lambda impl: jnp.matmul}),
+        "inv-no-mm": ("invariant", {"matmul_for": lambda impl, prompt=False: jnp.matmul}),
         "inv-no-norm": ("invariant", {"rms_norm": M.rms_norm}),
     }
     if a.only:

@@ -51,14 +51,18 @@ def main():
     ap.add_argument("--M", default="32768", help="rows to time at, comma-separated")
     ap.add_argument("--tiles", default="256,128", help="block_n caps to try")
     ap.add_argument("--stages", default="0", help="ring depths to try (0: as many as fit)")
+    ap.add_argument("--programs", default="0", help="programs to try (0: one per output tile; "
+                    "sms: one per SM, persistent)")
     ap.add_argument("--arrays", type=int, default=4)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--bits-M", default="1,7,100,128,129,1000,4096",
                     help="row counts whose rows are compared with the same rows of the largest")
     a = ap.parse_args()
     print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}))
-    cfgs = [pm.PromptMatmulBlocks(block_n=int(b), stages=int(s) or None)
-            for b in a.tiles.split(",") for s in a.stages.split(",")]
+    sms = jax.devices()[0].core_count if hasattr(jax.devices()[0], "core_count") else 132
+    progs = [sms if p == "sms" else (int(p) or None) for p in a.programs.split(",")]
+    cfgs = [pm.PromptMatmulBlocks(block_n=int(b), stages=int(s) or None, programs=p)
+            for b in a.tiles.split(",") for s in a.stages.split(",") for p in progs]
     key = jax.random.PRNGKey(0)
     for K, N in _shapes(a.shapes):
         kx, kw, key = jax.random.split(key, 3)
@@ -80,7 +84,8 @@ def main():
                                           axis=1)))
                     if n:
                         bad[f"M={m}@{off}"] = n
-            print(json.dumps({"op": "bits", "K": K, "N": N, "block_n": pm.block_n_of(N, cfg.block_n),
+            print(json.dumps({"op": "bits", "K": K, "N": N, "programs": cfg.programs,
+                              "block_n": pm.block_n_of(N, cfg.block_n),
                               "stages": cfg.stages or pm.stages_for(pm.block_n_of(N, cfg.block_n)),
                               "rel_err": err, "rows_differing": bad, "bitwise": not bad}),
                   flush=True)
@@ -97,7 +102,7 @@ def main():
             for cfg in cfgs:
                 f = jax.jit(lambda x, ws, cfg=cfg: [pm.prompt_matmul(x, w, block_sizes=cfg)
                                                     for w in ws])
-                name = f"n{cfg.block_n}s{cfg.stages or 0}"
+                name = f"n{cfg.block_n}s{cfg.stages or 0}p{cfg.programs or 0}"
                 try:
                     row[name + "_us"] = _time(f, (x, ws), a.reps) / a.arrays * 1e6
                 except Exception as e:  # noqa: BLE001 - report and go on

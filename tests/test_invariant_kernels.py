@@ -311,6 +311,11 @@ def test_prompt_matmul_kernel_in_the_interpreter():
         one = pm.prompt_matmul(x[M - 1:], w, out_dtype=jnp.float32, interpret=True,
                                block_sizes=pm.PromptMatmulBlocks(stages=2))
         assert np.array_equal(np.asarray(one)[0], np.asarray(got)[M - 1])
+        # two programs taking every other tile (the ring runs on across tiles): the same bits
+        two = pm.prompt_matmul(x, w, out_dtype=jnp.float32, interpret=True,
+                               block_sizes=pm.PromptMatmulBlocks(stages=2, programs=2,
+                                                                 block_n=64))
+        assert np.array_equal(np.asarray(two), np.asarray(got))
     with pytest.raises(ValueError, match="multiples of 64"):
         pm.prompt_matmul(jnp.zeros((8, 100), BF16), jnp.zeros((100, 64), BF16), interpret=True)
     with pytest.raises(ValueError, match="block_n"):

@@ -24,7 +24,7 @@ row (a token) with one fixed sequence of floating-point operations:
   the weighted sum of values are elementwise products summed by `fixed_sum` in the `jnp` form
   (fixed-shape products of tiles of 16 rows in the kernel), so nothing depends on T, B, the
   cache capacity or the other rows. The kernel also cuts the keys into parts of fixed absolute
-  positions (2048 keys), each reduced from a fresh state and folded into the row's result in
+  positions (`InvariantAttentionBlocks.chunk`: 4096 keys), each reduced from a fresh state and folded into the row's result in
   increasing order, whether one program folds them or a program per part runs and a merge
   folds them (decode: enough programs to stream the cache at full bandwidth). So a
   verification of gamma + 1 tokens computes each token's logits exactly as a one-token decode
@@ -84,7 +84,7 @@ interpreter and lowered for CUDA here (``tests/test_invariant_kernels.py`` too);
 (jax 0.11.2) ``tests/test_batch_invariant.py::test_on_the_gpu`` passes and
 ``scripts/bench_invariant.py`` checks every tiling's bits. Speed there (random Qwen2.5-1.5B
 weights, 64 rows x 16384 prompt tokens, 128 new tokens through `jaxspec.generate`): decode
-1.20 s against 1.11 s by default (1.07x), prefill 7.58 s against 7.24 s (1.05x); per kernel,
+1.169 s against 1.133 s by default (1.03x), prefill 7.70 s against 7.37 s (1.05x); per kernel,
 ``benchmarks/invariant_h200.md``. The tile of 16 query rows is part of the decode step's bits:
 on an H200, tiles of 32 rows gave other bits in float32 and at head dim 32, and 64-row tiles
 (warpgroup MMAs) in about one row in a hundred, so verifications keep the decode step's tiles

@@ -29,9 +29,13 @@ Two options change the speed, and one of them the bits (`InvariantAttentionBlock
 ``unmasked_interior`` runs the key blocks that every real row of a program sees whole without
 the masks (the same bits on a GPU), and ``fast_exp`` takes exponentials in base 2, with one
 ``ex2.approx`` each on NVIDIA GPUs (bits of their own, the same in every kernel and call). Both
-are on by default, with 2 tiles per program of a split verification: on an H200 (B = 64, 16k
-context) decode 325 us and a verification of 5 tokens 402 us a layer, against 347 / 478 us
-with both off and one tile per program (`benchmarks/invariant_h200.md`).
+are on by default, with 2 tiles per program of a split verification. The default tiling,
+blocks of 128 keys in parts of 4096 (`blocks_for` halves the block where its pipeline stages
+would not fit in shared memory: head dims above 128 in bf16, above 64 in float32), streams a
+decode step's cache as fast as the default kernel: on an H200 (B = 64, 16k context, random
+Qwen2.5-1.5B weights, 28 layers) the step's attention kernels took 6.85 ms against the default
+kernel's 6.78 ms (blocks of 64 in parts of 2048: 7.38 ms), and the invariant step 1.02-1.04x
+the default step at 8k-32k (`benchmarks/invariant_h200.md`).
 
 `jaxspec.invariant.attention` prepares the tiles (`invariant_attention`) and holds the `jnp`
 statement of the same order used on the CPU.
@@ -65,8 +69,8 @@ class InvariantAttentionBlocks:
     bits."""
 
     block_rows: int = 16
-    block_k: int = 64
-    chunk: int = 2048
+    block_k: int = 128  # halved (down to 16) where its K/V stages would not fit (`blocks_for`)
+    chunk: int = 4096
     num_warps: int = 4
     num_stages: int = 2
     fold_tiles: int = 4  # tiles per program when folding tiles that read the same slots
@@ -92,6 +96,17 @@ SPLIT_BELOW = 264  # mode "auto": a program per part while there are fewer tiles
 def supports(head_dim: int) -> bool:
     """Whether the kernel takes this head dim (a power of two, at least 16)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def blocks_for(head_dim: int, dtype, blocks: InvariantAttentionBlocks | None = None):
+    """The tiling a kernel of this head dim and cache dtype runs: ``block_k`` halved (down to 16)
+    while its K/V pipeline stages and the query tile would not fit in shared memory. It depends
+    on the model only (never on T, B or the cache size), so every call of a decoding runs the same
+    blocks."""
+    bs = DEFAULT_BLOCKS if blocks is None else blocks
+    bk = core.fit_block_k(bs.block_k, bs.block_rows, head_dim, jnp.dtype(dtype).itemsize,
+                          bs.num_stages)
+    return bs if bk == bs.block_k else dataclasses.replace(bs, block_k=bk)
 
 
 def _tile_blocks(pos, lo, block_k: int):
@@ -279,8 +294,8 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     (split while the tiles are few); the same bits either way. ``same_slots``: every tile of a
     sequence has the same ``anc`` (causal tiles), so a program may take ``fold_tiles`` /
     ``split_tiles`` of them."""
-    bs = DEFAULT_BLOCKS if block_sizes is None else block_sizes
     B, K, NT, R, D = q_BKNRD.shape
+    bs = blocks_for(D, k_LBKSD.dtype, block_sizes)
     J = anc_BNJ.shape[-1]
     S = k_LBKSD.shape[3]
     if R != bs.block_rows or not supports(D) or bs.chunk % bs.block_k:

@@ -6,13 +6,18 @@ START tokens, random weights of the Qwen2.5-1.5B shape, timed with:
 - ``invariant``: `batch_invariant=True`'s numerics;
 - ``inv-no-attn``: invariant, but the default attention (the attention's share);
 - ``inv-no-mm``: invariant, but the default matrix products (the products' share);
-- ``inv-no-norm``: invariant, but the default RMS norm.
+- ``inv-no-norm``: invariant, but the default RMS norm;
+- ``inv-attnI``: invariant, the decode attention with the I-th tiling of ``--attn``
+  (`InvariantAttentionBlocks`' fields, comma-separated; tilings separated by ``;``).
+
+The cache is donated and fed back (one chunk's K/V written in place, as in `generate`).
 
 Each variant is traced with its patch in place (this process only; no library file changes).
 
 GPU: python scripts/probe_invariant_prefill.py [--batch 64 --chunk 512 --start 8192]
 """
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -74,6 +79,10 @@ def main():
     ap.add_argument("--layers", type=int, default=0, help="0: the shape's")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", default="", help="comma-separated variants")
+    ap.add_argument("--attn", default="", help="decode attention tilings to try: "
+                    "InvariantAttentionBlocks fields, e.g. '16,128,2048,4,3;16,64,4096,4,2'")
+    ap.add_argument("--verify", action="store_true", help="the chunk's tokens as decode rows "
+                    "(a verification of C tokens), not prompt rows")
     ap.add_argument("--hlo", action="store_true", help="print the optimized HLO's lines that "
                     "call the invariant attention kernel or copy/transposes the cache")
     ap.add_argument("--profile", default="", help="a folder: a jax.profiler trace of one call per "
@@ -99,7 +108,7 @@ def main():
 
     orig = dict(attention=inv.attention, prompt_attention=inv.prompt_attention,
                 matmul_for=inv.matmul_for, rms_norm=inv.rms_norm)
-    prompt = C > 1  # a prefill chunk's prompt tokens; C = 1: a decode step
+    prompt = C > 1 and not a.verify  # a prefill chunk's prompt tokens; C = 1: a decode step
 
     def default_attention(q, k, v, layer, lengths, mask=None, **kw):
         return attend(q, k, v, layer, AttentionPlan(lengths=lengths, impl="auto"))
@@ -112,45 +121,64 @@ def main():
         "inv-no-mm": ("invariant", {"matmul_for": lambda impl, prompt=False: jnp.matmul}),
         "inv-no-norm": ("invariant", {"rms_norm": M.rms_norm}),
     }
+    from pallas_kernels import invariant_attention as ia
+    attn_cfgs = [ia.InvariantAttentionBlocks(*(int(v) for v in t.split(",")))
+                 for t in a.attn.split(";") if t.strip()]
+    for i, c in enumerate(attn_cfgs):
+        patches[f"inv-attn{i}"] = ("invariant", {"blocks": c})
     if a.only:
         patches = {k: v for k, v in patches.items() if k in a.only.split(",")}
     res = {}
     for name, (base, patch) in patches.items():
         params, impl = variants[base]
         for k, f in patch.items():
-            setattr(inv, k, f)
+            if k == "blocks":
+                ia.DEFAULT_BLOCKS = f
+                log({"variant": name, "blocks": str(f)})
+            else:
+                setattr(inv, k, f)
 
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=1)
         def run(params, cache, toks, pos):
             plan = AttentionPlan(lengths=jnp.full((B,), S0, jnp.int32), impl=impl, prompt=prompt)
             _, c = M.forward(cfg, params, toks, pos, cache, plan,
                              logits_at=jnp.zeros((B, 1), jnp.int32))
-            return c.k[0, 0, 0, S0, 0]
+            return c
+
+        box = [cache]
+
+        def call(params, _cache, toks, pos):
+            box[0] = run(params, box[0], toks, pos)
+            return box[0]
 
         try:
             if a.hlo:
-                txt = run.lower(params, cache, toks, pos).compile().as_text()
+                txt = run.lower(params, box[0], toks, pos).compile().as_text()
                 dims = f"{B},{cfg.num_kv_heads},{S},{cfg.head_dim}"
                 keep = [ln.strip()[:400] for ln in txt.splitlines()
                         if "invariant_attention" in ln or (dims in ln and any(
                             w in ln for w in ("copy", "transpose", "bitcast", "custom-call",
                                               "while", "dynamic-slice", "fusion")))]
                 log({"variant": name, "hlo_lines": keep[:40], "n": len(keep)})
-            jax.block_until_ready(run(params, cache, toks, pos))
+            jax.block_until_ready(call(params, None, toks, pos))
             ts = []
             for _ in range(a.reps):
                 t = time.perf_counter()
-                jax.block_until_ready(run(params, cache, toks, pos))
+                jax.block_until_ready(call(params, None, toks, pos))
                 ts.append(time.perf_counter() - t)
             res[name] = statistics.median(ts) * 1e3
             log({"variant": name, "ms": round(res[name], 2)})
             if a.profile:
-                log({"variant": name, "kernels_ms": profile(run, (params, cache, toks, pos),
+                log({"variant": name, "kernels_ms": profile(call, (params, None, toks, pos),
                                                             f"{a.profile}/{name}")})
         except Exception as e:  # noqa: BLE001
             log({"variant": name, "err": repr(e)[:400]})
         for k in patch:
-            setattr(inv, k, orig[k])
+            if k == "blocks":
+                ia.DEFAULT_BLOCKS = ia.InvariantAttentionBlocks()
+            else:
+                setattr(inv, k, orig[k])
+        cache = box[0]
     log({"summary_ms": {k: round(v, 2) for k, v in res.items()}})
 
 

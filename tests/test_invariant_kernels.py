@@ -343,3 +343,21 @@ def test_prompt_matmul_rows_on_the_gpu():
             for lo in sorted({0, (4096 - m) // 2 + 3, 4096 - m}):
                 part = np.asarray(f(x[lo:lo + m], w), np.float32)
                 assert np.array_equal(part, ref[lo:lo + m]), (K, N, m, lo)
+
+
+def test_the_attention_blocks_fit_shared_memory_and_depend_on_the_model_only():
+    """`blocks_for`: the largest block of keys (at most the default's) whose K/V pipeline
+    stages and query tile fit the Triton kernels' shared memory, from head dim and dtype only."""
+    from pallas_kernels.common import TRITON_SMEM_BYTES
+    from pallas_kernels.invariant_attention import DEFAULT_BLOCKS, blocks_for
+    for D in (16, 64, 128, 256, 512):
+        for dtype in (BF16, jnp.float32):
+            bs = blocks_for(D, dtype)
+            size = lambda bk: ((2 * bk * bs.num_stages + bs.block_rows) * D  # noqa: E731
+                               * jnp.dtype(dtype).itemsize)
+            assert bs.chunk % bs.block_k == 0 and bs.block_k >= 16
+            assert size(bs.block_k) <= TRITON_SMEM_BYTES or bs.block_k == 16, (D, dtype)
+            if bs.block_k < DEFAULT_BLOCKS.block_k:
+                assert size(2 * bs.block_k) > TRITON_SMEM_BYTES, (D, dtype)
+            assert dataclasses.replace(bs, block_k=DEFAULT_BLOCKS.block_k) == DEFAULT_BLOCKS
+    assert blocks_for(128, BF16).block_k == 128 and blocks_for(256, BF16).block_k == 64

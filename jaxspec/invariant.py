@@ -24,11 +24,11 @@ row (a token) with one fixed sequence of floating-point operations:
   the weighted sum of values are elementwise products summed by `fixed_sum` in the `jnp` form
   (fixed-shape products of tiles of 16 rows in the kernel), so nothing depends on T, B, the
   cache capacity or the other rows. The kernel also cuts the keys into parts of fixed absolute
-  positions (`InvariantAttentionBlocks.chunk`: 4096 keys), each reduced from a fresh state and folded into the row's result in
-  increasing order, whether one program folds them or a program per part runs and a merge
-  folds them (decode: enough programs to stream the cache at full bandwidth). So a
-  verification of gamma + 1 tokens computes each token's logits exactly as a one-token decode
-  step would, and a prefill gives the same K/V in any chunking.
+  positions (`InvariantAttentionBlocks.chunk`: 4096 keys), each reduced from a fresh state and
+  folded into the row's result in increasing order, whether one program folds them or a
+  program per part runs and a merge folds them (decode: enough programs to stream the cache at
+  full bandwidth). So a verification of gamma + 1 tokens computes each token's logits exactly
+  as a one-token decode step would, and a prefill gives the same K/V in any chunking.
 - `prompt_attention`: the attention of prompt tokens in a prefill
   (`jaxspec.attention.AttentionPlan.prompt`). A token's K/V come either from a prefill (every
   prompt token but the last) or from the decode step that fed it (the last prompt token and

@@ -122,6 +122,7 @@ def main():
         "inv-no-norm": ("invariant", {"rms_norm": M.rms_norm}),
     }
     from pallas_kernels import invariant_attention as ia
+    orig["blocks"] = ia.DEFAULT_BLOCKS
     attn_cfgs = [ia.InvariantAttentionBlocks(*(int(v) for v in t.split(",")))
                  for t in a.attn.split(";") if t.strip()]
     for i, c in enumerate(attn_cfgs):
@@ -147,7 +148,7 @@ def main():
 
         box = [cache]
 
-        def call(params, _cache, toks, pos):
+        def call(params, toks, pos):  # the step on the cache the previous one returned
             box[0] = run(params, box[0], toks, pos)
             return box[0]
 
@@ -160,22 +161,22 @@ def main():
                             w in ln for w in ("copy", "transpose", "bitcast", "custom-call",
                                               "while", "dynamic-slice", "fusion")))]
                 log({"variant": name, "hlo_lines": keep[:40], "n": len(keep)})
-            jax.block_until_ready(call(params, None, toks, pos))
+            jax.block_until_ready(call(params, toks, pos))
             ts = []
             for _ in range(a.reps):
                 t = time.perf_counter()
-                jax.block_until_ready(call(params, None, toks, pos))
+                jax.block_until_ready(call(params, toks, pos))
                 ts.append(time.perf_counter() - t)
             res[name] = statistics.median(ts) * 1e3
             log({"variant": name, "ms": round(res[name], 2)})
             if a.profile:
-                log({"variant": name, "kernels_ms": profile(call, (params, None, toks, pos),
+                log({"variant": name, "kernels_ms": profile(call, (params, toks, pos),
                                                             f"{a.profile}/{name}")})
         except Exception as e:  # noqa: BLE001
             log({"variant": name, "err": repr(e)[:400]})
         for k in patch:
             if k == "blocks":
-                ia.DEFAULT_BLOCKS = ia.InvariantAttentionBlocks()
+                ia.DEFAULT_BLOCKS = orig[k]
             else:
                 setattr(inv, k, orig[k])
         cache = box[0]

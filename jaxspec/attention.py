@@ -390,6 +390,13 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
             raise ValueError("paged caches do not combine with shared-prefix levels")
         if inv:  # each row reads its whole context through its table, in key order
             plan = plan.replace(shared=None)
+            BS, MB = k_LBKSD.shape[3], plan.block_table.shape[1]
+            unit = invariant.view_slots(q_BTHD.shape[-1], k_LBKSD.dtype)
+            unit //= math.gcd(unit, BS)  # table entries per whole number of kernel blocks
+            if MB % unit:  # unmapped entries (block 0, past every length) round the view up
+                plan = plan.replace(block_table=jnp.pad(plan.block_table,
+                                                        ((0, 0), (0, -MB % unit)),
+                                                        constant_values=-1))
         if plan.shared is not None:
             if not plan.sparse and plan.sliding_window is None:
                 return _attend_shared(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)

@@ -320,6 +320,13 @@ def uses_kernel(impl: str, head_dim: int) -> bool:
             and (impl == "invariant-interpret" or jax.default_backend() == "gpu"))
 
 
+def view_slots(head_dim: int, dtype) -> int:
+    """The slot count a gathered view of a block pool is rounded up to (its table padded with
+    unmapped entries, past every length): the decode kernel's key block (`blocks_for`), whose
+    loads are contiguous only over a cache of whole blocks. The bits are the same either way;
+    the per-key loads of a ragged view are several times slower."""
+    return attention_kernel.blocks_for(head_dim, dtype).block_k
+
 
 def _layer_inputs(k_LBKSD, v_LBKSD, layer, sm_scale, D):
     """``(sm_scale, k [B, K, S, D], v)``: the softmax scale (1 / sqrt(D) by default) and one

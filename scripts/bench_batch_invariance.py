@@ -9,7 +9,8 @@ batch and the first half (timed). ``--part speculation``: invariant plain decodi
 invariant `Speculation()` (a chain with adaptive rounds), an invariant token tree and, with
 ``--draft``, an invariant chain of that draft model, and default `Speculation()` (timed after
 warm-up calls). Rows run to the full budget (``ignore_eos``). Prints
-one JSON line per call and the row counts that match, and writes ``--out``/invariance_<part>.json.
+one JSON line per call and the row counts that match, and writes ``--out``/invariance_<part>.json
+(after every call, so a run cut short keeps what it measured).
 
     python scripts/bench_batch_invariance.py --model checkpoints/qwen2.5-coder-1.5b-instruct \\
         --batch 64 --prompt 16384 --new 256 --part plain
@@ -52,6 +53,10 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"invariance_{a.part}.json")
 
+    def save():
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
     def run(name, rows, spec=None, invariant=False, timed=True):
         """Tokens of ``rows``' prompts; with ``timed`` a warm-up call first (its compiles)."""
         ps = [prompts[i] for i in rows]
@@ -67,6 +72,7 @@ def main():
         out["runs"][name] = rec | {"wall": time.perf_counter() - t, "rows": len(ps),
                                    "timed_after_warmup": timed}
         print(name, json.dumps(out["runs"][name]), flush=True)
+        save()
         return {i: list(t) for i, t in zip(rows, res.tokens)}
 
     def equal(a_, b_):
@@ -106,8 +112,7 @@ def main():
             out["rows_equal"]["invariant_draft_model_vs_invariant_plain"] = [
                 equal(inv_draft, ref), a.batch]
     print("rows equal", json.dumps(out["rows_equal"]), flush=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    save()
 
 
 if __name__ == "__main__":

@@ -705,6 +705,38 @@ def test_preempted_long_prompts_resume_with_their_tokens(texts):
         engine.stop()
 
 
+def test_a_paged_view_is_read_in_whole_key_blocks(monkeypatch):
+    """A block pool's gathered view reaches the invariant attention kernel rounded up to whole
+    key blocks (contiguous loads) whatever the table's width, with the bits of the same keys in
+    a dense cache of the table's own width (the kernel's per-key loads), in the interpreter."""
+    from jaxspec.attention import attend
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    L, NB, K, BS, D, B, H, MB = 2, 40, 2, 16, 32, 3, 4, 5  # a view of 80 slots
+    kp = jnp.asarray(rng.normal(size=(L, NB, K, BS, D)), BF16)
+    vp = jnp.asarray(rng.normal(size=(L, NB, K, BS, D)), BF16)
+    tab = jnp.asarray(rng.permutation(NB)[:B * MB].reshape(B, MB), jnp.int32)
+    lengths = jnp.asarray(rng.integers(1, MB * BS - 4, size=B), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(B, 2, H, D)), BF16)
+    k_dense = jnp.stack([kp[:, tab[b]].transpose(0, 2, 1, 3, 4).reshape(L, K, MB * BS, D)
+                         for b in range(B)], 1)  # [L, B, K, MB * BS, D]
+    v_dense = jnp.stack([vp[:, tab[b]].transpose(0, 2, 1, 3, 4).reshape(L, K, MB * BS, D)
+                         for b in range(B)], 1)
+    widths = []
+    real = invariant.attention
+
+    def spy(q_, k_, *a, **kw):
+        widths.append(k_.shape[3])
+        return real(q_, k_, *a, **kw)
+
+    monkeypatch.setattr(invariant, "attention", spy)
+    plan = AttentionPlan(lengths=lengths, impl="invariant-interpret")
+    got = attend(q, kp, vp, 1, plan.replace(block_table=tab))
+    want = attend(q, k_dense, v_dense, 1, plan)
+    unit = invariant.view_slots(D, BF16)
+    assert widths[0] % unit == 0 and widths[0] >= MB * BS and widths[1] == MB * BS, widths
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize("invariant_numerics", [True, False])
 def test_prefix_cache_keeps_and_finds_prompt_blocks_only(model, invariant_numerics):
     """Batch-invariant serving caches and reuses only blocks of prompt tokens: a sequence resumed

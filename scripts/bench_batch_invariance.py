@@ -10,12 +10,14 @@ invariant `Speculation()` (a chain with adaptive rounds), an invariant token tre
 ``--draft``, an invariant chain of that draft model, and default `Speculation()` (timed after
 warm-up calls). Rows run to the full budget (``ignore_eos``). Prints
 one JSON line per call and the row counts that match, and writes ``--out``/invariance_<part>.json
-(after every call, so a run cut short keeps what it measured).
+(after every call, with a hash of each prompt's tokens, so a run cut short keeps what it
+measured and its rows can still be compared).
 
     python scripts/bench_batch_invariance.py --model checkpoints/qwen2.5-coder-1.5b-instruct \\
         --batch 64 --prompt 16384 --new 256 --part plain
 """
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -70,7 +72,11 @@ def main():
             "decode_seconds", "seconds", "prefill_seconds", "compile_seconds", "acceptance_rate",
             "tokens_per_step", "plain_steps", "target_steps")}
         out["runs"][name] = rec | {"wall": time.perf_counter() - t, "rows": len(ps),
-                                   "timed_after_warmup": timed}
+                                   "timed_after_warmup": timed,
+                                   # each prompt's tokens, hashed: comparisons survive a cut run
+                                   "row_sha1": {str(i): hashlib.sha1(
+                                       json.dumps(list(map(int, tk))).encode()).hexdigest()[:16]
+                                       for i, tk in zip(rows, res.tokens)}}
         print(name, json.dumps(out["runs"][name]), flush=True)
         save()
         return {i: list(t) for i, t in zip(rows, res.tokens)}

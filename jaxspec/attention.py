@@ -397,6 +397,14 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
                 plan = plan.replace(block_table=jnp.pad(plan.block_table,
                                                         ((0, 0), (0, -MB % unit)),
                                                         constant_values=-1))
+            if (not plan.sparse and not plan.prompt and plan.prefix is None
+                    and invariant.reads_pages(impl, BS, q_BTHD.shape[-1], k_LBKSD.dtype)):
+                # the target's decode / verification: the kernel reads the pool through the
+                # table (no gathered copy of the context)
+                return invariant.attention(q_BTHD, k_LBKSD, v_LBKSD, layer, plan.lengths,
+                                           plan.mask, num_new=plan.new_tokens(q_BTHD.shape[1]),
+                                           sm_scale=sm_scale, sliding_window=plan.sliding_window,
+                                           impl=impl, block_table=plan.block_table)
         if plan.shared is not None:
             if not plan.sparse and plan.sliding_window is None:
                 return _attend_shared(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, sm_scale=sm_scale)

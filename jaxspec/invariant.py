@@ -328,6 +328,14 @@ def view_slots(head_dim: int, dtype) -> int:
     return attention_kernel.blocks_for(head_dim, dtype).block_k
 
 
+def reads_pages(impl: str, page_size: int, head_dim: int, dtype) -> bool:
+    """Whether `attention` reads a block pool of this page size through its table (the kernel,
+    `uses_kernel`, whose key block divides the page size or is a multiple of it); else callers
+    gather a dense view of the row's blocks first (a copy of its context per call)."""
+    return (uses_kernel(impl, head_dim)
+            and attention_kernel.reads_pages(page_size, head_dim, dtype))
+
+
 def _layer_inputs(k_LBKSD, v_LBKSD, layer, sm_scale, D):
     """``(sm_scale, k [B, K, S, D], v)``: the softmax scale (1 / sqrt(D) by default) and one
     layer's keys and values of a stacked cache."""
@@ -338,13 +346,23 @@ def _layer_inputs(k_LBKSD, v_LBKSD, layer, sm_scale, D):
 
 def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: int,
               sm_scale=None, sliding_window=None, block: int = ATTENTION_BLOCK,
-              impl: str = "invariant"):
+              impl: str = "invariant", block_table=None):
     """Batch-invariant attention of the T queries (the last T of ``num_new`` new tokens, whose
     K/V are already in the cache at slots ``lengths + j``) over the stacked cache
     ``[L, B, K, S, D]``; module docstring for the order. ``mask``: None (causal) or the
     ``[T, T_new]`` / ``[B, T, T_new]`` ancestor mask of a token tree. Returns ``[B, T, H, D]``
     in q's dtype. The Pallas kernel where `uses_kernel`, else `jnp` (``impl="invariant-jnp"``:
-    the `jnp` form on every backend)."""
+    the `jnp` form on every backend). ``block_table [B, MB]``: K/V are block pools
+    ``[L, NB, K, BS, D]`` read through it (where `reads_pages`), with the bits of a dense cache
+    holding the same slots."""
+    if block_table is not None:
+        if not reads_pages(impl, k_LBKSD.shape[3], q_BTHD.shape[-1], k_LBKSD.dtype):
+            raise ValueError(f"invariant attention reads a block pool of page size "
+                             f"{k_LBKSD.shape[3]} through its table only in the kernel "
+                             f"(`reads_pages`); impl {impl!r}: gather a dense view instead")
+        return _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, num_new=num_new,
+                                sm_scale=sm_scale, sliding_window=sliding_window,
+                                interpret=impl == "invariant-interpret", block_table=block_table)
     if impl != "invariant-jnp" and uses_kernel(impl, q_BTHD.shape[-1]):
         return _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, num_new=num_new,
                                 sm_scale=sm_scale, sliding_window=sliding_window,
@@ -466,7 +484,8 @@ def prompt_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, *, num_new: int, 
 
 
 def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new: int, sm_scale,
-                     sliding_window, interpret: bool, blocks=None, mode: str = "auto"):
+                     sliding_window, interpret: bool, blocks=None, mode: str = "auto",
+                     block_table=None):
     """`attention` through `pallas_kernels.invariant_attention`: causal queries in tiles of
     (token, head) rows that share their key slots; a tree's queries one node per tile (its
     ancestors' slots)."""
@@ -506,7 +525,7 @@ def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new:
     o = attention_kernel.invariant_attention(rows, pos, lo, anc, lengths, k_LBKSD, v_LBKSD, layer,
                                              sm_scale=float(sm_scale), interpret=interpret,
                                              block_sizes=blocks, mode=mode,
-                                             same_slots=mask is None)
+                                             same_slots=mask is None, block_table=block_table)
     if mask is None:
         o = o.reshape(B, K, NT * R, D)[:, :, :T * G].reshape(B, K, T, G, D)
     else:

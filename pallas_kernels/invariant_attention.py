@@ -109,6 +109,14 @@ def blocks_for(head_dim: int, dtype, blocks: InvariantAttentionBlocks | None = N
     return bs if bk == bs.block_k else dataclasses.replace(bs, block_k=bk)
 
 
+def reads_pages(page_size: int, head_dim: int, dtype,
+                blocks: InvariantAttentionBlocks | None = None) -> bool:
+    """Whether the kernel reads a block pool of this page size through its table: its key block
+    (`blocks_for`) divides the page size or is a multiple of it."""
+    bk = blocks_for(head_dim, dtype, blocks).block_k
+    return page_size % bk == 0 or bk % page_size == 0
+
+
 def _tile_blocks(pos, lo, block_k: int):
     """The key blocks ``[first, last)`` holding every key some row of the tiles sees."""
     return jnp.maximum(jnp.min(lo), 0) // block_k, (jnp.max(pos) + block_k) // block_k
@@ -123,8 +131,9 @@ def _exp(base2: bool, hw: bool):
     return jnp.exp2
 
 
-def _part(qs, poss, los, L, anc_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block_k: int,
-          sm_scale: float, num_new: int, num_slots: int, contiguous: bool, exp, interior: bool):
+def _part(qs, poss, los, L, anc_ref, tab_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block_k: int,
+          sm_scale: float, num_new: int, num_slots: int, contiguous: bool, exp, interior: bool,
+          pages: tuple[int, int, int] | None):
     """The online softmax of each tile in ``qs`` (tiles whose rows read the same slots) over key
     blocks ``[i0, i1)`` from a fresh state: per tile ``(max [R], sum [R], acc [R, D])``, float32
     (``sm_scale`` folds log2(e) in where ``exp`` is base 2). A key block is loaded once for all
@@ -133,7 +142,10 @@ def _part(qs, poss, los, L, anc_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block
     each key's slot is looked up (a gather: per-element addresses, 64-bit ones once the stacked
     cache passes 2**31 elements, several times slower). The values loaded are the same either
     way, and so are the bits. ``interior``: the blocks that every real row (``pos >= 0``) sees
-    whole run without the masks, which there select every score and value: the same bits."""
+    whole run without the masks, which there select every score and value: the same bits.
+    ``pages``: ``(page_size, max_blocks, num_blocks)`` of a block pool ``[L, NB, K, BS, D]``
+    read through ``tab_ref [B, MB]`` (slot ``s`` of row b: block ``tab[b, s // BS]``, offset
+    ``s % BS``); the same values are loaded, so the same bits."""
     R, D = qs[0].shape
     f32 = qs[0].dtype == jnp.float32
     prec = lax.Precision.HIGHEST if f32 else None
@@ -162,14 +174,26 @@ def _part(qs, poss, los, L, anc_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block
             s_abs = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
             if contiguous:  # keys past a row's position are masked below, whatever slots hold
                 start = pl.multiple_of(i * block_k, block_k)
-                k = k_ref[layer, b, h, pl.ds(start, block_k), :]  # [N, D]
-                v = v_ref[layer, b, h, pl.ds(start, block_k), :]
+                if pages is None:
+                    idx = (layer, b, h, pl.ds(start, block_k), slice(None))
+                else:  # part of one page (a contiguous load) or whole pages (their rows)
+                    idx = core.page_tile_index(tab_ref, b, start, block_k, page_size=pages[0],
+                                               max_blocks=pages[1], num_blocks=pages[2],
+                                               head=h, head_lanes=D, layer=layer)
             else:
                 rel = s_abs - L
                 a = anc_ref[jnp.clip(rel, 0, num_new - 1)]  # [N]: the new token at each depth
                 slot = jnp.clip(jnp.where(rel < 0, s_abs, L + a), 0, num_slots - 1)
-                k = k_ref[layer, b, h, slot, :]  # [N, D]
-                v = v_ref[layer, b, h, slot, :]
+                if pages is None:
+                    idx = (layer, b, h, slot, slice(None))
+                else:  # each key's block and offset (integer arrays index every axis)
+                    BS, MB, NB = pages
+                    j = jnp.minimum(lax.div(slot, BS), MB - 1)[:, None]  # [N, 1]
+                    blk = jnp.clip(tab_ref[b, j], 0, NB - 1)
+                    idx = (layer, blk, h, slot[:, None] - j * BS,
+                           jnp.arange(D, dtype=jnp.int32)[None, :])
+            k = k_ref[idx]  # [N, D]
+            v = v_ref[idx]
             return tuple(one(q, pos, lo, s_abs, k, v, c, masked)
                          for q, pos, lo, c in zip(qs, poss, los, carry))
         return run
@@ -226,7 +250,8 @@ def _fresh(R, D):
             jnp.zeros((R, D), jnp.float32))
 
 
-def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, o_ref, *,
+def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, tab_ref, k_ref, v_ref, o_ref,
+                 *,
                  block_k: int, chunk: int, **kw):
     """A program per group of tiles (``q_ref [P, R, D]``, rows reading the same slots): their
     parts in increasing order, each folded in as it is done."""
@@ -237,8 +262,8 @@ def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_r
     R, D = qs[0].shape
 
     def over(c, states):
-        parts = _part(qs, poss, los, len_ref[b], anc_ref, k_ref, v_ref, layer_ref[0], b, h,
-                      jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
+        parts = _part(qs, poss, los, len_ref[b], anc_ref, tab_ref, k_ref, v_ref, layer_ref[0],
+                      b, h, jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
                       block_k=block_k, **kw)
         return tuple(_fold(st, pt, kw["exp"]) for st, pt in zip(states, parts))
 
@@ -248,8 +273,8 @@ def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_r
         o_ref[j] = _finish(st).astype(o_ref.dtype)
 
 
-def _split_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_ref, m_ref,
-                  l_ref, a_ref, *, block_k: int, chunk: int, **kw):
+def _split_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, tab_ref, k_ref, v_ref,
+                  m_ref, l_ref, a_ref, *, block_k: int, chunk: int, **kw):
     """A program per (group of tiles, part): each tile's state of the part, written out for
     `_merge_kernel`."""
     c, h, b = pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -260,7 +285,7 @@ def _split_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, k_ref, v_
         qs, poss, los = _group(q_ref, pos_ref, lo_ref)
         first, last = _tile_blocks(pos_ref[...], lo_ref[...], block_k)
     cb = chunk // block_k
-    parts = _part(qs, poss, los, len_ref[b], anc_ref, k_ref, v_ref, layer_ref[0], b, h,
+    parts = _part(qs, poss, los, len_ref[b], anc_ref, tab_ref, k_ref, v_ref, layer_ref[0], b, h,
                   jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
                   block_k=block_k, **kw)
     if q_ref.ndim == 2:
@@ -284,7 +309,8 @@ def _merge_kernel(m_ref, l_ref, a_ref, o_ref, *, parts: int, exp):
                                              "same_slots"))
 def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v_LBKSD, layer,
                         *, sm_scale: float, block_sizes: InvariantAttentionBlocks | None = None,
-                        interpret: bool = False, mode: str = "auto", same_slots: bool = False):
+                        interpret: bool = False, mode: str = "auto", same_slots: bool = False,
+                        block_table=None):
     """Attention of query tiles ``q[B, K, NT, R, D]`` (R = ``block_rows``) over the stacked cache
     ``[L, B, K, S, D]`` at ``layer``. ``pos``/``lo`` ``[B, NT, R]``: each row's last and first
     visible key positions (padding rows: -1 and `FAR`); ``anc[B, NT, J]``: each tile's new token
@@ -293,11 +319,26 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     tile folds its parts), ``"split"`` (a program per tile and part, then a merge) or ``"auto"``
     (split while the tiles are few); the same bits either way. ``same_slots``: every tile of a
     sequence has the same ``anc`` (causal tiles), so a program may take ``fold_tiles`` /
-    ``split_tiles`` of them."""
+    ``split_tiles`` of them. ``block_table [B, MB]``: K/V are block pools ``[L, NB, K, BS, D]``
+    and row b's slot ``s`` lives in block ``block_table[b, s // BS]`` at offset ``s % BS``
+    (entries past a row's keys may hold anything: they are clamped into the pool and their keys
+    masked); the kernel reads the pool through the table, with the bits of a dense cache that
+    holds the same slots. ``block_k`` must divide BS or be a multiple of it (`reads_pages`)."""
     B, K, NT, R, D = q_BKNRD.shape
     bs = blocks_for(D, k_LBKSD.dtype, block_sizes)
     J = anc_BNJ.shape[-1]
-    S = k_LBKSD.shape[3]
+    if block_table is None:
+        S, pages = k_LBKSD.shape[3], None
+        table = jnp.zeros((1, 1), jnp.int32)
+    else:
+        NB, BS = k_LBKSD.shape[1], k_LBKSD.shape[3]
+        MB = block_table.shape[1]
+        if block_table.shape[0] != B or not reads_pages(BS, D, k_LBKSD.dtype, block_sizes):
+            raise ValueError(f"invariant_attention: a block table [{B}, MB] whose page size "
+                             f"{BS} divides or is a multiple of block_k {bs.block_k}, got "
+                             f"table {block_table.shape}")
+        S, pages = MB * BS, (BS, MB, NB)
+        table = block_table.astype(jnp.int32)
     if R != bs.block_rows or not supports(D) or bs.chunk % bs.block_k:
         raise ValueError(f"invariant_attention: tiles of {R} rows (want {bs.block_rows}), head "
                          f"dim {D} (a power of two >= 16), chunk {bs.chunk} (a multiple of "
@@ -319,10 +360,11 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     scale = float(sm_scale) * (LOG2E if bs.fast_exp else 1.0)
     kw = dict(block_k=bs.block_k, chunk=bs.chunk, sm_scale=scale, num_new=J, num_slots=S,
               contiguous=bool(same_slots) and S % bs.block_k == 0, exp=exp,
-              interior=bool(bs.unmasked_interior) and (not interpret or INTERPRET_INTERIOR))
+              interior=bool(bs.unmasked_interior) and (not interpret or INTERPRET_INTERIOR),
+              pages=pages)
     args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
             q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
-            anc_BNJ.astype(jnp.int32), k_LBKSD, v_LBKSD)
+            anc_BNJ.astype(jnp.int32), table, k_LBKSD, v_LBKSD)
     # a program takes P tiles (that read the same slots), loading each key block once for them
     P = max(1, min(bs.split_tiles if split else bs.fold_tiles, NT)) if same_slots else 1
     NP = -(-NT // P) * P
@@ -341,7 +383,7 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
                       pl.BlockSpec((None, P, R), lambda n, h, b: (b, n, 0)),
                       pl.BlockSpec((None, P, R), lambda n, h, b: (b, n, 0)),
                       pl.BlockSpec((None, None, J), lambda n, h, b: (b, n * P, 0)),
-                      full(k_LBKSD.shape), full(v_LBKSD.shape)],
+                      full(table.shape), full(k_LBKSD.shape), full(v_LBKSD.shape)],
             out_specs=pl.BlockSpec((None, None, P, R, D), lambda n, h, b: (b, h, n, 0, 0)),
             out_shape=jax.ShapeDtypeStruct((B, K, NP, R, D), q_BKNRD.dtype),
             compiler_params=compiler_params,
@@ -359,7 +401,7 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
                   pl.BlockSpec((None, Pb, R), lambda n, c, h, b: (b, n, 0)),
                   pl.BlockSpec((None, Pb, R), lambda n, c, h, b: (b, n, 0)),
                   pl.BlockSpec((None, None, J), lambda n, c, h, b: (b, n * P, 0)),
-                  full(k_LBKSD.shape), full(v_LBKSD.shape)],
+                  full(table.shape), full(k_LBKSD.shape), full(v_LBKSD.shape)],
         out_specs=[pl.BlockSpec((None, None, Pb, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
                    pl.BlockSpec((None, None, Pb, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
                    pl.BlockSpec((None, None, Pb, None, R, D),

@@ -705,36 +705,48 @@ def test_preempted_long_prompts_resume_with_their_tokens(texts):
         engine.stop()
 
 
-def test_a_paged_view_is_read_in_whole_key_blocks(monkeypatch):
-    """A block pool's gathered view reaches the invariant attention kernel rounded up to whole
-    key blocks (contiguous loads) whatever the table's width, with the bits of the same keys in
-    a dense cache of the table's own width (the kernel's per-key loads), in the interpreter."""
+@pytest.mark.parametrize("BS", [16, 48])
+def test_a_block_pool_is_read_through_its_table_or_in_whole_key_blocks(monkeypatch, BS):
+    """A decode / verification over a block pool reaches the invariant attention kernel as the
+    pool and its table where the kernel's key block divides the page size or is a multiple of
+    it (16 slots), and else (48) as a gathered view rounded up to whole key blocks (contiguous
+    loads); either way with the bits of the same keys in a dense cache of the table's own width
+    (the kernel's per-key loads there), for a chain and a tree, in the interpreter."""
     from jaxspec.attention import attend
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
-    L, NB, K, BS, D, B, H, MB = 2, 40, 2, 16, 32, 3, 4, 5  # a view of 80 slots
+    L, K, D, B, H, MB = 2, 2, 32, 3, 4, 5
+    NB = B * MB + 4
     kp = jnp.asarray(rng.normal(size=(L, NB, K, BS, D)), BF16)
     vp = jnp.asarray(rng.normal(size=(L, NB, K, BS, D)), BF16)
     tab = jnp.asarray(rng.permutation(NB)[:B * MB].reshape(B, MB), jnp.int32)
     lengths = jnp.asarray(rng.integers(1, MB * BS - 4, size=B), jnp.int32)
-    q = jnp.asarray(rng.normal(size=(B, 2, H, D)), BF16)
+    q = jnp.asarray(rng.normal(size=(B, 3, H, D)), BF16)
     k_dense = jnp.stack([kp[:, tab[b]].transpose(0, 2, 1, 3, 4).reshape(L, K, MB * BS, D)
                          for b in range(B)], 1)  # [L, B, K, MB * BS, D]
     v_dense = jnp.stack([vp[:, tab[b]].transpose(0, 2, 1, 3, 4).reshape(L, K, MB * BS, D)
                          for b in range(B)], 1)
-    widths = []
+    calls = []
     real = invariant.attention
 
     def spy(q_, k_, *a, **kw):
-        widths.append(k_.shape[3])
+        calls.append((k_.shape, kw.get("block_table") is not None))
         return real(q_, k_, *a, **kw)
 
     monkeypatch.setattr(invariant, "attention", spy)
-    plan = AttentionPlan(lengths=lengths, impl="invariant-interpret")
-    got = attend(q, kp, vp, 1, plan.replace(block_table=tab))
-    want = attend(q, k_dense, v_dense, 1, plan)
     unit = invariant.view_slots(D, BF16)
-    assert widths[0] % unit == 0 and widths[0] >= MB * BS and widths[1] == MB * BS, widths
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    tree = jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    for mask in (None, tree):
+        calls.clear()
+        plan = AttentionPlan(lengths=lengths, mask=mask, impl="invariant-interpret")
+        got = attend(q, kp, vp, 1, plan.replace(block_table=tab))
+        want = attend(q, k_dense, v_dense, 1, plan)
+        (shape, table), (dense_shape, _) = calls
+        if BS == 16:  # the pool itself, read through the table
+            assert table and shape == kp.shape, calls
+        else:  # a gathered view of whole key blocks
+            assert not table and shape[3] % unit == 0 and shape[3] >= MB * BS, calls
+        assert dense_shape[3] == MB * BS
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("invariant_numerics", [True, False])

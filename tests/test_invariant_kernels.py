@@ -204,6 +204,89 @@ def test_contiguous_and_gathered_key_loads_give_the_same_bits_on_the_gpu():
     _contiguous_vs_gathered(False, B=6, D=128, S=5120)
 
 
+def _pool_vs_dense(interpret, *, B, D, S, page_sizes, blocks=None, T=6, H=12, K=2):
+    """The kernel reading a block pool through its table (blocks shuffled, unmapped ones and
+    entries past the rows' blocks holding NaN) gives the bits of a dense cache holding the same
+    slots: decode steps, a verification in both modes, a tree and a sliding window."""
+    rng = np.random.default_rng()
+    L = jnp.asarray(rng.integers(S // 3, S - T - 1, size=B), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), BF16)
+    tree = jnp.asarray(TokenTree.from_parents([-1, 0, 0, 1, 2, 4][:T]).ancestor_mask)
+    for BS in page_sizes:
+        MB = -(-S // BS)
+        NB = B * MB + 3
+        kp = jnp.asarray(rng.normal(size=(2, NB, K, BS, D)), BF16)
+        vp = jnp.asarray(rng.normal(size=(2, NB, K, BS, D)), BF16)
+        tab = rng.permutation(NB)[:B * MB].reshape(B, MB)
+        used = np.zeros(NB, bool)
+        for b in range(B):  # the blocks a row reads: the others hold NaN, and so do its own
+            n = -(-(int(L[b]) + T) // BS)  # past its keys (their slots are masked)
+            used[tab[b, :n]] = True
+            tab[b, n + 1:] = rng.choice([-1, NB + 5, 0], size=max(0, MB - n - 1))
+        kp = jnp.where(jnp.asarray(used)[None, :, None, None, None], kp, jnp.nan)
+        vp = jnp.where(jnp.asarray(used)[None, :, None, None, None], vp, jnp.nan)
+        tab = jnp.asarray(tab, jnp.int32)
+        idx = jnp.clip(tab, 0, NB - 1)
+        kd = kp[:, idx].transpose(0, 1, 3, 2, 4, 5).reshape(2, B, K, MB * BS, D)
+        vd = vp[:, idx].transpose(0, 1, 3, 2, 4, 5).reshape(2, B, K, MB * BS, D)
+
+        def run(pool, q_, T_, mask=None, window=None, mode="auto"):
+            k_, v_, t_ = (kp, vp, tab) if pool else (kd, vd, None)
+            return np.asarray(invariant._attention_tiles(
+                q_, k_, v_, 1, L, mask, num_new=T_, sm_scale=None, sliding_window=window,
+                interpret=interpret, mode=mode, blocks=blocks, block_table=t_), np.float32)
+
+        for args in ((q[:, :1], 1), (q, T, None, None, "fold"), (q, T, None, None, "split"),
+                     (q, T, tree), (q, T, None, 37)):
+            got, want = run(True, *args), run(False, *args)
+            assert np.isfinite(got).all(), (BS, args[1:])
+            assert np.array_equal(got, want), (BS, args[1:])
+
+
+def test_a_block_pool_read_through_its_table_gives_the_dense_bits():
+    # key blocks of 16: pages of 4 (whole pages per block), 16 (one each) and 32 (parts of one)
+    _pool_vs_dense(True, B=2, D=32, S=120, page_sizes=(4, 16, 32), blocks=ATT_BLOCKS)
+
+
+def test_page_sizes_the_kernel_reads_through_the_table():
+    from pallas_kernels import invariant_attention as ia
+    bk = ia.blocks_for(128, BF16).block_k
+    assert all(ia.reads_pages(bs, 128, BF16) for bs in (1, 8, 16, bk, 2 * bk, 3 * bk))
+    assert not ia.reads_pages(48, 128, BF16) and not ia.reads_pages(bk + 16, 128, BF16)
+    q = jnp.zeros((1, 1, 2, 128), BF16)
+    pool = jnp.zeros((1, 4, 1, 48, 128), BF16)
+    with pytest.raises(ValueError, match="page size 48"):
+        invariant._attention_tiles(q, pool, pool, 0, jnp.asarray([3]), None, num_new=1,
+                                   sm_scale=None, sliding_window=None, interpret=True,
+                                   block_table=jnp.zeros((1, 2), jnp.int32))
+
+
+def test_the_kernel_reading_a_block_pool_lowers_for_cuda():
+    """Pages of 16, 128 and 256 slots (whole pages per key block, one each, parts of one), a
+    chain and a tree, in both modes: one Triton kernel each, lowered for CUDA here."""
+    B, T, H, K, D = 4, 5, 12, 2, 128
+    q = jax.ShapeDtypeStruct((B, T, H, D), BF16)
+    ln = jax.ShapeDtypeStruct((B,), jnp.int32)
+    tree = jnp.asarray(TokenTree.from_parents([-1, 0, 0, 1, 2]).ancestor_mask)
+    for BS in (16, 128, 256):
+        MB = 4096 // BS
+        pool = jax.ShapeDtypeStruct((2, B * MB, K, BS, D), BF16)
+        tab = jax.ShapeDtypeStruct((B, MB), jnp.int32)
+        for mode, mask in (("fold", None), ("split", None), ("split", tree)):
+            f = jax.jit(lambda q, k, v, ln, t, mode=mode, mask=mask: invariant._attention_tiles(
+                q, k, v, 1, ln, mask, num_new=T, sm_scale=None, sliding_window=None,
+                interpret=False, mode=mode, block_table=t))
+            txt = f.trace(q, pool, pool, ln, tab).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in txt, (BS, mode)
+
+
+@pytest.mark.gpu
+def test_a_block_pool_read_through_its_table_gives_the_dense_bits_on_the_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _pool_vs_dense(False, B=4, D=128, S=5000, page_sizes=(16, 128, 256))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["default", "base_e", "split_tiles4"])
 def test_unmasked_interior_blocks_give_the_masked_bits_on_the_gpu(variant):

@@ -390,13 +390,9 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
             raise ValueError("paged caches do not combine with shared-prefix levels")
         if inv:  # each row reads its whole context through its table, in key order
             plan = plan.replace(shared=None)
-            BS, MB = k_LBKSD.shape[3], plan.block_table.shape[1]
-            unit = invariant.view_slots(q_BTHD.shape[-1], k_LBKSD.dtype)
-            unit //= math.gcd(unit, BS)  # table entries per whole number of kernel blocks
-            if MB % unit:  # unmapped entries (block 0, past every length) round the view up
-                plan = plan.replace(block_table=jnp.pad(plan.block_table,
-                                                        ((0, 0), (0, -MB % unit)),
-                                                        constant_values=-1))
+            BS = k_LBKSD.shape[3]
+            plan = plan.replace(block_table=_whole_key_blocks(plan.block_table, q_BTHD.shape[-1],
+                                                              k_LBKSD.dtype, BS))
             if (not plan.sparse and not plan.prompt and plan.prefix is None
                     and invariant.reads_pages(impl, BS, q_BTHD.shape[-1], k_LBKSD.dtype)):
                 # the target's decode / verification: the kernel reads the pool through the
@@ -497,13 +493,53 @@ def attend(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=Non
                                extra=blocks if sparse else ())
 
 
+def _whole_key_blocks(table, head_dim, dtype, page_size):
+    """A block table padded with unmapped entries (past every length) to whole key blocks of
+    the invariant decode kernel (`invariant.view_slots`), whose loads are then contiguous."""
+    unit = invariant.view_slots(head_dim, dtype)
+    unit //= math.gcd(unit, page_size)  # table entries per whole number of kernel blocks
+    MB = table.shape[1]
+    return table if MB % unit == 0 else jnp.pad(table, ((0, 0), (0, -MB % unit)),
+                                                constant_values=-1)
+
+
+def _invariant_scored(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, block: int, sm_scale):
+    """``(out, scores)`` of a batch-invariant verification from the invariant kernel in one pass
+    over the keys (it writes each context key's largest logit as it reads it), or None where
+    that kernel does not run (then the scores are a pass of their own)."""
+    D = q_BTHD.shape[-1]
+    if (plan.prefix is not None or plan.sparse or plan.prompt or plan.sliding_window is not None
+            or not invariant.uses_kernel(plan.impl, D)):
+        return None
+    lengths = plan.lengths if plan.active is None else jnp.where(plan.active, plan.lengths, 0)
+    table = plan.block_table
+    if table is None:
+        n = -(-k_LBKSD.shape[3] // block)
+    else:
+        BS = k_LBKSD.shape[3]
+        if not invariant.reads_pages(plan.impl, BS, D, k_LBKSD.dtype):
+            return None
+        n = -(-table.shape[1] * BS // block)
+        table = _whole_key_blocks(table, D, k_LBKSD.dtype, BS)
+    out, scores = invariant.attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, plan.mask,
+                                      num_new=plan.new_tokens(q_BTHD.shape[1]),
+                                      sm_scale=sm_scale, impl=plan.impl, block_table=table,
+                                      score_block=block)
+    return out, scores[:, :, :n]
+
+
 def _attend_scored(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, *, sm_scale=None):
     """``(out, scores)``: `attend` and `context_scores`. A dense attention on the kernel path
     (a dense cache or a block pool) computes both in one kernel (it writes each key block's
-    largest logit as it reads the keys); over a block pool's shared context every score is -inf
-    (nothing selected); elsewhere the scores are a pass of their own over the keys."""
+    largest logit as it reads the keys), and so does the batch-invariant kernel
+    (`_invariant_scored`); over a block pool's shared context every score is -inf (nothing
+    selected); elsewhere the scores are a pass of their own over the keys."""
     block = int(plan.score_block)
     plan = plan.replace(score_block=None)
+    if invariant.is_invariant(plan.impl):
+        both = _invariant_scored(q_BTHD, k_LBKSD, v_LBKSD, layer, plan, block, sm_scale)
+        if both is not None:
+            return both
     if (plan.shared is not None and plan.block_table is not None
             and not invariant.is_invariant(plan.impl)):
         # rows over a shared context (a block pool): a pass of its own would gather every row's

@@ -28,7 +28,10 @@ row (a token) with one fixed sequence of floating-point operations:
   folded into the row's result in increasing order, whether one program folds them or a
   program per part runs and a merge folds them (decode: enough programs to stream the cache at
   full bandwidth). So a verification of gamma + 1 tokens computes each token's logits exactly
-  as a one-token decode step would, and a prefill gives the same K/V in any chunking.
+  as a one-token decode step would, and a prefill gives the same K/V in any chunking. The
+  kernel reads a block pool through its block table (`reads_pages`: no gathered copy of the
+  row's context) with the bits of a dense cache, and writes a retrieving self-draft's block
+  scores as it reads the keys (``score_block``: each a maximum of the row's own logits).
 - `prompt_attention`: the attention of prompt tokens in a prefill
   (`jaxspec.attention.AttentionPlan.prompt`). A token's K/V come either from a prefill (every
   prompt token but the last) or from the decode step that fed it (the last prompt token and
@@ -54,7 +57,8 @@ row (a token) with one fixed sequence of floating-point operations:
 - `sparse_attention`: the StreamingLLM self-draft's view (sink, window, retrieved blocks and the
   new tokens) gathered into a fixed number of slots and reduced by `fixed_max` / `fixed_sum`;
   `block_scores`: the retrieval's block scores (`jaxspec.retrieval`) as `fixed_sum` dot products
-  per block. When sampling, the drafts and the distributions they are drawn from decide tokens
+  per block, where the verification's attention is not the kernel (which writes its own). When
+  sampling, the drafts and the distributions they are drawn from decide tokens
   too, so the draft's numbers are invariant as well; a greedy round's self-draft and block
   scores run the default numerics instead (`jaxspec.drafter.draft_impl`: its drafts only
   propose).
@@ -346,7 +350,7 @@ def _layer_inputs(k_LBKSD, v_LBKSD, layer, sm_scale, D):
 
 def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: int,
               sm_scale=None, sliding_window=None, block: int = ATTENTION_BLOCK,
-              impl: str = "invariant", block_table=None):
+              impl: str = "invariant", block_table=None, score_block: int | None = None):
     """Batch-invariant attention of the T queries (the last T of ``num_new`` new tokens, whose
     K/V are already in the cache at slots ``lengths + j``) over the stacked cache
     ``[L, B, K, S, D]``; module docstring for the order. ``mask``: None (causal) or the
@@ -354,7 +358,14 @@ def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: i
     in q's dtype. The Pallas kernel where `uses_kernel`, else `jnp` (``impl="invariant-jnp"``:
     the `jnp` form on every backend). ``block_table [B, MB]``: K/V are block pools
     ``[L, NB, K, BS, D]`` read through it (where `reads_pages`), with the bits of a dense cache
-    holding the same slots."""
+    holding the same slots. ``score_block`` (the kernel only, `uses_kernel`): ``(out, scores)``,
+    the block scores of `jaxspec.retrieval.block_scores` (``[B, K, cdiv(S, block)]``, S the
+    slots the cache or table addresses) written by the kernel as it reads the keys: each a
+    maximum of the row's own logits, so independent of the batch, but not `block_scores`'
+    bits."""
+    if score_block is not None and not uses_kernel(impl, q_BTHD.shape[-1]):
+        raise ValueError(f"invariant attention writes block scores in the kernel only; impl "
+                         f"{impl!r}: use `block_scores`")
     if block_table is not None:
         if not reads_pages(impl, k_LBKSD.shape[3], q_BTHD.shape[-1], k_LBKSD.dtype):
             raise ValueError(f"invariant attention reads a block pool of page size "
@@ -362,11 +373,12 @@ def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: i
                              f"(`reads_pages`); impl {impl!r}: gather a dense view instead")
         return _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, num_new=num_new,
                                 sm_scale=sm_scale, sliding_window=sliding_window,
-                                interpret=impl == "invariant-interpret", block_table=block_table)
+                                interpret=impl == "invariant-interpret", block_table=block_table,
+                                score_block=score_block)
     if impl != "invariant-jnp" and uses_kernel(impl, q_BTHD.shape[-1]):
         return _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, num_new=num_new,
                                 sm_scale=sm_scale, sliding_window=sliding_window,
-                                interpret=impl == "invariant-interpret")
+                                interpret=impl == "invariant-interpret", score_block=score_block)
     B, T, H, D = q_BTHD.shape
     K, S = k_LBKSD.shape[2], k_LBKSD.shape[3]
     G = H // K
@@ -485,7 +497,7 @@ def prompt_attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, *, num_new: int, 
 
 def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new: int, sm_scale,
                      sliding_window, interpret: bool, blocks=None, mode: str = "auto",
-                     block_table=None):
+                     block_table=None, score_block: int | None = None):
     """`attention` through `pallas_kernels.invariant_attention`: causal queries in tiles of
     (token, head) rows that share their key slots; a tree's queries one node per tile (its
     ancestors' slots)."""
@@ -525,12 +537,25 @@ def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new:
     o = attention_kernel.invariant_attention(rows, pos, lo, anc, lengths, k_LBKSD, v_LBKSD, layer,
                                              sm_scale=float(sm_scale), interpret=interpret,
                                              block_sizes=blocks, mode=mode,
-                                             same_slots=mask is None, block_table=block_table)
+                                             same_slots=mask is None, block_table=block_table,
+                                             key_scores=score_block is not None)
+    scores = None
+    if score_block is not None:  # the kernel's key maxima -> block maxima in logit units
+        o, key_max = o
+        key_max = jnp.max(key_max, axis=2)  # [B, K, S] (over groups of tiles: exact)
+        if attention_kernel.blocks_for(D, k_LBKSD.dtype, blocks).fast_exp:
+            key_max = key_max / attention_kernel.LOG2E
+        S = key_max.shape[-1]
+        n = -(-S // int(score_block))
+        key_max = jnp.pad(key_max, ((0, 0), (0, 0), (0, n * int(score_block) - S)),
+                          constant_values=-jnp.inf)
+        scores = jnp.max(key_max.reshape(B, K, n, int(score_block)), axis=-1)
     if mask is None:
         o = o.reshape(B, K, NT * R, D)[:, :, :T * G].reshape(B, K, T, G, D)
     else:
         o = o.reshape(B, K, T, nG * R, D)[:, :, :, :G]
-    return o.transpose(0, 2, 1, 3, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+    o = o.transpose(0, 2, 1, 3, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+    return o if scores is None else (o, scores)
 
 
 # ----------------------------------------------------------------------------- the self-draft

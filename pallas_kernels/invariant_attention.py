@@ -133,7 +133,7 @@ def _exp(base2: bool, hw: bool):
 
 def _part(qs, poss, los, L, anc_ref, tab_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block_k: int,
           sm_scale: float, num_new: int, num_slots: int, contiguous: bool, exp, interior: bool,
-          pages: tuple[int, int, int] | None):
+          pages: tuple[int, int, int] | None, sc_ref=None):
     """The online softmax of each tile in ``qs`` (tiles whose rows read the same slots) over key
     blocks ``[i0, i1)`` from a fresh state: per tile ``(max [R], sum [R], acc [R, D])``, float32
     (``sm_scale`` folds log2(e) in where ``exp`` is base 2). A key block is loaded once for all
@@ -145,15 +145,19 @@ def _part(qs, poss, los, L, anc_ref, tab_ref, k_ref, v_ref, layer, b, h, i0, i1,
     whole run without the masks, which there select every score and value: the same bits.
     ``pages``: ``(page_size, max_blocks, num_blocks)`` of a block pool ``[L, NB, K, BS, D]``
     read through ``tab_ref [B, MB]`` (slot ``s`` of row b: block ``tab[b, s // BS]``, offset
-    ``s % BS``); the same values are loaded, so the same bits."""
+    ``s % BS``); the same values are loaded, so the same bits. ``sc_ref [S]``: each context key's
+    largest logit over the real rows of the tiles (in the kernel's units: ``sm_scale``'s) is
+    stored there as its block is read (`invariant_attention`'s ``key_scores``)."""
     R, D = qs[0].shape
     f32 = qs[0].dtype == jnp.float32
     prec = lax.Precision.HIGHEST if f32 else None
 
-    def one(q, pos, lo, s_abs, k, v, carry, masked):
+    def one(q, pos, lo, s_abs, k, v, carry, masked, ctx=None):
         m_run, l_run, acc = carry
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * sm_scale
+        if ctx is not None:  # [N]: each context key's largest logit over the tile's real rows
+            best = jnp.max(jnp.where((pos >= 0)[:, None] & ctx[None, :], s, -jnp.inf), axis=0)
         if masked:
             ok = (s_abs[None, :] <= pos[:, None]) & (s_abs[None, :] >= lo[:, None])  # [R, N]
             s = jnp.where(ok, s, -jnp.inf)
@@ -167,6 +171,8 @@ def _part(qs, poss, los, L, anc_ref, tab_ref, k_ref, v_ref, layer, b, h, i0, i1,
         scale = jnp.where(m_run > -jnp.inf, exp(m_run - m_safe), 0.0)
         l_run = l_run * scale + jnp.sum(p, axis=1)
         pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+        if ctx is not None:
+            return (m_new, l_run, acc * scale[:, None] + pv), best
         return m_new, l_run, acc * scale[:, None] + pv
 
     def body(masked):
@@ -194,8 +200,16 @@ def _part(qs, poss, los, L, anc_ref, tab_ref, k_ref, v_ref, layer, b, h, i0, i1,
                            jnp.arange(D, dtype=jnp.int32)[None, :])
             k = k_ref[idx]  # [N, D]
             v = v_ref[idx]
-            return tuple(one(q, pos, lo, s_abs, k, v, c, masked)
-                         for q, pos, lo, c in zip(qs, poss, los, carry))
+            if sc_ref is None:
+                return tuple(one(q, pos, lo, s_abs, k, v, c, masked)
+                             for q, pos, lo, c in zip(qs, poss, los, carry))
+            out, best = [], None
+            for q, pos, lo, c in zip(qs, poss, los, carry):
+                st, sc = one(q, pos, lo, s_abs, k, v, c, masked, ctx=s_abs < L)
+                out.append(st)
+                best = sc if best is None else jnp.maximum(best, sc)
+            sc_ref[pl.ds(pl.multiple_of(i * block_k, block_k), block_k)] = best
+            return tuple(out)
         return run
 
     state = tuple(_fresh(R, D) for _ in qs)
@@ -250,11 +264,11 @@ def _fresh(R, D):
             jnp.zeros((R, D), jnp.float32))
 
 
-def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, tab_ref, k_ref, v_ref, o_ref,
-                 *,
-                 block_k: int, chunk: int, **kw):
+def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, tab_ref, k_ref, v_ref, *refs,
+                 block_k: int, chunk: int, scores: bool, **kw):
     """A program per group of tiles (``q_ref [P, R, D]``, rows reading the same slots): their
     parts in increasing order, each folded in as it is done."""
+    o_ref, sc_ref = (refs[1], refs[2]) if scores else (refs[0], None)  # (scores: init, o, out)
     h, b = pl.program_id(1), pl.program_id(2)
     qs, poss, los = _group(q_ref, pos_ref, lo_ref)
     first, last = _tile_blocks(pos_ref[...], lo_ref[...], block_k)
@@ -264,7 +278,7 @@ def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, tab_ref, k
     def over(c, states):
         parts = _part(qs, poss, los, len_ref[b], anc_ref, tab_ref, k_ref, v_ref, layer_ref[0],
                       b, h, jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
-                      block_k=block_k, **kw)
+                      block_k=block_k, sc_ref=sc_ref, **kw)
         return tuple(_fold(st, pt, kw["exp"]) for st, pt in zip(states, parts))
 
     states = lax.fori_loop(first // cb, (last + cb - 1) // cb, over,
@@ -274,9 +288,11 @@ def _fold_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, tab_ref, k
 
 
 def _split_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, tab_ref, k_ref, v_ref,
-                  m_ref, l_ref, a_ref, *, block_k: int, chunk: int, **kw):
+                  *refs, block_k: int, chunk: int, scores: bool, **kw):
     """A program per (group of tiles, part): each tile's state of the part, written out for
     `_merge_kernel`."""
+    m_ref, l_ref, a_ref = refs[-4:-1] if scores else refs  # (scores: init, m, l, a, out)
+    sc_ref = refs[-1] if scores else None
     c, h, b = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     if q_ref.ndim == 2:  # one tile: [R, D]
         qs, poss, los = (q_ref[...],), (pos_ref[...],), (lo_ref[...],)
@@ -287,7 +303,7 @@ def _split_kernel(layer_ref, len_ref, q_ref, pos_ref, lo_ref, anc_ref, tab_ref, 
     cb = chunk // block_k
     parts = _part(qs, poss, los, len_ref[b], anc_ref, tab_ref, k_ref, v_ref, layer_ref[0], b, h,
                   jnp.maximum(c * cb, first), jnp.minimum((c + 1) * cb, last),
-                  block_k=block_k, **kw)
+                  block_k=block_k, sc_ref=sc_ref, **kw)
     if q_ref.ndim == 2:
         m_ref[...], l_ref[...], a_ref[...] = parts[0]
     else:
@@ -306,11 +322,11 @@ def _merge_kernel(m_ref, l_ref, a_ref, o_ref, *, parts: int, exp):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "mode",
-                                             "same_slots"))
+                                             "same_slots", "key_scores"))
 def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v_LBKSD, layer,
                         *, sm_scale: float, block_sizes: InvariantAttentionBlocks | None = None,
                         interpret: bool = False, mode: str = "auto", same_slots: bool = False,
-                        block_table=None):
+                        block_table=None, key_scores: bool = False):
     """Attention of query tiles ``q[B, K, NT, R, D]`` (R = ``block_rows``) over the stacked cache
     ``[L, B, K, S, D]`` at ``layer``. ``pos``/``lo`` ``[B, NT, R]``: each row's last and first
     visible key positions (padding rows: -1 and `FAR`); ``anc[B, NT, J]``: each tile's new token
@@ -323,7 +339,12 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     and row b's slot ``s`` lives in block ``block_table[b, s // BS]`` at offset ``s % BS``
     (entries past a row's keys may hold anything: they are clamped into the pool and their keys
     masked); the kernel reads the pool through the table, with the bits of a dense cache that
-    holds the same slots. ``block_k`` must divide BS or be a multiple of it (`reads_pages`)."""
+    holds the same slots. ``block_k`` must divide BS or be a multiple of it (`reads_pages`).
+    ``key_scores``: ``(out, scores [B, K, NG, S])`` (NG: the programs' groups of tiles) with ``scores[b, h, g, s]`` the largest
+    logit of context key ``s < lengths[b]`` (in the kernel's units: ``q . k * sm_scale``, times
+    log2(e) with ``fast_exp``) over the real rows of group g of the sequence's tiles (``-inf`` elsewhere; a maximum is exact, so per row independent of the batch),
+    written as the attention reads the keys: the block scores of a retrieving self-draft
+    without a pass of their own. The same output bits."""
     B, K, NT, R, D = q_BKNRD.shape
     bs = blocks_for(D, k_LBKSD.dtype, block_sizes)
     J = anc_BNJ.shape[-1]
@@ -361,7 +382,7 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     kw = dict(block_k=bs.block_k, chunk=bs.chunk, sm_scale=scale, num_new=J, num_slots=S,
               contiguous=bool(same_slots) and S % bs.block_k == 0, exp=exp,
               interior=bool(bs.unmasked_interior) and (not interpret or INTERPRET_INTERIOR),
-              pages=pages)
+              pages=pages, scores=bool(key_scores))
     args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
             q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
             anc_BNJ.astype(jnp.int32), table, k_LBKSD, v_LBKSD)
@@ -374,48 +395,67 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
                 jnp.pad(args[3], ((0, 0), (0, pad), (0, 0)), constant_values=-1),
                 jnp.pad(args[4], ((0, 0), (0, pad), (0, 0)), constant_values=FAR),
                 jnp.pad(args[5], ((0, 0), (0, pad), (0, 0))), *args[6:])
+    NG = NP // P
+    # scores: one row of S key maxima per (sequence, head, group of tiles), -inf where no block
+    # writes (the buffer passed in is the one written: programs write disjoint key blocks)
+    S_sc = -(-S // bs.block_k) * bs.block_k  # whole key blocks (the stores' size)
+    sc_shape = jax.ShapeDtypeStruct((B, K, NG, S_sc), jnp.float32)
+    sc_args = (jnp.full(sc_shape.shape, -jnp.inf, jnp.float32),) if key_scores else ()
+    n_in = len(args) + len(sc_args)
     if not split:  # grid: tiles fastest, so the tiles of one sequence and head share K/V in L2
+        sc_spec = pl.BlockSpec((None, None, None, S_sc), lambda n, h, b: (b, h, n, 0))
         o = pl.pallas_call(
             functools.partial(_fold_kernel, **kw),
-            grid=(NP // P, K, B),
+            grid=(NG, K, B),
             in_specs=[full((1,)), full((B,)),
                       pl.BlockSpec((None, None, P, R, D), lambda n, h, b: (b, h, n, 0, 0)),
                       pl.BlockSpec((None, P, R), lambda n, h, b: (b, n, 0)),
                       pl.BlockSpec((None, P, R), lambda n, h, b: (b, n, 0)),
                       pl.BlockSpec((None, None, J), lambda n, h, b: (b, n * P, 0)),
-                      full(table.shape), full(k_LBKSD.shape), full(v_LBKSD.shape)],
-            out_specs=pl.BlockSpec((None, None, P, R, D), lambda n, h, b: (b, h, n, 0, 0)),
-            out_shape=jax.ShapeDtypeStruct((B, K, NP, R, D), q_BKNRD.dtype),
+                      full(table.shape), full(k_LBKSD.shape), full(v_LBKSD.shape),
+                      *([sc_spec] if key_scores else [])],
+            out_specs=[pl.BlockSpec((None, None, P, R, D), lambda n, h, b: (b, h, n, 0, 0)),
+                       *([sc_spec] if key_scores else [])],
+            out_shape=[jax.ShapeDtypeStruct((B, K, NP, R, D), q_BKNRD.dtype),
+                       *([sc_shape] if key_scores else [])],
+            input_output_aliases={n_in - 1: 1} if key_scores else {},
             compiler_params=compiler_params,
             interpret=interpret,
             name="invariant_attention",
-        )(*args)
-        return o[:, :, :NT] if NP != NT else o
+        )(*args, *sc_args)
+        o, *sc = o
+        o = o[:, :, :NT] if NP != NT else o
+        return (o, sc[0][..., :S]) if key_scores else o
     C = parts
     Pb = None if P == 1 else P  # one tile per program: the tile's dims squeezed
-    m, l, a = pl.pallas_call(
+    sc_spec = pl.BlockSpec((None, None, None, S_sc), lambda n, c, h, b: (b, h, n, 0))
+    m, l, a, *sc = pl.pallas_call(
         functools.partial(_split_kernel, **kw),
-        grid=(NP // P, C, K, B),
+        grid=(NG, C, K, B),
         in_specs=[full((1,)), full((B,)),
                   pl.BlockSpec((None, None, Pb, R, D), lambda n, c, h, b: (b, h, n, 0, 0)),
                   pl.BlockSpec((None, Pb, R), lambda n, c, h, b: (b, n, 0)),
                   pl.BlockSpec((None, Pb, R), lambda n, c, h, b: (b, n, 0)),
                   pl.BlockSpec((None, None, J), lambda n, c, h, b: (b, n * P, 0)),
-                  full(table.shape), full(k_LBKSD.shape), full(v_LBKSD.shape)],
+                  full(table.shape), full(k_LBKSD.shape), full(v_LBKSD.shape),
+                  *([sc_spec] if key_scores else [])],
         out_specs=[pl.BlockSpec((None, None, Pb, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
                    pl.BlockSpec((None, None, Pb, None, R), lambda n, c, h, b: (b, h, n, c, 0)),
                    pl.BlockSpec((None, None, Pb, None, R, D),
-                                lambda n, c, h, b: (b, h, n, c, 0, 0))],
+                                lambda n, c, h, b: (b, h, n, c, 0, 0)),
+                   *([sc_spec] if key_scores else [])],
         out_shape=[jax.ShapeDtypeStruct((B, K, NP, C, R), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, NP, C, R), jnp.float32),
-                   jax.ShapeDtypeStruct((B, K, NP, C, R, D), jnp.float32)],
+                   jax.ShapeDtypeStruct((B, K, NP, C, R, D), jnp.float32),
+                   *([sc_shape] if key_scores else [])],
+        input_output_aliases={n_in - 1: 3} if key_scores else {},
         compiler_params=compiler_params,
         interpret=interpret,
         name="invariant_attention_parts",
-    )(*args)
+    )(*args, *sc_args)
     if NP != NT:
         m, l, a = m[:, :, :NT], l[:, :, :NT], a[:, :, :NT]
-    return pl.pallas_call(
+    o = pl.pallas_call(
         functools.partial(_merge_kernel, parts=C, exp=exp),
         grid=(NT, K, B),
         in_specs=[pl.BlockSpec((None, None, None, C, R), lambda n, h, b: (b, h, n, 0, 0)),
@@ -427,3 +467,4 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
         interpret=interpret,
         name="invariant_attention_merge",
     )(m, l, a)
+    return (o, sc[0][..., :S]) if key_scores else o

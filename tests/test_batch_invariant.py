@@ -749,6 +749,43 @@ def test_a_block_pool_is_read_through_its_table_or_in_whole_key_blocks(monkeypat
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_retrieving_verification_takes_its_block_scores_from_the_attention_kernel(monkeypatch,
+                                                                                   paged):
+    """A batch-invariant verification that also needs block scores (a retrieving self-draft's)
+    gets them from the invariant attention kernel's own pass over the keys (no pass of their
+    own), with the attention's bits unchanged and the scores of `block_max_reference`, over a
+    dense cache and a block pool, in the interpreter."""
+    from jaxspec import attention as att
+    from pallas_kernels.reference import block_max_reference
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    L, K, D, B, H, BS, MB, T, blk = 2, 2, 32, 3, 4, 16, 6, 5, 16
+    NB = B * MB
+    kp = jnp.asarray(rng.normal(size=(L, NB, K, BS, D)), BF16)
+    vp = jnp.asarray(rng.normal(size=(L, NB, K, BS, D)), BF16)
+    tab = jnp.asarray(rng.permutation(NB).reshape(B, MB), jnp.int32)
+    lengths = jnp.asarray(rng.integers(1, MB * BS - T, size=B), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), BF16)
+    k_dense = jnp.stack([kp[:, tab[b]].transpose(0, 2, 1, 3, 4).reshape(L, K, MB * BS, D)
+                         for b in range(B)], 1)
+    v_dense = jnp.stack([vp[:, tab[b]].transpose(0, 2, 1, 3, 4).reshape(L, K, MB * BS, D)
+                         for b in range(B)], 1)
+    kv = (kp, vp) if paged else (k_dense, v_dense)
+    plan = AttentionPlan(lengths=lengths, impl="invariant-interpret",
+                         block_table=tab if paged else None)
+    passes = []
+    monkeypatch.setattr(att, "context_scores", lambda *a, **kw: passes.append(1))
+    out, scores = att.attend(q, *kv, 1, plan.replace(score_block=blk))
+    assert not passes
+    want_out = att.attend(q, *kv, 1, plan)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    want = np.asarray(block_max_reference(q, k_dense[1], lengths, block=blk))
+    got = np.asarray(scores)
+    assert got.shape == want.shape and np.array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=2e-5,
+                               atol=2e-5)
+
+
 @pytest.mark.parametrize("invariant_numerics", [True, False])
 def test_prefix_cache_keeps_and_finds_prompt_blocks_only(model, invariant_numerics):
     """Batch-invariant serving caches and reuses only blocks of prompt tokens: a sequence resumed

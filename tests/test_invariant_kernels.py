@@ -248,6 +248,68 @@ def test_a_block_pool_read_through_its_table_gives_the_dense_bits():
     _pool_vs_dense(True, B=2, D=32, S=120, page_sizes=(4, 16, 32), blocks=ATT_BLOCKS)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_kernel_writes_block_scores_as_it_reads_the_keys(paged):
+    _scores_as_read(True, paged, B=3, T=5, H=8, K=2, D=32, S=150, blk=16, BS=8,
+                    blocks=ATT_BLOCKS)
+
+
+@pytest.mark.gpu
+def test_the_kernel_writes_block_scores_as_it_reads_the_keys_on_the_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    for paged in (False, True):
+        _scores_as_read(False, paged, B=6, T=5, H=12, K=2, D=128, S=5000, blk=64, BS=16,
+                        blocks=None)
+
+
+def _scores_as_read(interpret, paged, *, B, T, H, K, D, S, blk, BS, blocks):
+    """A verification's block scores from the invariant kernel (its own pass over the keys):
+    the output bits of the kernel without scores, and the scores of the reference
+    (`block_max_reference`: the largest logit of any query over each block's context slots,
+    -inf for a block without any), for a chain in both modes, a tree and a decode step, over a
+    dense cache and a block pool."""
+    from pallas_kernels.reference import block_max_reference
+    rng = np.random.default_rng()
+    L = jnp.asarray(rng.integers(1, S - T - 1, size=B).tolist()[:B - 1] + [0], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), BF16)
+    k = jnp.asarray(rng.normal(size=(2, B, K, S, D)), BF16)
+    v = jnp.asarray(rng.normal(size=(2, B, K, S, D)), BF16)
+    q = q.at[0].set(jnp.abs(q[0]))  # row 0: every logit negative (a padding row's 0 is not one)
+    k = k.at[:, 0].set(-jnp.abs(k[:, 0]))
+    tree = jnp.asarray(TokenTree.from_parents([-1, 0, 0, 1, 2]).ancestor_mask)
+    if paged:  # the same slots in a shuffled pool of 8-slot pages
+        MB = -(-S // BS)
+        NB = B * MB + 2
+        perm = rng.permutation(NB)[:B * MB].reshape(B, MB)
+        kpad = jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, MB * BS - S), (0, 0)))
+        vpad = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, MB * BS - S), (0, 0)))
+        pool_k = jnp.full((2, NB, K, BS, D), jnp.nan, BF16)
+        pool_v = jnp.full((2, NB, K, BS, D), jnp.nan, BF16)
+        for b in range(B):
+            pk = kpad[:, b].reshape(2, K, MB, BS, D).transpose(0, 2, 1, 3, 4)
+            pv = vpad[:, b].reshape(2, K, MB, BS, D).transpose(0, 2, 1, 3, 4)
+            pool_k = pool_k.at[:, perm[b]].set(pk)
+            pool_v = pool_v.at[:, perm[b]].set(pv)
+        kv, tab = (pool_k, pool_v), jnp.asarray(perm, jnp.int32)
+        k = jnp.where(jnp.isnan(k), 0, k)
+    else:
+        kv, tab = (k, v), None
+    for q_, T_, mask, mode in ((q, T, None, "split"), (q, T, None, "fold"), (q, T, tree, "auto"),
+                               (q[:, -1:], T, None, "auto")):
+        kw = dict(num_new=T_, sm_scale=None, sliding_window=None, interpret=interpret,
+                  blocks=blocks, mode=mode, block_table=tab)
+        plain = invariant._attention_tiles(q_, *kv, 1, L, mask, **kw)
+        out, sc = invariant._attention_tiles(q_, *kv, 1, L, mask, score_block=blk, **kw)
+        assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32)), mode
+        want = np.asarray(block_max_reference(q_, k[1], L, block=blk))
+        got = np.asarray(sc)[:, :, :want.shape[-1]]
+        assert np.array_equal(np.isinf(got), np.isinf(want)), mode
+        assert np.all(np.isneginf(np.asarray(sc)[:, :, want.shape[-1]:]))
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(got[fin], want[fin], rtol=2e-5, atol=2e-5)
+
+
 def test_page_sizes_the_kernel_reads_through_the_table():
     from pallas_kernels import invariant_attention as ia
     bk = ia.blocks_for(128, BF16).block_k
@@ -263,7 +325,8 @@ def test_page_sizes_the_kernel_reads_through_the_table():
 
 def test_the_kernel_reading_a_block_pool_lowers_for_cuda():
     """Pages of 16, 128 and 256 slots (whole pages per key block, one each, parts of one), a
-    chain and a tree, in both modes: one Triton kernel each, lowered for CUDA here."""
+    chain and a tree, in both modes, with and without block scores: Triton kernels, lowered
+    for CUDA here."""
     B, T, H, K, D = 4, 5, 12, 2, 128
     q = jax.ShapeDtypeStruct((B, T, H, D), BF16)
     ln = jax.ShapeDtypeStruct((B,), jnp.int32)
@@ -272,12 +335,19 @@ def test_the_kernel_reading_a_block_pool_lowers_for_cuda():
         MB = 4096 // BS
         pool = jax.ShapeDtypeStruct((2, B * MB, K, BS, D), BF16)
         tab = jax.ShapeDtypeStruct((B, MB), jnp.int32)
-        for mode, mask in (("fold", None), ("split", None), ("split", tree)):
-            f = jax.jit(lambda q, k, v, ln, t, mode=mode, mask=mask: invariant._attention_tiles(
-                q, k, v, 1, ln, mask, num_new=T, sm_scale=None, sliding_window=None,
-                interpret=False, mode=mode, block_table=t))
+        for mode, mask, sb in (("fold", None, None), ("split", None, None), ("split", tree, None),
+                               ("split", None, 64), ("fold", tree, 64)):
+            f = jax.jit(lambda q, k, v, ln, t, mode=mode, mask=mask, sb=sb:
+                        invariant._attention_tiles(
+                            q, k, v, 1, ln, mask, num_new=T, sm_scale=None, sliding_window=None,
+                            interpret=False, mode=mode, block_table=t, score_block=sb))
             txt = f.trace(q, pool, pool, ln, tab).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in txt, (BS, mode)
+            if BS == 16:  # and over a dense cache
+                dense = jax.ShapeDtypeStruct((2, B, K, 4096, D), BF16)
+                txt = f.trace(q, dense, dense, ln, None).lower(
+                    lowering_platforms=("cuda",)).as_text()
+                assert "__gpu$xla.gpu.triton" in txt, mode
 
 
 @pytest.mark.gpu

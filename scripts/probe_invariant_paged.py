@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,18 +25,9 @@ import numpy as np  # noqa: E402
 
 from jaxspec.attention import AttentionPlan, attend  # noqa: E402
 from jaxspec.paged import gather_view  # noqa: E402
+from bench_invariant import median_time  # noqa: E402  (scripts/, this script's folder)
 
 BF16 = jnp.bfloat16
-
-
-def median_time(fn, args, reps):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def main():

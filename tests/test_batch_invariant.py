@@ -786,6 +786,46 @@ def test_a_retrieving_verification_takes_its_block_scores_from_the_attention_ker
                                atol=2e-5)
 
 
+def test_the_paged_engine_in_the_interpreter_reads_its_pool_and_scores_in_the_kernel(
+        monkeypatch):
+    """The GPU path of a paged batch-invariant engine, in the interpreter: a retrieving
+    self-draft's verifications read the block pool through the tables and take their block
+    scores from the attention kernel (no gathered view, no pass of their own), and every
+    request gets the tokens `jaxspec.generate` gives its prompt alone (plain decoding, in the
+    interpreter too)."""
+    from jaxspec import attention as att
+    from jaxspec.serving import SamplingOptions, Sequence, ServingEngine
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    prompts = _prompts(rng, [150, 80, 61])
+    new = 8
+    alone = [jaxspec.generate(_model(0), [q], max_new_tokens=new, batch_invariant=True,
+                              attn_impl="interpret").tokens[0] for q in prompts]
+    pooled, passes = [], []
+    real = invariant.attention
+
+    def spy(q_, k_, *a, **kw):
+        if kw.get("block_table") is not None:
+            pooled.append(kw.get("score_block"))
+        return real(q_, k_, *a, **kw)
+
+    monkeypatch.setattr(invariant, "attention", spy)
+    monkeypatch.setattr(att, "context_scores", lambda *a, **kw: passes.append(1))
+    spec = Speculation(gamma=3, sink=4, window=16, retrieve=64)
+    engine = ServingEngine(_model(0), max_batch=3, max_len=256, rounds_per_chunk=3,
+                           prefill_chunk=16, speculation=spec, page_size=16, warmup_prefill=0,
+                           batch_invariant=True, attn_impl="interpret").start(
+                               variants=[(True, False)])
+    try:
+        seqs = [Sequence(q, SamplingOptions(max_tokens=new, temperature=0)) for q in prompts]
+        engine.submit(seqs)
+        for sq in seqs:
+            assert sq.finished.wait(600)
+        assert [sq.tokens for sq in seqs] == alone
+    finally:
+        engine.stop()
+    assert 64 in pooled and not passes, (pooled, passes)
+
+
 @pytest.mark.parametrize("invariant_numerics", [True, False])
 def test_prefix_cache_keeps_and_finds_prompt_blocks_only(model, invariant_numerics):
     """Batch-invariant serving caches and reuses only blocks of prompt tokens: a sequence resumed

@@ -340,11 +340,12 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     (entries past a row's keys may hold anything: they are clamped into the pool and their keys
     masked); the kernel reads the pool through the table, with the bits of a dense cache that
     holds the same slots. ``block_k`` must divide BS or be a multiple of it (`reads_pages`).
-    ``key_scores``: ``(out, scores [B, K, NG, S])`` (NG: the programs' groups of tiles) with ``scores[b, h, g, s]`` the largest
-    logit of context key ``s < lengths[b]`` (in the kernel's units: ``q . k * sm_scale``, times
-    log2(e) with ``fast_exp``) over the real rows of group g of the sequence's tiles (``-inf`` elsewhere; a maximum is exact, so per row independent of the batch),
-    written as the attention reads the keys: the block scores of a retrieving self-draft
-    without a pass of their own. The same output bits."""
+    ``key_scores``: ``(out, scores [B, K, NG, S])`` (NG: the programs' groups of tiles), with
+    ``scores[b, h, g, s]`` the largest logit of context key ``s < lengths[b]`` (in the kernel's
+    units: ``q . k * sm_scale``, times log2(e) with ``fast_exp``) over the real rows of group g
+    of the sequence's tiles, ``-inf`` elsewhere (a maximum is exact: per row independent of the
+    batch), written as the attention reads the keys: the block scores of a retrieving
+    self-draft without a pass of their own. The same output bits."""
     B, K, NT, R, D = q_BKNRD.shape
     bs = blocks_for(D, k_LBKSD.dtype, block_sizes)
     J = anc_BNJ.shape[-1]

@@ -53,7 +53,8 @@ def main():
     draft = jaxspec.load(a.draft) if a.draft else None
     prompts = textdata.make_prompts(model.tokenizer, n=a.batch, length=a.prompt, seed=a.seed,
                                     source=a.source)
-    settings = {"model": os.path.basename(os.path.normpath(a.model)), "batch": a.batch, "prompt": a.prompt, "new": a.new, "source": a.source,
+    settings = {"model": os.path.basename(os.path.normpath(a.model)), "batch": a.batch,
+                "prompt": a.prompt, "new": a.new, "source": a.source,
                 "seed": a.seed, "part": a.part, "tree": a.tree,
                 "draft": os.path.basename(os.path.normpath(a.draft)) if a.draft else None}
     os.makedirs(a.out, exist_ok=True)

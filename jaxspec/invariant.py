@@ -363,22 +363,21 @@ def attention(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask=None, *, num_new: i
     slots the cache or table addresses) written by the kernel as it reads the keys: each a
     maximum of the row's own logits, so independent of the batch, but not `block_scores`'
     bits."""
-    if score_block is not None and not uses_kernel(impl, q_BTHD.shape[-1]):
+    kernel = impl != "invariant-jnp" and uses_kernel(impl, q_BTHD.shape[-1])
+    if score_block is not None and not kernel:
         raise ValueError(f"invariant attention writes block scores in the kernel only; impl "
                          f"{impl!r}: use `block_scores`")
-    if block_table is not None:
-        if not reads_pages(impl, k_LBKSD.shape[3], q_BTHD.shape[-1], k_LBKSD.dtype):
-            raise ValueError(f"invariant attention reads a block pool of page size "
-                             f"{k_LBKSD.shape[3]} through its table only in the kernel "
-                             f"(`reads_pages`); impl {impl!r}: gather a dense view instead")
+    if block_table is not None and not (
+            kernel and attention_kernel.reads_pages(k_LBKSD.shape[3], q_BTHD.shape[-1],
+                                                    k_LBKSD.dtype)):
+        raise ValueError(f"invariant attention reads a block pool of page size "
+                         f"{k_LBKSD.shape[3]} through its table only in the kernel "
+                         f"(`reads_pages`); impl {impl!r}: gather a dense view instead")
+    if kernel:
         return _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, num_new=num_new,
                                 sm_scale=sm_scale, sliding_window=sliding_window,
                                 interpret=impl == "invariant-interpret", block_table=block_table,
                                 score_block=score_block)
-    if impl != "invariant-jnp" and uses_kernel(impl, q_BTHD.shape[-1]):
-        return _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, num_new=num_new,
-                                sm_scale=sm_scale, sliding_window=sliding_window,
-                                interpret=impl == "invariant-interpret", score_block=score_block)
     B, T, H, D = q_BTHD.shape
     K, S = k_LBKSD.shape[2], k_LBKSD.shape[3]
     G = H // K

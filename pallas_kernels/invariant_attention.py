@@ -73,8 +73,10 @@ class InvariantAttentionBlocks:
     chunk: int = 4096
     num_warps: int = 4
     num_stages: int = 2
-    fold_tiles: int = 4  # tiles per program when folding tiles that read the same slots
-    split_tiles: int = 2  # the same in split mode (a verification's tiles)
+    # tiles per program (rounded up to a power of two) when folding tiles that read the same
+    # slots, and in split mode (a verification's tiles)
+    fold_tiles: int = 4
+    split_tiles: int = 2
     # key blocks every real row of a program sees whole skip the masking, which there selects
     # every score and value (on a GPU the same bits, `tests/test_invariant_kernels.py`'s GPU
     # test; not in the interpreter, where XLA:CPU rounds ``exp`` differently with and without
@@ -387,8 +389,11 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
             q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
             anc_BNJ.astype(jnp.int32), table, k_LBKSD, v_LBKSD)
-    # a program takes P tiles (that read the same slots), loading each key block once for them
+    # a program takes P tiles (that read the same slots), loading each key block once for them;
+    # a power of two (the Triton lowering's block sizes: 3 tiles of a verification of 6 rows
+    # of G = 6 run as 4, one of them padding)
     P = max(1, min(bs.split_tiles if split else bs.fold_tiles, NT)) if same_slots else 1
+    P = 1 << (P - 1).bit_length()
     NP = -(-NT // P) * P
     if NP != NT:  # padding tiles: rows that see nothing
         pad = NP - NT

@@ -167,6 +167,16 @@ def test_attention_kernels_lower_for_cuda_in_both_modes():
         assert "__gpu$xla.gpu.triton" in f.trace(q, kv64, kv64, ln).lower(
             lowering_platforms=("cuda",)).as_text()
         assert ("invariant_attention_merge" in txt) == (mode == "split")
+    # 3 tiles of 16 rows (a verification of 6 tokens at G = 6) and tiles per program that are
+    # no power of two: the programs take a power of two of them (Triton's block sizes)
+    q6 = jax.ShapeDtypeStruct((B, 6, H, D), BF16)
+    for mode, blocks in (("fold", None), ("split", InvariantAttentionBlocks(split_tiles=3)),
+                         ("fold", InvariantAttentionBlocks(fold_tiles=3))):
+        f = jax.jit(lambda q, k, v, ln, mode=mode, blocks=blocks: invariant._attention_tiles(
+            q, k, v, 1, ln, None, num_new=6, sm_scale=None, sliding_window=None,
+            interpret=False, mode=mode, blocks=blocks))
+        assert "__gpu$xla.gpu.triton" in f.trace(q6, kv, kv, ln).lower(
+            lowering_platforms=("cuda",)).as_text(), (mode, blocks)
 
 
 

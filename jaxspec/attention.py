@@ -505,7 +505,7 @@ def _whole_key_blocks(table, head_dim, dtype, page_size):
 
 def _invariant_scored(q_BTHD, k_LBKSD, v_LBKSD, layer, plan: AttentionPlan, block: int, sm_scale):
     """``(out, scores)`` of a batch-invariant verification from the invariant kernel in one pass
-    over the keys (it writes each context key's largest logit as it reads it), or None where
+    over the keys (it writes each group of keys' largest logit as it reads them), or None where
     that kernel does not run (then the scores are a pass of their own)."""
     D = q_BTHD.shape[-1]
     if (plan.prefix is not None or plan.sparse or plan.prompt or plan.sliding_window is not None

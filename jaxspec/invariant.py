@@ -533,22 +533,28 @@ def _attention_tiles(q_BTHD, k_LBKSD, v_LBKSD, layer, lengths, mask, *, num_new:
     lo = jnp.zeros_like(pos) if sliding_window is None else pos - int(sliding_window) + 1
     pos = jnp.where(real[None], pos, -1).reshape(B, NT, R)
     lo = jnp.where(real[None], lo, attention_kernel.FAR).reshape(B, NT, R)
+    kernel_blocks = attention_kernel.blocks_for(D, k_LBKSD.dtype, blocks)
+    # the kernel's score groups: the largest that divides both its key block and score_block
+    part = 0 if score_block is None else math.gcd(int(score_block), kernel_blocks.block_k)
     o = attention_kernel.invariant_attention(rows, pos, lo, anc, lengths, k_LBKSD, v_LBKSD, layer,
                                              sm_scale=float(sm_scale), interpret=interpret,
                                              block_sizes=blocks, mode=mode,
                                              same_slots=mask is None, block_table=block_table,
-                                             key_scores=score_block is not None)
+                                             key_scores=part)
     scores = None
-    if score_block is not None:  # the kernel's key maxima -> block maxima in logit units
-        o, key_max = o
-        key_max = jnp.max(key_max, axis=2)  # [B, K, S] (over groups of tiles: exact)
-        if attention_kernel.blocks_for(D, k_LBKSD.dtype, blocks).fast_exp:
-            key_max = key_max / attention_kernel.LOG2E
-        S = key_max.shape[-1]
-        n = -(-S // int(score_block))
-        key_max = jnp.pad(key_max, ((0, 0), (0, 0), (0, n * int(score_block) - S)),
-                          constant_values=-jnp.inf)
-        scores = jnp.max(key_max.reshape(B, K, n, int(score_block)), axis=-1)
+    if score_block is not None:  # the kernel's maxima of key groups -> block maxima in logits
+        o, part_max = o
+        part_max = jnp.max(part_max, axis=2)  # [B, K, m] (over groups of tiles: exact)
+        if kernel_blocks.fast_exp:  # (a positive scale: the maximum of the scaled is the same)
+            part_max = part_max / attention_kernel.LOG2E
+        g = int(score_block) // part  # kernel groups per score block
+        m = part_max.shape[-1]
+        n = -(-m // g)
+        if g > 1:
+            part_max = jnp.pad(part_max, ((0, 0), (0, 0), (0, n * g - m)),
+                               constant_values=-jnp.inf)
+            part_max = jnp.max(part_max.reshape(B, K, n, g), axis=-1)
+        scores = part_max
     if mask is None:
         o = o.reshape(B, K, NT * R, D)[:, :, :T * G].reshape(B, K, T, G, D)
     else:

@@ -135,7 +135,7 @@ def _exp(base2: bool, hw: bool):
 
 def _part(qs, poss, los, L, anc_ref, tab_ref, k_ref, v_ref, layer, b, h, i0, i1, *, block_k: int,
           sm_scale: float, num_new: int, num_slots: int, contiguous: bool, exp, interior: bool,
-          pages: tuple[int, int, int] | None, sc_ref=None):
+          pages: tuple[int, int, int] | None, sc_ref=None, score_keys: int = 0):
     """The online softmax of each tile in ``qs`` (tiles whose rows read the same slots) over key
     blocks ``[i0, i1)`` from a fresh state: per tile ``(max [R], sum [R], acc [R, D])``, float32
     (``sm_scale`` folds log2(e) in where ``exp`` is base 2). A key block is loaded once for all
@@ -147,9 +147,10 @@ def _part(qs, poss, los, L, anc_ref, tab_ref, k_ref, v_ref, layer, b, h, i0, i1,
     whole run without the masks, which there select every score and value: the same bits.
     ``pages``: ``(page_size, max_blocks, num_blocks)`` of a block pool ``[L, NB, K, BS, D]``
     read through ``tab_ref [B, MB]`` (slot ``s`` of row b: block ``tab[b, s // BS]``, offset
-    ``s % BS``); the same values are loaded, so the same bits. ``sc_ref [S]``: each context key's
-    largest logit over the real rows of the tiles (in the kernel's units: ``sm_scale``'s) is
-    stored there as its block is read (`invariant_attention`'s ``key_scores``)."""
+    ``s % BS``); the same values are loaded, so the same bits. ``sc_ref [S / score_keys]``: the
+    largest logit of each group of ``score_keys`` context keys (a divisor of ``block_k``) over
+    the real rows of the tiles (in the kernel's units: ``sm_scale``'s), stored as its block is
+    read, one number per group (`invariant_attention`'s ``key_scores``)."""
     R, D = qs[0].shape
     f32 = qs[0].dtype == jnp.float32
     prec = lax.Precision.HIGHEST if f32 else None
@@ -158,8 +159,16 @@ def _part(qs, poss, los, L, anc_ref, tab_ref, k_ref, v_ref, layer, b, h, i0, i1,
         m_run, l_run, acc = carry
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * sm_scale
-        if ctx is not None:  # [N]: each context key's largest logit over the tile's real rows
-            best = jnp.max(jnp.where((pos >= 0)[:, None] & ctx[None, :], s, -jnp.inf), axis=0)
+        if ctx is not None:  # per group of score_keys context keys: its largest logit over
+            # the tile's real rows (a row's maximum first, as the softmax reduces, then the rows')
+            sel = jnp.where((pos >= 0)[:, None] & ctx[None, :], s, -jnp.inf)  # [R, N]
+            groups = block_k // score_keys
+            if groups == 1:
+                best = [jnp.max(jnp.max(sel, axis=1), keepdims=True)]
+            else:
+                grp = lax.div(jnp.arange(block_k, dtype=jnp.int32), score_keys)
+                best = [jnp.max(jnp.max(jnp.where((grp == j)[None, :], sel, -jnp.inf), axis=1),
+                                keepdims=True) for j in range(groups)]
         if masked:
             ok = (s_abs[None, :] <= pos[:, None]) & (s_abs[None, :] >= lo[:, None])  # [R, N]
             s = jnp.where(ok, s, -jnp.inf)
@@ -209,8 +218,10 @@ def _part(qs, poss, los, L, anc_ref, tab_ref, k_ref, v_ref, layer, b, h, i0, i1,
             for q, pos, lo, c in zip(qs, poss, los, carry):
                 st, sc = one(q, pos, lo, s_abs, k, v, c, masked, ctx=s_abs < L)
                 out.append(st)
-                best = sc if best is None else jnp.maximum(best, sc)
-            sc_ref[pl.ds(pl.multiple_of(i * block_k, block_k), block_k)] = best
+                best = sc if best is None else [jnp.maximum(x, y) for x, y in zip(best, sc)]
+            n = block_k // score_keys
+            for j, x in enumerate(best):
+                sc_ref[pl.ds(i * n + j, 1)] = x
             return tuple(out)
         return run
 
@@ -328,7 +339,7 @@ def _merge_kernel(m_ref, l_ref, a_ref, o_ref, *, parts: int, exp):
 def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v_LBKSD, layer,
                         *, sm_scale: float, block_sizes: InvariantAttentionBlocks | None = None,
                         interpret: bool = False, mode: str = "auto", same_slots: bool = False,
-                        block_table=None, key_scores: bool = False):
+                        block_table=None, key_scores: int = 0):
     """Attention of query tiles ``q[B, K, NT, R, D]`` (R = ``block_rows``) over the stacked cache
     ``[L, B, K, S, D]`` at ``layer``. ``pos``/``lo`` ``[B, NT, R]``: each row's last and first
     visible key positions (padding rows: -1 and `FAR`); ``anc[B, NT, J]``: each tile's new token
@@ -342,12 +353,13 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     (entries past a row's keys may hold anything: they are clamped into the pool and their keys
     masked); the kernel reads the pool through the table, with the bits of a dense cache that
     holds the same slots. ``block_k`` must divide BS or be a multiple of it (`reads_pages`).
-    ``key_scores``: ``(out, scores [B, K, NG, S])`` (NG: the programs' groups of tiles), with
-    ``scores[b, h, g, s]`` the largest logit of context key ``s < lengths[b]`` (in the kernel's
+    ``key_scores`` (n > 0, a divisor of the tiling's ``block_k``): ``(out, scores [B, K, NG,
+    cdiv(S, n)])`` (NG: the programs' groups of tiles), with ``scores[b, h, g, j]`` the largest
+    logit of the context keys ``s < lengths[b]`` of ``[j * n, (j + 1) * n)`` (in the kernel's
     units: ``q . k * sm_scale``, times log2(e) with ``fast_exp``) over the real rows of group g
-    of the sequence's tiles, ``-inf`` elsewhere (a maximum is exact: per row independent of the
-    batch), written as the attention reads the keys: the block scores of a retrieving
-    self-draft without a pass of their own. The same output bits."""
+    of the sequence's tiles, ``-inf`` where there is none (a maximum is exact: per row
+    independent of the batch), written as the attention reads the keys: the block scores of a
+    retrieving self-draft without a pass of their own. The same output bits."""
     B, K, NT, R, D = q_BKNRD.shape
     bs = blocks_for(D, k_LBKSD.dtype, block_sizes)
     J = anc_BNJ.shape[-1]
@@ -385,7 +397,10 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
     kw = dict(block_k=bs.block_k, chunk=bs.chunk, sm_scale=scale, num_new=J, num_slots=S,
               contiguous=bool(same_slots) and S % bs.block_k == 0, exp=exp,
               interior=bool(bs.unmasked_interior) and (not interpret or INTERPRET_INTERIOR),
-              pages=pages, scores=bool(key_scores))
+              pages=pages, scores=bool(key_scores), score_keys=int(key_scores))
+    if key_scores and bs.block_k % int(key_scores):
+        raise ValueError(f"invariant_attention: key_scores {key_scores} must divide block_k "
+                         f"{bs.block_k}")
     args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
             q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
             anc_BNJ.astype(jnp.int32), table, k_LBKSD, v_LBKSD)
@@ -402,9 +417,10 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
                 jnp.pad(args[4], ((0, 0), (0, pad), (0, 0)), constant_values=FAR),
                 jnp.pad(args[5], ((0, 0), (0, pad), (0, 0))), *args[6:])
     NG = NP // P
-    # scores: one row of S key maxima per (sequence, head, group of tiles), -inf where no block
-    # writes (the buffer passed in is the one written: programs write disjoint key blocks)
-    S_sc = -(-S // bs.block_k) * bs.block_k  # whole key blocks (the stores' size)
+    # scores: one row of maxima of key groups per (sequence, head, group of tiles), -inf where
+    # no block writes (the buffer passed in is the one written: programs write disjoint blocks)
+    S_sc = -(-S // bs.block_k) * (bs.block_k // max(int(key_scores), 1))  # whole key blocks
+    n_sc = -(-S // max(int(key_scores), 1))
     sc_shape = jax.ShapeDtypeStruct((B, K, NG, S_sc), jnp.float32)
     sc_args = (jnp.full(sc_shape.shape, -jnp.inf, jnp.float32),) if key_scores else ()
     n_in = len(args) + len(sc_args)
@@ -431,7 +447,7 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
         )(*args, *sc_args)
         o, *sc = o
         o = o[:, :, :NT] if NP != NT else o
-        return (o, sc[0][..., :S]) if key_scores else o
+        return (o, sc[0][..., :n_sc]) if key_scores else o
     C = parts
     Pb = None if P == 1 else P  # one tile per program: the tile's dims squeezed
     sc_spec = pl.BlockSpec((None, None, None, S_sc), lambda n, c, h, b: (b, h, n, 0))
@@ -473,4 +489,4 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
         interpret=interpret,
         name="invariant_attention_merge",
     )(m, l, a)
-    return (o, sc[0][..., :S]) if key_scores else o
+    return (o, sc[0][..., :n_sc]) if key_scores else o

@@ -258,9 +258,10 @@ def test_a_block_pool_read_through_its_table_gives_the_dense_bits():
     _pool_vs_dense(True, B=2, D=32, S=120, page_sizes=(4, 32), blocks=ATT_BLOCKS)
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_the_kernel_writes_block_scores_as_it_reads_the_keys(paged):
-    _scores_as_read(True, paged, B=3, T=5, H=8, K=2, D=32, S=150, blk=16, BS=8,
+@pytest.mark.parametrize("paged,blk", [(False, 8), (True, 32)])
+def test_the_kernel_writes_block_scores_as_it_reads_the_keys(paged, blk):
+    # key blocks of 16: score blocks of 8 (two per key block) and of 32 (two key blocks each)
+    _scores_as_read(True, paged, B=3, T=5, H=8, K=2, D=32, S=150, blk=blk, BS=8,
                     blocks=ATT_BLOCKS)
 
 

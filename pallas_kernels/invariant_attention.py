@@ -379,6 +379,9 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
         raise ValueError(f"invariant_attention: tiles of {R} rows (want {bs.block_rows}), head "
                          f"dim {D} (a power of two >= 16), chunk {bs.chunk} (a multiple of "
                          f"block_k {bs.block_k})")
+    if key_scores and bs.block_k % int(key_scores):
+        raise ValueError(f"invariant_attention: key_scores {key_scores} must divide block_k "
+                         f"{bs.block_k}")
     if mode not in ("auto", "fold", "split"):
         raise ValueError(f"invariant_attention: mode {mode!r}")
     parts = -(-S // bs.chunk)  # positions < S: every part a row can see
@@ -398,9 +401,6 @@ def invariant_attention(q_BKNRD, pos_BNR, lo_BNR, anc_BNJ, lengths_B, k_LBKSD, v
               contiguous=bool(same_slots) and S % bs.block_k == 0, exp=exp,
               interior=bool(bs.unmasked_interior) and (not interpret or INTERPRET_INTERIOR),
               pages=pages, scores=bool(key_scores), score_keys=int(key_scores))
-    if key_scores and bs.block_k % int(key_scores):
-        raise ValueError(f"invariant_attention: key_scores {key_scores} must divide block_k "
-                         f"{bs.block_k}")
     args = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), lengths_B.astype(jnp.int32),
             q_BKNRD, pos_BNR.astype(jnp.int32), lo_BNR.astype(jnp.int32),
             anc_BNJ.astype(jnp.int32), table, k_LBKSD, v_LBKSD)

@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    if a.new < 2:
+        ap.error("--new must be at least 2 (a round is the difference of --new and 1 tokens)")
     model = bench.load_model(a.model)
     prompts = bench.make_prompts(model, a.batch, a.prompt, a.seed, "random")
     out = {"environment": bench.environment(), "args": vars(a), "variants": {}}
